@@ -1,0 +1,231 @@
+"""Q-, K- and V-composition scores for every writer/reader head pair, kept factored.
+
+Conventions (math.md, row vectors): the writer head h1 has ``OV1 = W_V1 W_O1``; the reader
+matrix ``R = A B`` is ``QK2 = W_Q2 W_K2^T`` (Q), ``QK2^T = W_K2 W_Q2^T`` (K) or
+``OV2 = W_V2 W_O2`` (V). Composition looks at ``L R`` with ``L = OV1``.
+
+Never a d_model x d_model product per pair: with thin QRs ``W_V1 = Q R_V1`` and
+``B^T = Q R_B``, ``||W_V1 (W_O1 A) B||_F = ||R_V1 W_O1 A R_B^T||_F``. So each writer head
+gets an ``emit`` matrix ``R_V1 W_O1`` [d_head, d_model], each reader head an ``absorb``
+matrix ``A R_B^T`` [d_model, d_head], and the d_head x d_head cores of all head pairs of a
+layer pair come out of one matrix product. Singular values of ``OV`` and ``QK`` are those
+of their d_head x d_head cores ``R_A R_B^T``.
+
+Metrics (each in [0, 1]):
+
+- ``frobenius``: ``||L R||_F / (||L||_F ||R||_F)`` (Mathematical Framework).
+- ``svd_bound``: ``||L R||_F / sqrt(sum_i s_i(L)^2 s_i(R)^2)``, both spectra sorted
+  descending (seed 002; von Neumann's trace inequality makes it <= 1).
+- ``subspace``: mean squared cosine of the principal angles between the writer's output
+  subspace (row space of W_O1) and the reader's input subspace (column space of A), over
+  ``min(rank1, rank2)`` angles. Deliberately magnitude-free: it asks *where* a head writes
+  and reads, so Lieberum's axioms 1 and 2 hold exactly; the two metrics above carry the
+  magnitudes.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from compatlas.weights import AttentionWeights
+
+METRICS = ("frobenius", "svd_bound", "subspace")
+COMPS = ("Q", "K", "V")
+
+
+@dataclass
+class HeadFactors:
+    """Per-head factors of one model for one metric: everything pair scores need.
+
+    ``emit``: [L, H, d_head, d_model]; ``absorb[c]``: [L, H, d_model, d_head];
+    ``*_norm``: [L, H] Frobenius norms; ``*_sv``: [L, H, d_head] singular values,
+    descending (for ``subspace``: 1 on the head's rank, 0 beyond).
+    """
+
+    metric: str
+    emit: torch.Tensor
+    writer_norm: torch.Tensor
+    writer_sv: torch.Tensor
+    absorb: dict[str, torch.Tensor]
+    reader_norm: dict[str, torch.Tensor]
+    reader_sv: dict[str, torch.Tensor]
+
+
+def _r_factor(A: torch.Tensor) -> torch.Tensor:
+    """R of the thin QR of A [..., n, k] (n >= k): ``||A X||_F = ||R X||_F`` for every X."""
+    return torch.linalg.qr(A, mode="r").R
+
+
+def _orthonormal_basis(A: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Orthonormal basis of the column space of A [..., n, k], zero-padded past its rank.
+
+    Returns (U [..., n, k], indicator [..., k] of the kept columns)."""
+    U, S, _ = torch.linalg.svd(A, full_matrices=False)
+    tol = S[..., :1] * max(A.shape[-2:]) * torch.finfo(A.dtype).eps
+    keep = (S > tol).to(A.dtype)
+    return U * keep[..., None, :], keep
+
+
+def _core_spectrum(R_A: torch.Tensor, R_B: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Norm and singular values of ``A B`` from the R factors of A and B^T."""
+    sv = torch.linalg.svdvals(R_A @ R_B.transpose(-2, -1))
+    return sv.pow(2).sum(-1).sqrt(), sv
+
+
+def reader_factors(w: AttentionWeights) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """(A, B^T) of each reader matrix R = A B, per comp, one per query head."""
+    W_K, W_V = w.expanded_kv()
+    W_Q, W_O = w.W_Q, w.W_O
+    return {
+        "Q": (W_Q, W_K),  # QK = W_Q W_K^T
+        "K": (W_K, W_Q),  # QK^T = W_K W_Q^T
+        "V": (W_V, W_O.transpose(-2, -1)),  # OV = W_V W_O
+    }
+
+
+def head_factors(w: AttentionWeights, metric: str, comps: tuple[str, ...] = COMPS) -> HeadFactors:
+    """Precompute everything per head (QRs, SVDs of d_head x d_head cores): once per model."""
+    if metric not in METRICS:
+        raise ValueError(f"unknown metric {metric!r}; choose from {METRICS}")
+    _, W_V = w.expanded_kv()
+    W_Ot = w.W_O.transpose(-2, -1)  # [L, H, d_model, d_head]
+    readers = reader_factors(w)
+    absorb, r_norm, r_sv = {}, {}, {}
+    if metric == "subspace":
+        U_O, keep_O = _orthonormal_basis(W_Ot)
+        emit = U_O.transpose(-2, -1)
+        w_norm, w_sv = keep_O.sum(-1).sqrt(), keep_O
+        for c in comps:
+            U_A, keep_A = _orthonormal_basis(readers[c][0])
+            absorb[c], r_norm[c], r_sv[c] = U_A, keep_A.sum(-1).sqrt(), keep_A
+    else:
+        R_V, R_O = _r_factor(W_V), _r_factor(W_Ot)
+        emit = R_V @ w.W_O
+        w_norm, w_sv = _core_spectrum(R_V, R_O)
+        for c in comps:
+            A, Bt = readers[c]
+            R_A, R_B = _r_factor(A), _r_factor(Bt)
+            absorb[c] = A @ R_B.transpose(-2, -1)
+            r_norm[c], r_sv[c] = _core_spectrum(R_A, R_B)
+    return HeadFactors(metric, emit, w_norm, w_sv, absorb, r_norm, r_sv)
+
+
+def pair_denominator(metric: str, w_norm, w_sv, r_norm, r_sv) -> torch.Tensor:
+    """[H1, H2] denominators: the quantity ||L R||_F (or its square, for subspace) is divided by."""
+    if metric == "frobenius":
+        return w_norm[:, None] * r_norm[None, :]
+    if metric == "svd_bound":
+        return (w_sv.pow(2) @ r_sv.pow(2).T).sqrt()
+    # subspace: ||U1^T U2||_F^2 over the number of principal angles, min(rank1, rank2)
+    r1, r2 = w_sv.sum(-1), r_sv.sum(-1)
+    return torch.minimum(r1[:, None], r2[None, :]).clamp_min(1.0)
+
+
+def finish(metric: str, sq_norm: torch.Tensor, denom: torch.Tensor) -> torch.Tensor:
+    """Score from the squared Frobenius norm of the core and the pair denominator."""
+    if metric == "subspace":
+        return sq_norm / denom
+    return sq_norm.clamp_min(0).sqrt() / denom
+
+
+def layer_pair_scores(f: HeadFactors, l1: int, readers: list[int], comp: str) -> torch.Tensor:
+    """Scores [len(readers), H1, H2] of writer layer l1 into each reader layer, one GEMM."""
+    E = f.emit[l1]  # [H1, dh, d]
+    H1, dh, d = E.shape
+    F = f.absorb[comp][readers]  # [nR, H2, d, dh]
+    nR, H2 = F.shape[:2]
+    core = E.reshape(H1 * dh, d) @ F.permute(2, 0, 1, 3).reshape(d, nR * H2 * dh)
+    sq = core.reshape(H1, dh, nR, H2, dh).pow(2).sum(dim=(1, 4))  # [H1, nR, H2]
+    out = []
+    for i, l2 in enumerate(readers):
+        den = pair_denominator(f.metric, f.writer_norm[l1], f.writer_sv[l1], f.reader_norm[comp][l2], f.reader_sv[comp][l2])
+        out.append(finish(f.metric, sq[:, i], den))
+    return torch.stack(out)
+
+
+# ----------------------------------------------------------------------------- nulls
+
+
+def stable_seed(*parts: object) -> int:
+    """A seed from any parts (config seed, model shape, layer pair...), stable across runs and jobs."""
+    return int.from_bytes(hashlib.sha256(repr(parts).encode()).digest()[:8], "little") & (2**63 - 1)
+
+
+def haar_overlap_blocks(d: int, k: int, n: int, seed: int) -> np.ndarray:
+    """n samples of ``V^T U`` for independent uniformly random orthonormal frames V, U in R^{d x k}.
+
+    By rotation invariance this is the top k x k block of one random frame
+    ``G (G^T G)^-1/2``; splitting ``G = [G_top; G_rest]`` and drawing ``G_rest^T G_rest``
+    from the Wishart distribution (Bartlett) gives an exact sample in O(k^3), never O(d k^2).
+    """
+    rng = np.random.default_rng(seed)
+    dof = d - k
+    G_top = rng.standard_normal((n, k, k))
+    if dof >= k:  # Bartlett: W = A A^T, A lower triangular, A_ii^2 ~ chi2(dof - i)
+        A = np.tril(rng.standard_normal((n, k, k)), -1)
+        idx = np.arange(k)
+        A[:, idx, idx] = np.sqrt(rng.chisquare(dof - idx, size=(n, k)))
+        W_rest = A @ A.transpose(0, 2, 1)
+    else:  # small d: draw G_rest itself
+        G_rest = rng.standard_normal((n, dof, k))
+        W_rest = G_rest.transpose(0, 2, 1) @ G_rest
+    gram = G_top.transpose(0, 2, 1) @ G_top + W_rest
+    evals, evecs = np.linalg.eigh(gram)
+    inv_sqrt = (evecs / np.sqrt(evals)[:, None, :]) @ evecs.transpose(0, 2, 1)
+    return G_top @ inv_sqrt
+
+
+def spectrum_baseline(metric: str, w_norm, w_sv, r_norm, r_sv, d_model: int, n: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Mean and std [H1, H2] of each pair's score with its spectra kept and singular vectors random.
+
+    ``||diag(s_L) P diag(s_R)||_F^2 = s_L^2 (P o P) s_R^2`` with P a random overlap block, so
+    all pairs of a layer pair share the n draws of P (each pair's own n draws are exact).
+    """
+    k = w_sv.shape[-1]
+    P2 = torch.from_numpy(haar_overlap_blocks(d_model, k, n, seed) ** 2).to(w_sv)
+    a, b = (w_sv, r_sv) if metric == "subspace" else (w_sv.pow(2), r_sv.pow(2))
+    sq = torch.einsum("wi,nij,rj->nwr", a, P2, b)
+    scores = finish(metric, sq, pair_denominator(metric, w_norm, w_sv, r_norm, r_sv))
+    return scores.mean(0), scores.std(0)
+
+
+def gaussian_baseline(metric: str, comp: str, d_model: int, d_head: int, n: int, seed: int,
+                      dtype: torch.dtype = torch.float64, device: str | torch.device = "cpu") -> tuple[float, float]:
+    """Mean and std of the score over n x n pairs of n writer and n reader heads with Gaussian factors
+    of the model's shapes, computed by the same kernel as the real scores."""
+    g = torch.Generator(device="cpu").manual_seed(seed)
+
+    def gauss(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=g, dtype=torch.float64).to(device=device, dtype=dtype)
+
+    # layer 0 holds the n random writers, layer 1 the n random readers
+    w = AttentionWeights(
+        W_Q=gauss(2, n, d_model, d_head), W_K=gauss(2, n, d_model, d_head),
+        W_V=gauss(2, n, d_model, d_head), W_O=gauss(2, n, d_head, d_model),
+        W_E=torch.zeros(1, d_model, dtype=dtype, device=device),
+    )
+    s = layer_pair_scores(head_factors(w, metric, (comp,)), 0, [1], comp)
+    return float(s.mean()), float(s.std())
+
+
+# ----------------------------------------------------------------------------- layer pairs
+
+
+def layer_pairs(layers: list[int]) -> list[tuple[int, int]]:
+    """All (writer, reader) layer pairs with writer < reader, in order."""
+    return [(a, b) for i, a in enumerate(layers) for b in layers[i + 1:]]
+
+
+def n_blocks(n_pairs: int, pairs_per_job: int) -> int:
+    return max(1, -(-n_pairs // pairs_per_job))
+
+
+def block_pairs(layers: list[int], pairs_per_job: int, block: int) -> list[tuple[int, int]]:
+    pairs = layer_pairs(layers)
+    if not 0 <= block < n_blocks(len(pairs), pairs_per_job):
+        raise ValueError(f"block {block} out of range for {len(pairs)} layer pairs at {pairs_per_job} per job")
+    return pairs[block * pairs_per_job:(block + 1) * pairs_per_job]

@@ -1,0 +1,71 @@
+"""Atomic writes and Parquet shards with provenance.
+
+Every file compatlas produces is written to a temporary name in the same folder and
+renamed into place, so a killed job leaves either the old file or none, never half a shard.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import polars as pl
+
+
+@contextlib.contextmanager
+def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
+    """Yield a temp path next to ``path``; on success fsync and rename it over ``path``."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    os.close(fd)
+    tmp_path = Path(tmp)
+    try:
+        yield tmp_path
+        with open(tmp_path, "rb") as f:
+            os.fsync(f.fileno())
+        os.replace(tmp_path, path)
+    finally:
+        tmp_path.unlink(missing_ok=True)
+
+
+def library_versions() -> dict[str, str]:
+    import importlib.metadata as md
+
+    out = {}
+    for pkg in ("compatlas", "torch", "transformer-lens", "transformers", "polars", "duckdb"):
+        try:
+            out[pkg] = md.version(pkg)
+        except md.PackageNotFoundError:
+            out[pkg] = "not installed"
+    return out
+
+
+def write_shard(df: pl.DataFrame, path: str | os.PathLike, provenance: dict[str, Any]) -> None:
+    """Write one Parquet shard atomically, with provenance in the file's key-value metadata."""
+    with atomic_path(path) as tmp:
+        df.write_parquet(tmp, compression="zstd", metadata={"compatlas": json.dumps(provenance, sort_keys=True)})
+
+
+def read_provenance(path: str | os.PathLike) -> dict[str, Any]:
+    import pyarrow.parquet as pq
+
+    md = pq.read_metadata(path).metadata or {}
+    raw = md.get(b"compatlas")
+    return json.loads(raw) if raw else {}
+
+
+def check_shards(paths: list[str | os.PathLike]) -> None:
+    """Open the footer of every shard; raise naming the first one that is not a whole Parquet file."""
+    import pyarrow.parquet as pq
+
+    for p in paths:
+        try:
+            pq.read_metadata(p)
+        except Exception as e:  # pyarrow raises several types for truncated files
+            raise RuntimeError(f"result shard {p} is corrupt or truncated ({e}); delete it and rerun") from e

@@ -1,0 +1,560 @@
+#!/usr/bin/env python
+"""Benchmark compatlas' factored composition kernel against the TransformerLens reference.
+
+Usage::
+
+    python benchmarks/bench_composition.py [--quick] [--device cpu|cuda] [--skip-reference]
+
+Parts (each measured in its own child process, one after another, so that each side's
+peak RSS is its own and nothing heavy runs beside it):
+
+1. GPT-2-small shapes (12 layers x 12 heads, d_model 768, d_head 64), random Gaussian
+   weights with a fixed seed, ``frobenius``, float32. Our kernel (``head_factors`` once,
+   then ``layer_pair_scores`` for every writer layer) for Q, K and V against
+   ``transformer_lens.utilities.matrix.composition_scores(left, right, broadcast_dims=True)``
+   built exactly as ``TransformerBridge.all_composition_scores`` builds it. Reports wall
+   time, peak RSS (``ru_maxrss`` after the work) and its increment over the RSS after imports
+   and weight creation, the max abs difference of the scores on the upper triangle
+   (writer layer < reader layer) and a float64 check on a random subset of layer pairs.
+2. One layer pair at Llama-70B shapes (64 query heads, 8 KV heads, d_model 8192,
+   d_head 128), all three comps and metrics, float32: ``head_factors`` for 2 layers and
+   ``layer_pair_scores`` for the pair, extrapolated to 80 layers / 3160 layer pairs.
+3. ``spectrum_baseline`` (n=32) for one layer pair at both shapes.
+
+``--quick`` shrinks everything (4 layers of GPT-2 heads; a 16-head, d_model 2048 stand-in
+for part 2) for a smoke test well under 30 s. Results go to stdout and to
+``benchmarks/results/composition-<hostname>[-quick].json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import gc
+import json
+import os
+import platform
+import random
+import resource
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+SEED = 0
+N_BASELINE = 32  # spectrum_baseline samples
+SPEEDUP_TARGET = 20.0
+MEMORY_TARGET = 0.1
+DIFF_TOL = 1e-5
+
+SHAPES = {
+    "gpt2": dict(name="GPT-2-small", n_layers=12, n_heads=12, n_kv_heads=12, d_model=768, d_head=64),
+    "gpt2_quick": dict(name="GPT-2 heads, 4 layers (quick)", n_layers=4, n_heads=12, n_kv_heads=12, d_model=768, d_head=64),
+    "llama70b": dict(name="Llama-70B", n_layers=80, n_heads=64, n_kv_heads=8, d_model=8192, d_head=128),
+    "llama70b_quick": dict(name="GQA stand-in (quick)", n_layers=80, n_heads=16, n_kv_heads=2, d_model=2048, d_head=128),
+}
+
+
+# ----------------------------------------------------------------------------- helpers (children)
+
+
+def maxrss_mib() -> float:
+    """Peak resident set size of this process so far (Linux: ru_maxrss is in KiB)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
+
+
+def rss_mib() -> float:
+    with open("/proc/self/status") as fh:
+        for line in fh:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024.0
+    return float("nan")
+
+
+def log(msg: str) -> None:
+    print(f"  [{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+def make_weights(shape: dict, n_layers: int, seed: int = SEED):
+    """Random Gaussian attention weights (std 0.02, GPT-2's init), float32, on the CPU."""
+    import torch
+
+    from compatlas.weights import AttentionWeights
+
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    H, Hkv, d, dh = shape["n_heads"], shape["n_kv_heads"], shape["d_model"], shape["d_head"]
+
+    def gauss(*s: int):
+        return torch.randn(*s, generator=g, dtype=torch.float32) * 0.02
+
+    w = AttentionWeights(
+        W_Q=gauss(n_layers, H, d, dh), W_K=gauss(n_layers, Hkv, d, dh),
+        W_V=gauss(n_layers, Hkv, d, dh), W_O=gauss(n_layers, H, dh, d),
+        W_E=torch.zeros(1, d, dtype=torch.float32),
+    )
+    w.validate()
+    return w
+
+
+class Timer:
+    def __init__(self, device: str):
+        self.device = device
+
+    def sync(self) -> None:
+        if self.device.startswith("cuda"):
+            import torch
+
+            torch.cuda.synchronize()
+
+    def __call__(self, fn, *a, **kw):
+        self.sync()
+        t0 = time.perf_counter()
+        out = fn(*a, **kw)
+        self.sync()
+        return time.perf_counter() - t0, out
+
+
+def cuda_peak_mib(device: str) -> float | None:
+    if not device.startswith("cuda"):
+        return None
+    import torch
+
+    return torch.cuda.max_memory_allocated() / 2**20
+
+
+def memory_block(device: str, baseline_maxrss: float, baseline_rss: float) -> dict:
+    peak = maxrss_mib()
+    return {
+        "baseline_rss_mib": baseline_rss,  # VmRSS after imports + weight creation
+        "baseline_maxrss_mib": baseline_maxrss,  # ru_maxrss at that point
+        "peak_rss_mib": peak,  # ru_maxrss after the work
+        "increment_mib": peak - baseline_maxrss,
+        "cuda_peak_allocated_mib": cuda_peak_mib(device),
+    }
+
+
+# ----------------------------------------------------------------------------- child: our kernel, GPT-2 shapes
+
+
+def child_ours(cfg: dict, workdir: Path) -> dict:
+    import torch
+
+    from compatlas.composition import COMPS, head_factors, layer_pair_scores, spectrum_baseline, stable_seed
+
+    device, shape, repeats = cfg["device"], SHAPES[cfg["gpt2_shape"]], cfg["repeats"]
+    L, H = shape["n_layers"], shape["n_heads"]
+    w = make_weights(shape, L).to(device, torch.float32)
+    baseline_maxrss, baseline_rss = maxrss_mib(), rss_mib()
+    timer = Timer(device)
+
+    def one_comp(comp: str, f=None):
+        f = head_factors(w, "frobenius", (comp,)) if f is None else f
+        return [layer_pair_scores(f, l1, list(range(l1 + 1, L)), comp) for l1 in range(L - 1)]
+
+    def all_comps():
+        f = head_factors(w, "frobenius")
+        return {c: one_comp(c, f) for c in COMPS}
+
+    res: dict = {"per_comp": {}}
+    scores = {}
+    for comp in COMPS:  # cold: the first call of each comp, library initialisation included for Q
+        t, out = timer(one_comp, comp)
+        full = torch.zeros(L, H, L, H, dtype=torch.float32)
+        for l1, s in enumerate(out):  # s: [n_readers, H1, H2] for readers l1+1..L-1
+            full[l1, :, l1 + 1:, :] = s.permute(1, 0, 2).cpu()
+        scores[comp] = full
+        res["per_comp"][comp] = {"cold_s": t}
+        log(f"ours {comp}: cold {t:.3f} s")
+    for comp in COMPS:
+        times = [timer(one_comp, comp)[0] for _ in range(repeats)]
+        res["per_comp"][comp].update(median_s=statistics.median(times), min_s=min(times), times_s=times)
+        log(f"ours {comp}: median {statistics.median(times):.3f} s over {repeats}")
+    times = [timer(all_comps)[0] for _ in range(repeats)]
+    res["all_comps_one_head_factors"] = {"median_s": statistics.median(times), "min_s": min(times), "times_s": times}
+    res["memory"] = memory_block(device, baseline_maxrss, baseline_rss)
+    torch.save(scores, workdir / "ours_scores.pt")
+
+    # spectrum_baseline for one layer pair (0, 1), after the memory reading
+    f = head_factors(w, "frobenius")
+    sb = {}
+    for comp in COMPS:
+        args = (f.writer_norm[0], f.writer_sv[0], f.reader_norm[comp][1], f.reader_sv[comp][1])
+        seed = stable_seed(SEED, comp, 0, 1)
+        ts = [timer(spectrum_baseline, "frobenius", *args, shape["d_model"], N_BASELINE, seed)[0] for _ in range(repeats)]
+        sb[comp] = {"median_s": statistics.median(ts), "min_s": min(ts)}
+    res["spectrum_baseline_frobenius"] = sb
+    return res
+
+
+# ----------------------------------------------------------------------------- child: TransformerLens reference
+
+
+def child_reference(cfg: dict, workdir: Path) -> dict:
+    import torch
+    from transformer_lens import FactoredMatrix
+    from transformer_lens.utilities.matrix import composition_scores
+
+    device, shape = cfg["device"], SHAPES[cfg["gpt2_shape"]]
+    L, H = shape["n_layers"], shape["n_heads"]
+    w = make_weights(shape, L).to(device, torch.float32)
+    W_K, W_V = w.expanded_kv()  # what TransformerBridge._expand_kv_heads does (a no-op for GPT-2)
+    W_Q, W_O = w.W_Q, w.W_O
+    baseline_maxrss, baseline_rss = maxrss_mib(), rss_mib()
+    timer = Timer(device)
+
+    def reference(comp: str):
+        # TransformerBridge.all_composition_scores, transformer_lens 4.x
+        left = FactoredMatrix(W_V, W_O)
+        if comp == "Q":
+            right = FactoredMatrix(W_Q, W_K.transpose(-2, -1))
+        elif comp == "K":
+            right = FactoredMatrix(W_Q, W_K.transpose(-2, -1)).T
+        else:
+            right = left
+        return composition_scores(left, right, broadcast_dims=True)  # [L, H, L, H]
+
+    res: dict = {"per_comp": {}}
+    scores = {}
+    for comp in ("Q", "K", "V"):  # sequentially, one at a time
+        t, s = timer(reference, comp)
+        scores[comp] = s.detach().cpu().clone()
+        del s
+        gc.collect()
+        res["per_comp"][comp] = {"time_s": t, "maxrss_after_mib": maxrss_mib()}
+        log(f"reference {comp}: {t:.1f} s, ru_maxrss so far {maxrss_mib() / 1024:.2f} GiB")
+    res["memory"] = memory_block(device, baseline_maxrss, baseline_rss)
+    torch.save(scores, workdir / "reference_scores.pt")
+
+    # float64 check on a random subset of layer pairs (after the memory reading)
+    res["float64_check"] = float64_check(w, scores, workdir, FactoredMatrix, composition_scores)
+    return res
+
+
+def float64_check(w32, ref32: dict, workdir: Path, FactoredMatrix, composition_scores) -> dict:
+    """Ours vs reference, both in float64, on a random subset of (writer, reader) layer pairs;
+    plus how far each float32 side is from the float64 reference on that subset."""
+    import torch
+
+    from compatlas.composition import COMPS, head_factors, layer_pair_scores, layer_pairs
+
+    w = w32.to("cpu", torch.float64)
+    W_K, W_V = w.expanded_kv()
+    pairs = layer_pairs(list(range(w.n_layers)))
+    subset = sorted(random.Random(SEED).sample(pairs, min(6, len(pairs))))
+    ours32_path = workdir / "ours_scores.pt"
+    ours32 = torch.load(ours32_path) if ours32_path.exists() else None
+    out = {"layer_pairs": subset, "n_head_pairs": 0}
+    for comp in COMPS:
+        f = head_factors(w, "frobenius", (comp,))
+        d64 = d_ours32 = d_ref32 = 0.0
+        for l1, l2 in subset:
+            left = FactoredMatrix(W_V[l1], w.W_O[l1])
+            if comp == "Q":
+                right = FactoredMatrix(w.W_Q[l2], W_K[l2].transpose(-2, -1))
+            elif comp == "K":
+                right = FactoredMatrix(w.W_Q[l2], W_K[l2].transpose(-2, -1)).T
+            else:
+                right = FactoredMatrix(W_V[l2], w.W_O[l2])
+            ref64 = composition_scores(left, right, broadcast_dims=True)  # [H1, H2]
+            ours64 = layer_pair_scores(f, l1, [l2], comp)[0]
+            d64 = max(d64, (ours64 - ref64).abs().max().item())
+            d_ref32 = max(d_ref32, (ref32[comp][l1, :, l2, :].double() - ref64).abs().max().item())
+            if ours32 is not None:
+                d_ours32 = max(d_ours32, (ours32[comp][l1, :, l2, :].double() - ref64).abs().max().item())
+            if comp == "Q":
+                out["n_head_pairs"] += ref64.numel()
+        out[comp] = {"ours64_vs_ref64": d64, "ref32_vs_ref64": d_ref32,
+                     "ours32_vs_ref64": d_ours32 if ours32 is not None else None}
+    return out
+
+
+# ----------------------------------------------------------------------------- child: one layer pair at Llama-70B shapes
+
+
+def child_big(cfg: dict, workdir: Path) -> dict:
+    import torch
+
+    from compatlas.composition import COMPS, METRICS, head_factors, layer_pair_scores, spectrum_baseline, stable_seed
+
+    device, shape = cfg["device"], SHAPES[cfg["big_shape"]]
+    timer = Timer(device)
+    # warm-up at a small shape, so that library initialisation is not timed
+    small = make_weights(SHAPES["gpt2_quick"], 2).to(device, torch.float32)
+    for metric in METRICS:
+        layer_pair_scores(head_factors(small, metric), 0, [1], "Q")
+    del small
+
+    t0 = time.perf_counter()
+    w = make_weights(shape, 2).to(device, torch.float32)
+    gen_s = time.perf_counter() - t0
+    log(f"{shape['name']}: 2 layers of random weights in {gen_s:.1f} s")
+    baseline_maxrss, baseline_rss = maxrss_mib(), rss_mib()
+
+    L = shape["n_layers"]
+    n_pairs = L * (L - 1) // 2
+    res: dict = {"weights_gen_s": gen_s, "n_layers_extrapolated": L, "n_layer_pairs_extrapolated": n_pairs, "metrics": {}}
+    for metric in METRICS:
+        t_hf, f = timer(head_factors, w, metric)  # all three comps at once, as the pipeline does
+        log(f"{metric}: head_factors (2 layers, Q/K/V) {t_hf:.2f} s")
+        pair, sb = {}, {}
+        for comp in COMPS:
+            pair[comp], _ = timer(layer_pair_scores, f, 0, [1], comp)
+            args = (f.writer_norm[0], f.writer_sv[0], f.reader_norm[comp][1], f.reader_sv[comp][1])
+            sb[comp], _ = timer(spectrum_baseline, metric, *args, shape["d_model"], N_BASELINE, stable_seed(SEED, metric, comp, 0, 1))
+            log(f"{metric} {comp}: layer pair {pair[comp]:.2f} s, spectrum_baseline {sb[comp] * 1e3:.1f} ms")
+        del f
+        gc.collect()
+        est_hf = t_hf / 2 * L
+        est_pairs = sum(pair.values()) * n_pairs
+        est_sb = sum(sb.values()) * n_pairs
+        res["metrics"][metric] = {
+            "head_factors_2_layers_s": t_hf, "layer_pair_s": pair, "spectrum_baseline_s": sb,
+            "estimate_s": {"head_factors": est_hf, "pair_scores": est_pairs, "kernel_total": est_hf + est_pairs,
+                           "spectrum_baselines": est_sb, "total_with_baselines": est_hf + est_pairs + est_sb},
+        }
+    res["memory"] = memory_block(device, baseline_maxrss, baseline_rss)
+    return res
+
+
+CHILDREN = {"ours": child_ours, "reference": child_reference, "big": child_big}
+
+
+def run_child(role: str, cfg: dict, workdir: Path) -> dict | None:
+    """Run one part in a fresh interpreter (same script, hidden flag); wait for it to finish."""
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--_child", role, "--_workdir", str(workdir),
+           "--_config", json.dumps(cfg)]
+    t0 = time.perf_counter()
+    proc = subprocess.run(cmd, cwd=str(ROOT))
+    wall = time.perf_counter() - t0
+    out = workdir / f"{role}.json"
+    if proc.returncode != 0 or not out.exists():
+        print(f"!! child {role!r} failed with exit code {proc.returncode}", file=sys.stderr)
+        return None
+    res = json.loads(out.read_text())
+    res["child_wall_s"] = wall
+    return res
+
+
+# ----------------------------------------------------------------------------- parent: compare, report
+
+
+def compare_scores(workdir: Path) -> dict:
+    import torch
+
+    ours = torch.load(workdir / "ours_scores.pt")
+    ref = torch.load(workdir / "reference_scores.pt")
+    out = {}
+    for comp in ("Q", "K", "V"):
+        L = ours[comp].shape[0]
+        mask = torch.arange(L)[:, None] < torch.arange(L)[None, :]  # writer layer < reader layer
+        o = ours[comp].permute(0, 2, 1, 3)[mask]  # [n_layer_pairs, H1, H2]
+        r = ref[comp].permute(0, 2, 1, 3)[mask]
+        diff = (o - r).abs()
+        out[comp] = {"max_abs_diff": diff.max().item(), "max_rel_diff": (diff / r.abs().clamp_min(1e-12)).max().item(),
+                     "n_head_pairs": o.numel(), "score_mean": r.mean().item(), "score_max": r.max().item()}
+    return out
+
+
+def fmt_mib(x: float | None) -> str:
+    return "-" if x is None else (f"{x / 1024:.2f} GiB" if x >= 1024 else f"{x:.0f} MiB")
+
+
+def verdict(ok: bool) -> str:
+    return "PASS" if ok else "FAIL"
+
+
+def report(results: dict) -> None:
+    env, p1 = results["environment"], results["gpt2"]
+    ours, ref = p1.get("ours"), p1.get("reference")
+    print()
+    print(f"compatlas composition benchmark  {env['date']}  host {env['hostname']}  device {env['device']}")
+    print(f"  {env['cpu']} x {env['cpu_count']} cores, torch {env['torch']} ({env['torch_threads']} threads), "
+          f"transformer_lens {env['transformer_lens']}")
+    s = p1["shape"]
+    print(f"\n[1] {s['name']}: {s['n_layers']} layers x {s['n_heads']} heads, d_model {s['d_model']}, d_head {s['d_head']}; "
+          "frobenius, float32, random Gaussian weights (seed 0)")
+    print(f"    {'comp':<6}{'ours median':>13}{'ours cold':>11}{'reference':>11}{'speedup':>10}{'max|diff|':>12}")
+    for comp in ("Q", "K", "V"):
+        o = ours["per_comp"][comp] if ours else None
+        r = ref["per_comp"][comp]["time_s"] if ref else None
+        sp = f"{r / o['median_s']:.0f}x" if (o and r) else "-"
+        dd = p1.get("agreement", {}).get(comp, {}).get("max_abs_diff")
+        om = f"{o['median_s']:.3f} s" if o else "-"
+        oc = f"{o['cold_s']:.3f} s" if o else "-"
+        rs = f"{r:.1f} s" if r else "-"
+        ds = f"{dd:.1e}" if dd is not None else "-"
+        print(f"    {comp:<6}{om:>13}{oc:>11}{rs:>11}{sp:>10}{ds:>12}")
+    if ours:
+        rs = f"{ref['total_s']:.1f} s" if ref else "-"
+        sp = f"{p1['ratios']['speedup']:.0f}x" if ref else "-"
+        print(f"    {'Q+K+V':<6}{ours['sum_median_s']:>11.3f} s{ours['sum_cold_s']:>9.3f} s{rs:>11}{sp:>10}")
+        print(f"    (ours, all three comps sharing one head_factors call: "
+              f"{ours['all_comps_one_head_factors']['median_s']:.3f} s median)")
+    print(f"\n    {'peak RSS':<12}{'peak':>11}{'baseline':>11}{'increment':>11}")
+    for name, side in (("ours", ours), ("reference", ref)):
+        if side:
+            m = side["memory"]
+            print(f"    {name:<12}{fmt_mib(m['peak_rss_mib']):>11}{fmt_mib(m['baseline_maxrss_mib']):>11}{fmt_mib(m['increment_mib']):>11}")
+    if ours and ref:
+        r = p1["ratios"]
+        print(f"\n    speedup (ref / ours, median)   {r['speedup']:8.1f}x   target >= {SPEEDUP_TARGET:.0f}x   {verdict(r['speedup_pass'])}")
+        print(f"    speedup (ref / ours, cold)     {r['speedup_cold']:8.1f}x")
+        print(f"    memory (ours / ref peak RSS)   {r['memory_ratio']:8.4f}    target <= {MEMORY_TARGET}   {verdict(r['memory_pass'])}")
+        print(f"    memory (increments ours / ref) {r['memory_increment_ratio']:8.4f}")
+        a = p1["agreement"]
+        print(f"    max |ours - ref| float32, upper triangle ({a['Q']['n_head_pairs']} head pairs per comp): "
+              f"{r['max_abs_diff']:.2e}   tol {DIFF_TOL:g}   {verdict(r['agreement_pass'])}")
+        c = ref.get("float64_check")
+        if c:
+            worst = lambda k: max(c[x][k] or 0.0 for x in ("Q", "K", "V"))  # noqa: E731
+            print(f"    float64 check on {len(c['layer_pairs'])} random layer pairs {c['layer_pairs']}: "
+                  f"|ours64 - ref64| <= {worst('ours64_vs_ref64'):.1e}; float32 error vs ref64: "
+                  f"ours {worst('ours32_vs_ref64'):.1e}, reference {worst('ref32_vs_ref64'):.1e}")
+    elif not ref:
+        print("    (reference skipped)")
+    if ours:
+        sb = ours["spectrum_baseline_frobenius"]
+        print(f"    spectrum_baseline, one layer pair, n={N_BASELINE}, frobenius: "
+              + ", ".join(f"{c} {sb[c]['median_s'] * 1e3:.2f} ms" for c in ("Q", "K", "V")))
+
+    big = results.get("big")
+    if big:
+        s = big["shape"]
+        print(f"\n[2] {s['name']}: one layer pair, {s['n_heads']} query / {s['n_kv_heads']} KV heads, d_model {s['d_model']}, "
+              f"d_head {s['d_head']}, float32, {env['device']}; extrapolated to {s['n_layers']} layers "
+              f"({big['n_layers_extrapolated'] * (big['n_layers_extrapolated'] - 1) // 2} layer pairs)")
+        print(f"    {'metric':<11}{'hf 2 layers':>12}{'pair Q':>9}{'pair K':>9}{'pair V':>9}{'sb Q+K+V':>10}"
+              f"{'est. hf':>10}{'est. pairs':>12}{'est. kernel':>13}{'+ baselines':>13}")
+        tot = 0.0
+        for metric, m in big["metrics"].items():
+            e = m["estimate_s"]
+            tot += e["total_with_baselines"]
+            print(f"    {metric:<11}{m['head_factors_2_layers_s']:>10.2f} s"
+                  + "".join(f"{m['layer_pair_s'][c]:>7.2f} s" for c in ("Q", "K", "V"))
+                  + f"{sum(m['spectrum_baseline_s'].values()) * 1e3:>7.1f} ms"
+                  + f"{e['head_factors'] / 3600:>8.2f} h{e['pair_scores'] / 3600:>10.2f} h"
+                  + f"{e['kernel_total'] / 3600:>11.2f} h{e['total_with_baselines'] / 3600:>11.2f} h")
+        print(f"    all three metrics, Q/K/V, with spectrum baselines: {tot / 3600:.2f} h on this device")
+        print(f"    peak RSS of this part: {fmt_mib(big['memory']['peak_rss_mib'])} "
+              f"(baseline {fmt_mib(big['memory']['baseline_maxrss_mib'])})"
+              + (f", CUDA peak allocated {fmt_mib(big['memory']['cuda_peak_allocated_mib'])}"
+                 if big["memory"]["cuda_peak_allocated_mib"] is not None else ""))
+
+
+def environment(device: str, quick: bool) -> dict:
+    import importlib.metadata as md
+
+    import numpy
+    import torch
+
+    cpu = platform.processor() or "unknown CPU"
+    try:
+        with open("/proc/cpuinfo") as fh:
+            cpu = next(l.split(":", 1)[1].strip() for l in fh if l.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    try:
+        tl = md.version("transformer_lens")
+    except md.PackageNotFoundError:
+        tl = None
+    return {
+        "date": _dt.datetime.now().astimezone().isoformat(timespec="seconds"),
+        "hostname": socket.gethostname(), "device": device, "quick": quick,
+        "command": " ".join([Path(sys.executable).name, *sys.argv]),
+        "cpu": cpu, "cpu_count": os.cpu_count(), "torch": torch.__version__, "torch_threads": torch.get_num_threads(),
+        "cuda_device": torch.cuda.get_device_name() if device.startswith("cuda") else None,
+        "numpy": numpy.__version__, "transformer_lens": tl, "python": platform.python_version(),
+        "mem_total_gib": os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30,
+    }
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--quick", action="store_true", help="small shapes, a smoke test (< 30 s)")
+    ap.add_argument("--device", choices=("cpu", "cuda"), default=None, help="default: cuda when available")
+    ap.add_argument("--skip-reference", action="store_true", help="do not run the TransformerLens reference")
+    ap.add_argument("--skip-big", action="store_true", help="do not run part 2 (Llama-70B shapes)")
+    ap.add_argument("--repeats", type=int, default=5, help="timed repeats of our kernel (median reported)")
+    ap.add_argument("--json", type=Path, default=None, help="where to write the results JSON")
+    ap.add_argument("--_child", help=argparse.SUPPRESS)
+    ap.add_argument("--_workdir", help=argparse.SUPPRESS)
+    ap.add_argument("--_config", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+
+    if args._child:  # a measured part, in its own process
+        workdir = Path(args._workdir)
+        res = CHILDREN[args._child](json.loads(args._config), workdir)
+        (workdir / f"{args._child}.json").write_text(json.dumps(res))
+        return 0
+
+    import torch
+
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if device == "cuda" and not torch.cuda.is_available():
+        ap.error("--device cuda but torch sees no CUDA device")
+    cfg = {"device": device, "repeats": args.repeats,
+           "gpt2_shape": "gpt2_quick" if args.quick else "gpt2",
+           "big_shape": "llama70b_quick" if args.quick else "llama70b"}
+    results: dict = {"environment": environment(device, args.quick),
+                     "targets": {"speedup_min": SPEEDUP_TARGET, "memory_ratio_max": MEMORY_TARGET, "max_abs_diff": DIFF_TOL},
+                     "gpt2": {"shape": SHAPES[cfg["gpt2_shape"]]}}
+    t_start = time.perf_counter()
+    with tempfile.TemporaryDirectory(prefix="bench_composition_") as tmp:
+        workdir = Path(tmp)
+        print(f"[1] our kernel, {SHAPES[cfg['gpt2_shape']]['name']} ...", file=sys.stderr, flush=True)
+        ours = run_child("ours", cfg, workdir)
+        ref = None
+        if not args.skip_reference:
+            print("[1] TransformerLens reference (sequential Q, K, V; the heavy part) ...", file=sys.stderr, flush=True)
+            ref = run_child("reference", cfg, workdir)
+        p1 = results["gpt2"]
+        if ours:
+            pc = ours["per_comp"]
+            ours["sum_median_s"] = sum(pc[c]["median_s"] for c in pc)
+            ours["sum_cold_s"] = sum(pc[c]["cold_s"] for c in pc)
+            p1["ours"] = ours
+        if ref:
+            ref["total_s"] = sum(v["time_s"] for v in ref["per_comp"].values())
+            p1["reference"] = ref
+        if ours and ref:
+            p1["agreement"] = agr = compare_scores(workdir)
+            max_diff = max(a["max_abs_diff"] for a in agr.values())
+            speedup = ref["total_s"] / ours["sum_median_s"]
+            mem = ours["memory"]["peak_rss_mib"] / ref["memory"]["peak_rss_mib"]
+            p1["ratios"] = {
+                "speedup": speedup, "speedup_cold": ref["total_s"] / ours["sum_cold_s"],
+                "speedup_per_comp": {c: ref["per_comp"][c]["time_s"] / ours["per_comp"][c]["median_s"] for c in ("Q", "K", "V")},
+                "memory_ratio": mem,
+                "memory_increment_ratio": ours["memory"]["increment_mib"] / ref["memory"]["increment_mib"],
+                "max_abs_diff": max_diff,
+                "speedup_pass": speedup >= SPEEDUP_TARGET, "memory_pass": mem <= MEMORY_TARGET,
+                "agreement_pass": max_diff < DIFF_TOL,
+            }
+        if not args.skip_big:
+            print(f"[2] one layer pair at {SHAPES[cfg['big_shape']]['name']} shapes ...", file=sys.stderr, flush=True)
+            big = run_child("big", cfg, workdir)
+            if big:
+                big["shape"] = SHAPES[cfg["big_shape"]]
+                results["big"] = big
+    results["total_wall_s"] = time.perf_counter() - t_start
+
+    report(results)
+    out = args.json or ROOT / "benchmarks" / "results" / (
+        f"composition-{socket.gethostname()}{'-quick' if args.quick else ''}.json")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(results, indent=2, default=str))
+    print(f"\nresults written to {out} (total {results['total_wall_s']:.0f} s)")
+    failed = [k for k in ("speedup_pass", "memory_pass", "agreement_pass") if not results["gpt2"].get("ratios", {}).get(k, True)]
+    failed += [f"child {k}" for k in ("ours", "reference") if k not in results["gpt2"] and not (k == "reference" and args.skip_reference)]
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

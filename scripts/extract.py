@@ -1,0 +1,17 @@
+"""Snakemake adapter: load one model (x checkpoint) and write its attention-weight shard."""
+import os
+from pathlib import Path
+
+# Sources other than the hub never need the network; say so before transformers is imported.
+if snakemake.params.entry["source"]["kind"] != "hub":
+    os.environ["HF_HUB_OFFLINE"] = "1"
+
+from compatlas.loading import load_and_extract  # noqa: E402
+from compatlas.logs import setup  # noqa: E402
+from compatlas.weights import save_weights  # noqa: E402
+
+log = setup(snakemake.log[0])
+w, _ = load_and_extract(snakemake.wildcards.model, snakemake.params.entry, snakemake.params.checkpoint,
+                        Path(snakemake.params.workdir))
+save_weights(w, snakemake.output.tensors, snakemake.output.meta)
+log.info("wrote %s", snakemake.output.tensors)

@@ -1,0 +1,12 @@
+"""Shared test setup.
+
+The transformer_lens agreement tests save tiny models to a temporary folder and load them back;
+they must never reach the network. huggingface_hub reads HF_HUB_OFFLINE when it is first
+imported, so it is set here, before any test module imports transformers.
+"""
+
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")

@@ -64,10 +64,11 @@ def _orthonormal_basis(A: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Orthonormal basis of the column space of A [..., n, k], zero-padded past its rank.
 
     Returns (U [..., n, k], indicator [..., k] of the kept columns)."""
-    U, S, _ = torch.linalg.svd(A, full_matrices=False)
+    Q, R = torch.linalg.qr(A)  # then the SVD of the small k x k R, not of A
+    U_R, S, _ = torch.linalg.svd(R)
     tol = S[..., :1] * max(A.shape[-2:]) * torch.finfo(A.dtype).eps
     keep = (S > tol).to(A.dtype)
-    return U * keep[..., None, :], keep
+    return (Q @ U_R) * keep[..., None, :], keep
 
 
 def _core_spectrum(R_A: torch.Tensor, R_B: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -155,38 +156,41 @@ def stable_seed(*parts: object) -> int:
     return int.from_bytes(hashlib.sha256(repr(parts).encode()).digest()[:8], "little") & (2**63 - 1)
 
 
-def haar_overlap_blocks(d: int, k: int, n: int, seed: int) -> np.ndarray:
-    """n samples of ``V^T U`` for independent uniformly random orthonormal frames V, U in R^{d x k}.
+def haar_overlap_blocks(d: int, k: int, n: int, seed: int, dtype: torch.dtype = torch.float64,
+                        device: str | torch.device = "cpu") -> torch.Tensor:
+    """n samples [n, k, k] of ``V^T U`` for independent uniformly random orthonormal frames V, U in R^{d x k}.
 
-    By rotation invariance this is the top k x k block of one random frame
-    ``G (G^T G)^-1/2``; splitting ``G = [G_top; G_rest]`` and drawing ``G_rest^T G_rest``
-    from the Wishart distribution (Bartlett) gives an exact sample in O(k^3), never O(d k^2).
+    By rotation invariance this is the top k x k block of one random frame. The Q factor of a
+    Gaussian ``G = [G_top; G_rest]`` is such a frame, and its top block is ``G_top R^-1`` with
+    ``R^T R = G_top^T G_top + G_rest^T G_rest``; the second term is Wishart, drawn by Bartlett's
+    decomposition, so a sample costs O(k^3), never O(d k^2).
     """
-    rng = np.random.default_rng(seed)
+    rng = np.random.default_rng(seed)  # numpy only draws numbers; the algebra runs in torch
     dof = d - k
     G_top = rng.standard_normal((n, k, k))
     if dof >= k:  # Bartlett: W = A A^T, A lower triangular, A_ii^2 ~ chi2(dof - i)
         A = np.tril(rng.standard_normal((n, k, k)), -1)
         idx = np.arange(k)
         A[:, idx, idx] = np.sqrt(rng.chisquare(dof - idx, size=(n, k)))
-        W_rest = A @ A.transpose(0, 2, 1)
+        A_t = torch.from_numpy(A).to(device)
+        W_rest = A_t @ A_t.transpose(-2, -1)
     else:  # small d: draw G_rest itself
-        G_rest = rng.standard_normal((n, dof, k))
-        W_rest = G_rest.transpose(0, 2, 1) @ G_rest
-    gram = G_top.transpose(0, 2, 1) @ G_top + W_rest
-    evals, evecs = np.linalg.eigh(gram)
-    inv_sqrt = (evecs / np.sqrt(evals)[:, None, :]) @ evecs.transpose(0, 2, 1)
-    return G_top @ inv_sqrt
+        G_rest = torch.from_numpy(rng.standard_normal((n, dof, k))).to(device)
+        W_rest = G_rest.transpose(-2, -1) @ G_rest
+    G_top_t = torch.from_numpy(G_top).to(device)
+    L = torch.linalg.cholesky(G_top_t.transpose(-2, -1) @ G_top_t + W_rest)  # gram = L L^T, R = L^T
+    P = torch.linalg.solve_triangular(L, G_top_t.transpose(-2, -1), upper=False).transpose(-2, -1)
+    return P.to(dtype)
 
 
-def spectrum_baseline(metric: str, w_norm, w_sv, r_norm, r_sv, d_model: int, n: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+def spectrum_baseline(metric: str, w_norm, w_sv, r_norm, r_sv, P2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Mean and std [H1, H2] of each pair's score with its spectra kept and singular vectors random.
 
-    ``||diag(s_L) P diag(s_R)||_F^2 = s_L^2 (P o P) s_R^2`` with P a random overlap block, so
-    all pairs of a layer pair share the n draws of P (each pair's own n draws are exact).
+    ``||diag(s_L) P diag(s_R)||_F^2 = s_L^2 (P o P) s_R^2`` with P a random overlap block
+    (``P2 = haar_overlap_blocks(...) ** 2``, [n, d_head, d_head]). All pairs share the n draws
+    (common random numbers): each pair's n samples are still exact, and comparisons between
+    pairs get sharper, at the cost of one einsum per layer pair.
     """
-    k = w_sv.shape[-1]
-    P2 = torch.from_numpy(haar_overlap_blocks(d_model, k, n, seed) ** 2).to(w_sv)
     a, b = (w_sv, r_sv) if metric == "subspace" else (w_sv.pow(2), r_sv.pow(2))
     sq = torch.einsum("wi,nij,rj->nwr", a, P2, b)
     scores = finish(metric, sq, pair_denominator(metric, w_norm, w_sv, r_norm, r_sv))

@@ -11,7 +11,7 @@ import polars as pl
 import torch
 
 from compatlas.composition import (
-    COMPS, gaussian_baseline, head_factors, layer_pair_scores, spectrum_baseline, stable_seed,
+    COMPS, gaussian_baseline, haar_overlap_blocks, head_factors, layer_pair_scores, spectrum_baseline, stable_seed,
 )
 from compatlas.token_space import to_space
 from compatlas.weights import AttentionWeights
@@ -46,6 +46,8 @@ def score_block(w: AttentionWeights, metric: str, space: str, pairs: list[tuple[
     w_s = w_s.to(dev, dt)
     f = head_factors(w_s, metric)
     d_model, d_head, H = w.d_model, w.d_head, w.n_heads
+    P2 = {c: haar_overlap_blocks(d_model, d_head, baseline_samples, stable_seed(seed, "spectrum", metric, space, c),
+                                 device=dev).pow(2).to(dt) for c in COMPS}
     gauss = {c: gaussian_baseline(metric, c, d_model, d_head, baseline_samples,
                                   stable_seed(seed, "gaussian", d_model, d_head, metric, c), dt, dev) for c in COMPS}
     by_writer: dict[int, list[int]] = defaultdict(list)
@@ -59,8 +61,7 @@ def score_block(w: AttentionWeights, metric: str, space: str, pairs: list[tuple[
             s = layer_pair_scores(f, l1, readers, c).double().cpu().numpy()
             for i, l2 in enumerate(readers):
                 mu, sd = spectrum_baseline(metric, f.writer_norm[l1], f.writer_sv[l1], f.reader_norm[c][l2],
-                                           f.reader_sv[c][l2], d_model, baseline_samples,
-                                           stable_seed(seed, "spectrum", metric, space, c, l1, l2))
+                                           f.reader_sv[c][l2], P2[c])
                 cols["comp"].append(np.full(n, c))
                 cols["writer_layer"].append(np.full(n, l1))
                 cols["writer_head"].append(hw.ravel())

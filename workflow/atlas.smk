@@ -6,9 +6,11 @@ rule atlas:
         shards=composition_shards,
         metas=all_metas,
     output:
-        RESULTS + "/atlas.duckdb",
+        f"{RESULTS}/atlas.duckdb",
+    conda:
+        "../envs/compatlas.yaml"
     log:
-        LOGS + "/atlas.log",
+        f"{LOGS}/atlas.log",
     localrule: True
     script:
         "../scripts/atlas.py"

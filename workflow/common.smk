@@ -17,11 +17,9 @@ except ConfigError as e:
 RESULTS = config["results"]
 LOGS = f"{RESULTS}/logs"
 
-WEIGHTS = RESULTS + "/weights/{model}/{checkpoint}"
-SHARD = (
-    RESULTS + "/composition/model={model}/checkpoint={checkpoint}/metric={metric}"
-    "/space={space}/block={block}.parquet"
-)
+WEIGHTS_TENSORS = f"{RESULTS}/weights/{{model}}/{{checkpoint}}/weights.safetensors"
+WEIGHTS_META = f"{RESULTS}/weights/{{model}}/{{checkpoint}}/meta.json"
+SHARD = f"{RESULTS}/composition/model={{model}}/checkpoint={{checkpoint}}/metric={{metric}}/space={{space}}/block={{block}}.parquet"
 
 
 wildcard_constraints:
@@ -72,7 +70,6 @@ def composition_shards(wildcards):
 
 
 def all_metas(wildcards):
-    return [
-        checkpoints.extract.get(model=m, checkpoint=c).output.meta
-        for m, c in model_checkpoint_pairs()
-    ]
+    """Plain paths, not checkpoint lookups: a model added to the config is then a missing
+    input of the atlas, which makes Snakemake extract it and re-plan its composition jobs."""
+    return [WEIGHTS_META.format(model=m, checkpoint=c) for m, c in model_checkpoint_pairs()]

@@ -3,8 +3,8 @@
 
 rule composition:
     input:
-        tensors=WEIGHTS + "/weights.safetensors",
-        meta=WEIGHTS + "/meta.json",
+        tensors=WEIGHTS_TENSORS,
+        meta=WEIGHTS_META,
     output:
         SHARD,
     params:
@@ -12,8 +12,10 @@ rule composition:
         settings=config["composition"],
         device=config["device"],
         dtype=config["dtype"],
+    conda:
+        "../envs/compatlas.yaml"
     log:
-        LOGS + "/composition/{model}/{checkpoint}/{metric}-{space}-{block}.log",
+        f"{LOGS}/composition/{{model}}/{{checkpoint}}/{{metric}}-{{space}}-{{block}}.log",
     threads: 2
     resources:
         mem_mb=4000,

@@ -4,14 +4,16 @@
 
 checkpoint extract:
     output:
-        tensors=WEIGHTS + "/weights.safetensors",
-        meta=WEIGHTS + "/meta.json",
+        tensors=WEIGHTS_TENSORS,
+        meta=WEIGHTS_META,
     params:
         entry=model_entry,
         checkpoint=checkpoint_spec,
         workdir=lambda wc: f"{RESULTS}/models/{wc.model}/{wc.checkpoint}",
+    conda:
+        "../envs/compatlas.yaml"
     log:
-        LOGS + "/extract/{model}/{checkpoint}.log",
+        f"{LOGS}/extract/{{model}}/{{checkpoint}}.log",
     threads: 2
     resources:
         mem_mb=8000,

@@ -3,11 +3,13 @@
 
 rule report:
     input:
-        RESULTS + "/atlas.duckdb",
+        f"{RESULTS}/atlas.duckdb",
     output:
-        RESULTS + "/report/index.html",
+        f"{RESULTS}/report/index.html",
+    conda:
+        "../envs/compatlas.yaml"
     log:
-        LOGS + "/report.log",
+        f"{LOGS}/report.log",
     localrule: True
     script:
         "../scripts/report.py"

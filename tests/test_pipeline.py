@@ -1,0 +1,142 @@
+"""The Snakemake workflow end to end on a tiny config: shards, DuckDB views, incremental
+reruns, bad input. Runs real Snakemake subprocesses (about a minute on 2 cores)."""
+
+from __future__ import annotations
+
+import hashlib
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import duckdb
+import pytest
+import yaml
+
+REPO = Path(__file__).resolve().parent.parent
+SNAKEMAKE = [sys.executable, "-m", "snakemake", "-s", str(REPO / "Snakefile"), "--cores", "2", "--nolock"]
+
+
+def run_snakemake(workdir: Path, config: dict, *extra: str, check: bool = True) -> subprocess.CompletedProcess:
+    cfg = workdir / "config.yaml"
+    cfg.write_text(yaml.safe_dump(config))
+    proc = subprocess.run([*SNAKEMAKE, "--directory", str(workdir), "--configfile", str(cfg), *extra],
+                          capture_output=True, text=True, timeout=900)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"snakemake failed ({proc.returncode}):\n{proc.stderr[-4000:]}")
+    return proc
+
+
+def tiny_config() -> dict:
+    return yaml.safe_load((REPO / "tests" / "data" / "tiny.yaml").read_text())
+
+
+def sha(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+@pytest.fixture(scope="module")
+def pipeline_run(tmp_path_factory) -> Path:
+    work = tmp_path_factory.mktemp("pipeline")
+    run_snakemake(work, tiny_config())
+    return work
+
+
+def expected_rows(n_layers: int, n_heads: int) -> int:
+    """Per metric x comp: every writer layer < reader layer, every head pair."""
+    return n_layers * (n_layers - 1) // 2 * n_heads**2
+
+
+def test_views_hold_every_score(pipeline_run: Path):
+    con = duckdb.connect(str(pipeline_run / "results" / "atlas.duckdb"), read_only=True)
+    rows = dict(con.execute("SELECT model, count(*) FROM composition GROUP BY model").fetchall())
+    # tiny-gpt2: 3 layers x 2 heads; tiny-llama: 3 layers x 4 heads; 3 metrics x 3 comps
+    assert rows == {"tiny-gpt2": 9 * expected_rows(3, 2), "tiny-llama": 9 * expected_rows(3, 4)}
+    assert con.execute("SELECT count(*) FROM composition WHERE writer_layer >= reader_layer").fetchone()[0] == 0
+    assert con.execute("SELECT min(score) >= 0 AND max(score) <= 1 + 1e-9 FROM composition").fetchone()[0]
+    assert con.execute("SELECT count(*) FROM composition WHERE baseline_spectrum_std IS NULL OR baseline_gaussian_mean IS NULL").fetchone()[0] == 0
+    models = con.execute("SELECT model, n_layers, n_heads, n_kv_heads, processing, norm_type FROM models ORDER BY model").fetchall()
+    assert models == [("tiny-gpt2", 3, 2, 2, "compat", "LN"), ("tiny-llama", 3, 4, 2, "none", "RMS")]
+    # the contract query of the README: strongest K-compositions above their baseline
+    top = con.execute("""SELECT writer_layer, writer_head, reader_layer, reader_head, score - baseline_spectrum_mean AS adj
+                         FROM composition WHERE model = 'tiny-llama' AND metric = 'frobenius' AND comp = 'K'
+                         ORDER BY adj DESC LIMIT 10""").fetchall()
+    assert len(top) == 10 and top[0][4] >= top[-1][4]
+
+
+def test_shards_are_hive_partitioned_with_provenance(pipeline_run: Path):
+    from compatlas.storage import read_provenance
+
+    shards = sorted((pipeline_run / "results" / "composition").rglob("*.parquet"))
+    assert len(shards) == 2 * 3 * 2  # models x metrics x blocks (3 pairs at 2 per job)
+    prov = read_provenance(shards[0])
+    assert shards[0].parent.parent.parent.parent.name.startswith("model=")
+    for key in ("model", "checkpoint", "processing", "metric", "space", "versions", "source_checksum", "weights_sha256"):
+        assert prov.get(key) is not None, key
+    assert prov["versions"]["transformer-lens"].startswith("4.")
+
+
+def test_report_is_written(pipeline_run: Path):
+    html = (pipeline_run / "results" / "report" / "index.html").read_text()
+    assert "tiny-llama" in html and "src=\"http" not in html
+    assert list((pipeline_run / "results" / "report").glob("*.png"))
+
+
+def test_adding_a_model_runs_only_its_jobs(pipeline_run: Path, tmp_path: Path):
+    work = tmp_path / "inc"
+    shutil.copytree(pipeline_run, work, ignore=shutil.ignore_patterns(".snakemake"))
+    run_snakemake(work, tiny_config())  # fresh .snakemake metadata: nothing should be recomputed
+    before = {p: sha(p) for p in (work / "results").rglob("*.parquet")}
+    cfg = tiny_config()
+    cfg["models"]["tiny-extra"] = {"source": {"kind": "build", "architecture": "gpt2", "n_layers": 2, "n_heads": 2,
+                                              "d_head": 8, "d_vocab": 64, "seed": 3}}
+    proc = run_snakemake(work, cfg)
+    ran = [line.split("rule ")[1].rstrip(":") for line in proc.stderr.splitlines() if line.strip().startswith(("rule ", "localrule ", "checkpoint "))]
+    assert all(sha(p) == h for p, h in before.items()), "old shards were rewritten"
+    new = sorted((work / "results" / "composition" / "model=tiny-extra").rglob("*.parquet"))
+    assert len(new) == 3  # one block, three metrics
+    jobs = [line for line in proc.stderr.splitlines() if line.strip().startswith("wildcards:")]
+    assert jobs and all("tiny-extra" in j for j in jobs), jobs
+    assert ran.count("composition") == 3, ran
+
+
+def test_bad_config_fails_before_any_job(tmp_path: Path):
+    cfg = tiny_config()
+    cfg["metrics"] = ["frobenius", "nuclear"]
+    proc = run_snakemake(tmp_path, cfg, check=False)
+    assert proc.returncode != 0
+    assert "config error at metrics.1: 'nuclear' is not one of" in proc.stderr + proc.stdout
+    assert not (tmp_path / "results").exists()
+
+
+def test_layer_range_outside_model_is_named(tmp_path: Path):
+    cfg = tiny_config()
+    cfg["models"]["tiny-gpt2"]["layers"] = [0, 7]
+    proc = run_snakemake(tmp_path, cfg, check=False)
+    assert proc.returncode != 0
+    assert "models.tiny-gpt2.layers: layer 7 is outside the model" in proc.stderr + proc.stdout
+
+
+def test_corrupt_weight_shard_is_named_and_nothing_downstream_written(pipeline_run: Path, tmp_path: Path):
+    work = tmp_path / "corrupt"
+    shutil.copytree(pipeline_run, work)
+    weights = work / "results" / "weights" / "tiny-llama" / "final" / "weights.safetensors"
+    weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+    shard = work / "results" / "composition" / "model=tiny-llama" / "checkpoint=final" / "metric=frobenius" / "space=residual" / "block=0.parquet"
+    shard.unlink()
+    proc = run_snakemake(work, tiny_config(), "--keep-going", check=False)
+    assert proc.returncode != 0
+    log = work / "results" / "logs" / "composition" / "tiny-llama" / "final" / "frobenius-residual-0.log"
+    assert "is corrupt or truncated" in log.read_text() and "weights.safetensors" in log.read_text()
+    assert not shard.exists()
+    assert not list(shard.parent.glob(".*.tmp"))
+
+
+def test_lint_is_clean(tmp_path: Path):
+    cfg = tmp_path / "config.yaml"
+    cfg.write_text(yaml.safe_dump(tiny_config()))
+    proc = subprocess.run([*SNAKEMAKE, "--lint", "--configfile", str(cfg), "--directory", str(tmp_path)],
+                          capture_output=True, text=True, timeout=300)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out
+    assert "Congratulations, your workflow is in a good condition!" in out, out

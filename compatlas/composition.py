@@ -224,12 +224,12 @@ def layer_pairs(layers: list[int]) -> list[tuple[int, int]]:
     return [(a, b) for i, a in enumerate(layers) for b in layers[i + 1:]]
 
 
-def n_blocks(n_pairs: int, pairs_per_job: int) -> int:
-    return max(1, -(-n_pairs // pairs_per_job))
-
-
-def block_pairs(layers: list[int], pairs_per_job: int, block: int) -> list[tuple[int, int]]:
+def block_pairs(layers: list[int], blocks: int, block: int) -> list[tuple[int, int]]:
+    """The layer pairs of job ``block`` out of ``blocks``: contiguous shares, sizes differing by
+    at most one (contiguous keeps a writer's readers together, one GEMM each)."""
     pairs = layer_pairs(layers)
-    if not 0 <= block < n_blocks(len(pairs), pairs_per_job):
-        raise ValueError(f"block {block} out of range for {len(pairs)} layer pairs at {pairs_per_job} per job")
-    return pairs[block * pairs_per_job:(block + 1) * pairs_per_job]
+    if not 0 <= block < blocks:
+        raise ValueError(f"block {block} out of range for {blocks} blocks")
+    size, extra = divmod(len(pairs), blocks)
+    start = block * size + min(block, extra)
+    return pairs[start:start + size + (block < extra)]

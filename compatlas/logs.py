@@ -15,6 +15,12 @@ def setup(log_path: str | None) -> logging.Logger:
     logging.basicConfig(level=logging.INFO, handlers=handlers, force=True,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.captureWarnings(True)
+
+    def log_uncaught(exc_type, exc, tb):
+        # the error message belongs in the rule's log, where Snakemake points the user
+        logging.getLogger("compatlas").error("%s: %s", exc_type.__name__, exc, exc_info=(exc_type, exc, tb))
+
+    sys.excepthook = log_uncaught
     for noisy in ("transformers", "urllib3", "huggingface_hub", "filelock"):
         logging.getLogger(noisy).setLevel(logging.ERROR)
     return logging.getLogger("compatlas")

@@ -10,7 +10,7 @@ log = setup(snakemake.log[0])
 wc, settings = snakemake.wildcards, snakemake.params.settings
 w = load_weights(snakemake.input.tensors, snakemake.input.meta)
 layers = selected_layers({"layers": snakemake.params.layers}, w.n_layers, wc.model)
-pairs = block_pairs(layers, settings["pairs_per_job"], int(wc.block))
+pairs = block_pairs(layers, snakemake.params.blocks, int(wc.block))
 log.info("%s/%s %s %s block %s: %d layer pairs", wc.model, wc.checkpoint, wc.metric, wc.space, wc.block, len(pairs))
 df, facts = score_block(w, wc.metric, wc.space, pairs, baseline_samples=settings["baseline_samples"],
                         seed=settings["seed"], device=snakemake.params.device, dtype=snakemake.params.dtype,

@@ -9,6 +9,7 @@ rule composition:
         SHARD,
     params:
         layers=lambda wc: config["models"][wc.model].get("layers"),
+        blocks=lambda wc: model_blocks(wc.model),
         settings=config["composition"],
         device=config["device"],
         dtype=config["dtype"],

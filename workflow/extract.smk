@@ -1,8 +1,7 @@
 # Load each model (x checkpoint) once through transformer_lens and keep its attention weights.
-# A checkpoint: the number of layer-pair blocks downstream depends on the model's layer count.
 
 
-checkpoint extract:
+rule extract:
     output:
         tensors=WEIGHTS_TENSORS,
         meta=WEIGHTS_META,

@@ -1,0 +1,117 @@
+"""Token space: the QR route equals brute force over d_vocab x d_vocab matrices, and the
+invariances math.md derives hold (token space survives every GL(n) change of residual basis)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from compatlas.composition import COMPS, METRICS
+from compatlas.scores import score_block
+from compatlas.token_space import embedding_basis, to_space
+from compatlas.weights import AttentionWeights
+
+torch.set_default_dtype(torch.float64)
+L, H, HKV, D, DH, VOCAB = 3, 4, 2, 16, 4, 300
+
+
+def random_model(seed: int = 0) -> AttentionWeights:
+    g = torch.Generator().manual_seed(seed)
+    r = lambda *s: torch.randn(*s, generator=g)  # noqa: E731
+    # uneven column scales in W_E, so token space differs from residual space
+    W_E = r(VOCAB, D) * torch.logspace(-1, 1, D)
+    return AttentionWeights(W_Q=r(L, H, D, DH), W_K=r(L, HKV, D, DH), W_V=r(L, HKV, D, DH), W_O=r(L, H, DH, D),
+                            W_E=W_E, W_U=r(D, VOCAB), meta={"model": "t", "norm_type": "RMS"})
+
+
+def brute_token_scores(w: AttentionWeights, metric: str, comp: str, l1: int, l2: int) -> torch.Tensor:
+    """Scores from the d_vocab x d_vocab token-space matrices: OV -> W_E OV W_E^+, QK -> W_E QK W_E^T."""
+    W_K, W_V = w.expanded_kv()
+    E, E_pinv = w.W_E, torch.linalg.pinv(w.W_E)
+    out = torch.zeros(H, H)
+    for h1 in range(H):
+        Lt = E @ W_V[l1, h1] @ w.W_O[l1, h1] @ E_pinv
+        write_rows = w.W_O[l1, h1] @ E_pinv  # token-space rows the writer can produce
+        for h2 in range(H):
+            A = {"Q": w.W_Q[l2, h2], "K": W_K[l2, h2], "V": W_V[l2, h2]}[comp]
+            Rt = {"Q": E @ w.W_Q[l2, h2] @ W_K[l2, h2].T @ E.T, "K": E @ W_K[l2, h2] @ w.W_Q[l2, h2].T @ E.T,
+                  "V": E @ W_V[l2, h2] @ w.W_O[l2, h2] @ E_pinv}[comp]
+            if metric == "frobenius":
+                out[h1, h2] = (Lt @ Rt).norm() / (Lt.norm() * Rt.norm())
+            elif metric == "svd_bound":
+                sL, sR = torch.linalg.svdvals(Lt)[:DH], torch.linalg.svdvals(Rt)[:DH]
+                out[h1, h2] = (Lt @ Rt).norm() / (sL.pow(2) @ sR.pow(2)).sqrt()
+            else:
+                U1 = torch.linalg.svd(write_rows.T, full_matrices=False)[0]
+                U2 = torch.linalg.svd(E @ A, full_matrices=False)[0]
+                out[h1, h2] = (U1.T @ U2).norm() ** 2 / DH
+    return out
+
+
+@pytest.mark.parametrize("metric", METRICS)
+def test_token_space_equals_brute_force(metric):
+    w = random_model()
+    df, facts = score_block(w, metric, "token", [(0, 1), (0, 2), (1, 2)], baseline_samples=4, device="cpu", dtype="float64")
+    assert facts["embedding_clamped"] == 0
+    for comp in COMPS:
+        for l1, l2 in [(0, 1), (1, 2)]:
+            got = df.filter((df["comp"] == comp) & (df["writer_layer"] == l1) & (df["reader_layer"] == l2)).sort(["writer_head", "reader_head"])
+            want = brute_token_scores(w, metric, comp, l1, l2).flatten()
+            torch.testing.assert_close(torch.tensor(got["score"].to_numpy()), want, atol=1e-6, rtol=0)
+
+
+def transform(w: AttentionWeights, T: torch.Tensor) -> AttentionWeights:
+    """x -> x T: writers and W_E times T on the right, readers T^-1 on the left (norms ignored)."""
+    Ti = torch.linalg.inv(T)
+    return AttentionWeights(W_Q=Ti @ w.W_Q, W_K=Ti @ w.W_K, W_V=Ti @ w.W_V, W_O=w.W_O @ T, W_E=w.W_E @ T,
+                            W_U=Ti @ w.W_U, meta=w.meta)
+
+
+def scores(w: AttentionWeights, metric: str, space: str) -> torch.Tensor:
+    df, _ = score_block(w, metric, space, [(0, 1), (0, 2), (1, 2)], baseline_samples=4, device="cpu", dtype="float64")
+    return torch.tensor(df["score"].to_numpy())
+
+
+def random_T(kind: str, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    O = torch.linalg.qr(torch.randn(D, D, generator=g))[0]
+    if kind == "orthogonal_scale":
+        return 3.7 * O
+    if kind == "permutation":
+        return torch.eye(D)[torch.randperm(D, generator=g)]
+    if kind == "diagonal":
+        return torch.diag(torch.logspace(-2, 2, D)[torch.randperm(D, generator=g)])
+    O2 = torch.linalg.qr(torch.randn(D, D, generator=g))[0]
+    return O @ torch.diag(torch.logspace(-1.5, 1.5, D)) @ O2  # general GL(n)
+
+
+@pytest.mark.parametrize("metric", METRICS)
+@pytest.mark.parametrize("kind", ["permutation", "orthogonal_scale", "diagonal", "gl"])
+def test_invariance_classes(metric, kind):
+    w = random_model(1)
+    wt = transform(w, random_T(kind, 7))
+    token_change = (scores(w, metric, "token") - scores(wt, metric, "token")).abs().max()
+    assert token_change < 1e-8, f"token space must survive {kind}"
+    residual_change = (scores(w, metric, "residual") - scores(wt, metric, "residual")).abs().max()
+    if kind in ("permutation", "orthogonal_scale"):
+        assert residual_change < 1e-10
+    else:
+        assert residual_change > 1e-2, f"residual {metric} should move under {kind}"
+
+
+def test_bad_conditioning_is_clamped_and_reported():
+    w = random_model()
+    W_E = w.W_E.clone()
+    W_E[:, -1] = W_E[:, 0] * 1.0 + 1e-12 * W_E[:, -1]  # nearly rank-deficient
+    basis = embedding_basis(W_E, max_condition=1e6)
+    assert basis.condition > 1e9 and basis.n_clamped >= 1
+    assert torch.isfinite(basis.R_inv).all()
+    ws, facts = to_space(AttentionWeights(**{**w.__dict__, "W_E": W_E}), "token")
+    assert facts["embedding_clamped"] >= 1 and torch.isfinite(ws.W_O).all()
+
+
+def test_token_norm_normalises_rows():
+    w = random_model()
+    ws, facts = to_space(w, "token_norm")
+    assert facts["embedding_condition"] >= 1
+    assert ws.W_Q.shape == w.W_Q.shape

@@ -11,6 +11,7 @@ configfile: "config/config.yaml"
 include: "workflow/common.smk"
 include: "workflow/extract.smk"
 include: "workflow/composition.smk"
+include: "workflow/audit.smk"
 include: "workflow/atlas.smk"
 include: "workflow/report.smk"
 

@@ -121,6 +121,39 @@ class Timer:
         return time.perf_counter() - t0, out
 
 
+def time_spectrum_baseline(timer: "Timer", f, metric: str, comp: str, l1: int, l2: int, d_model: int,
+                           seed: int, repeats: int = 1) -> dict:
+    """Time ``spectrum_baseline`` (n = N_BASELINE) for one layer pair, whichever API the kernel has:
+
+    - ``spectrum_baseline(metric, w_norm, w_sv, r_norm, r_sv, P2)`` (P2 drawn once per comp and
+      job by ``haar_overlap_blocks(...) ** 2``, then one einsum per layer pair): the draw is
+      timed separately (``draw_s``) and is not part of the per-pair cost;
+    - ``spectrum_baseline(metric, w_norm, w_sv, r_norm, r_sv, d_model, n, seed)`` (draws inside).
+    """
+    import inspect
+
+    from compatlas import composition as C
+
+    args = (f.writer_norm[l1], f.writer_sv[l1], f.reader_norm[comp][l2], f.reader_sv[comp][l2])
+    sv = f.writer_sv
+    params = inspect.signature(C.spectrum_baseline).parameters
+    out: dict = {"api": "P2" if "P2" in params else "d_model, n, seed"}
+    if "P2" in params:
+        kw = {"device": sv.device} if "device" in inspect.signature(C.haar_overlap_blocks).parameters else {}
+
+        def draw():
+            return C.haar_overlap_blocks(d_model, sv.shape[-1], N_BASELINE, seed, **kw).pow(2).to(sv)
+
+        draws = [timer(draw) for _ in range(repeats)]
+        out["draw_s"] = statistics.median(t for t, _ in draws)
+        P2 = draws[-1][1]
+        ts = [timer(C.spectrum_baseline, metric, *args, P2)[0] for _ in range(repeats)]
+    else:
+        ts = [timer(C.spectrum_baseline, metric, *args, d_model, N_BASELINE, seed)[0] for _ in range(repeats)]
+    out["median_s"], out["min_s"] = statistics.median(ts), min(ts)
+    return out
+
+
 def cuda_peak_mib(device: str) -> float | None:
     if not device.startswith("cuda"):
         return None
@@ -146,7 +179,7 @@ def memory_block(device: str, baseline_maxrss: float, baseline_rss: float) -> di
 def child_ours(cfg: dict, workdir: Path) -> dict:
     import torch
 
-    from compatlas.composition import COMPS, head_factors, layer_pair_scores, spectrum_baseline, stable_seed
+    from compatlas.composition import COMPS, head_factors, layer_pair_scores, stable_seed
 
     device, shape, repeats = cfg["device"], SHAPES[cfg["gpt2_shape"]], cfg["repeats"]
     L, H = shape["n_layers"], shape["n_heads"]
@@ -183,13 +216,9 @@ def child_ours(cfg: dict, workdir: Path) -> dict:
 
     # spectrum_baseline for one layer pair (0, 1), after the memory reading
     f = head_factors(w, "frobenius")
-    sb = {}
-    for comp in COMPS:
-        args = (f.writer_norm[0], f.writer_sv[0], f.reader_norm[comp][1], f.reader_sv[comp][1])
-        seed = stable_seed(SEED, comp, 0, 1)
-        ts = [timer(spectrum_baseline, "frobenius", *args, shape["d_model"], N_BASELINE, seed)[0] for _ in range(repeats)]
-        sb[comp] = {"median_s": statistics.median(ts), "min_s": min(ts)}
-    res["spectrum_baseline_frobenius"] = sb
+    res["spectrum_baseline_frobenius"] = {
+        comp: time_spectrum_baseline(timer, f, "frobenius", comp, 0, 1, shape["d_model"], stable_seed(SEED, comp, 0, 1), repeats)
+        for comp in COMPS}
     return res
 
 
@@ -281,7 +310,7 @@ def float64_check(w32, ref32: dict, workdir: Path, FactoredMatrix, composition_s
 def child_big(cfg: dict, workdir: Path) -> dict:
     import torch
 
-    from compatlas.composition import COMPS, METRICS, head_factors, layer_pair_scores, spectrum_baseline, stable_seed
+    from compatlas.composition import COMPS, METRICS, head_factors, layer_pair_scores, stable_seed
 
     device, shape = cfg["device"], SHAPES[cfg["big_shape"]]
     timer = Timer(device)
@@ -303,19 +332,23 @@ def child_big(cfg: dict, workdir: Path) -> dict:
     for metric in METRICS:
         t_hf, f = timer(head_factors, w, metric)  # all three comps at once, as the pipeline does
         log(f"{metric}: head_factors (2 layers, Q/K/V) {t_hf:.2f} s")
-        pair, sb = {}, {}
+        pair, sb, sb_detail = {}, {}, {}
         for comp in COMPS:
             pair[comp], _ = timer(layer_pair_scores, f, 0, [1], comp)
-            args = (f.writer_norm[0], f.writer_sv[0], f.reader_norm[comp][1], f.reader_sv[comp][1])
-            sb[comp], _ = timer(spectrum_baseline, metric, *args, shape["d_model"], N_BASELINE, stable_seed(SEED, metric, comp, 0, 1))
-            log(f"{metric} {comp}: layer pair {pair[comp]:.2f} s, spectrum_baseline {sb[comp] * 1e3:.1f} ms")
+            sb_detail[comp] = time_spectrum_baseline(timer, f, metric, comp, 0, 1, shape["d_model"],
+                                                     stable_seed(SEED, metric, comp, 0, 1), repeats=3)
+            sb[comp] = sb_detail[comp]["median_s"]
+            draw = sb_detail[comp].get("draw_s")
+            log(f"{metric} {comp}: layer pair {pair[comp]:.2f} s, spectrum_baseline {sb[comp] * 1e3:.1f} ms"
+                + (f" (+ P2 draw once per job {draw * 1e3:.0f} ms)" if draw is not None else ""))
         del f
         gc.collect()
         est_hf = t_hf / 2 * L
         est_pairs = sum(pair.values()) * n_pairs
-        est_sb = sum(sb.values()) * n_pairs
+        est_sb = sum(sb.values()) * n_pairs  # per layer pair; a P2 draw (if any) is once per job: not included
         res["metrics"][metric] = {
             "head_factors_2_layers_s": t_hf, "layer_pair_s": pair, "spectrum_baseline_s": sb,
+            "spectrum_baseline_detail": sb_detail,
             "estimate_s": {"head_factors": est_hf, "pair_scores": est_pairs, "kernel_total": est_hf + est_pairs,
                            "spectrum_baselines": est_sb, "total_with_baselines": est_hf + est_pairs + est_sb},
         }
@@ -416,7 +449,7 @@ def report(results: dict) -> None:
     print()
     print(f"compatlas composition benchmark  {env['date']}  host {env['hostname']}  device {env['device']}")
     print(f"  {env['cpu']} x {env['cpu_count']} cores, torch {env['torch']} ({env['torch_threads']} threads), "
-          f"transformer_lens {env['transformer_lens']}")
+          f"transformer_lens {env['transformer_lens']}, compatlas/composition.py sha256 {env['kernel_sha256'][:12]}")
     s = p1["shape"]
     print(f"\n[1] {s['name']}: {s['n_layers']} layers x {s['n_heads']} heads, d_model {s['d_model']}, d_head {s['d_head']}; "
           "frobenius, float32, random Gaussian weights (seed 0)")
@@ -468,7 +501,9 @@ def report(results: dict) -> None:
     if ours:
         sb = ours["spectrum_baseline_frobenius"]
         print(f"    spectrum_baseline, one layer pair, n={N_BASELINE}, frobenius: "
-              + ", ".join(f"{c} {sb[c]['median_s'] * 1e3:.2f} ms" for c in ("Q", "K", "V")))
+              + ", ".join(f"{c} {sb[c]['median_s'] * 1e3:.2f} ms" for c in ("Q", "K", "V"))
+              + (" (+ P2 draw, once per comp and job: " + ", ".join(f"{c} {sb[c]['draw_s'] * 1e3:.1f} ms" for c in ("Q", "K", "V")) + ")"
+                 if "draw_s" in sb["Q"] else ""))
 
     big = results.get("big")
     if big:
@@ -488,6 +523,10 @@ def report(results: dict) -> None:
                   + f"{e['head_factors'] / 3600:>8.2f} h{e['pair_scores'] / 3600:>10.2f} h"
                   + f"{e['kernel_total'] / 3600:>11.2f} h{e['total_with_baselines'] / 3600:>11.2f} h")
         print(f"    all three metrics, Q/K/V, with spectrum baselines: {tot / 3600:.2f} h on this device")
+        draws = [m["spectrum_baseline_detail"][c].get("draw_s") for m in big["metrics"].values() for c in ("Q", "K", "V")]
+        if all(d is not None for d in draws):
+            print(f"    (P2 draws for the spectrum baseline, once per comp and job, not in the estimate: "
+                  f"{min(draws) * 1e3:.0f}-{max(draws) * 1e3:.0f} ms each)")
         if big.get("foreign_cpu_fraction", 0) > 0.05:
             print(f"    WARNING: other processes used {big['foreign_cpu_s']:.0f} CPU-s "
                   f"({big['foreign_cpu_fraction']:.0%} of the machine) while this part ran")
@@ -495,6 +534,12 @@ def report(results: dict) -> None:
               f"(baseline {fmt_mib(big['memory']['baseline_maxrss_mib'])})"
               + (f", CUDA peak allocated {fmt_mib(big['memory']['cuda_peak_allocated_mib'])}"
                  if big["memory"]["cuda_peak_allocated_mib"] is not None else ""))
+
+
+def kernel_sha256() -> str:
+    import hashlib
+
+    return hashlib.sha256((ROOT / "compatlas" / "composition.py").read_bytes()).hexdigest()
 
 
 def environment(device: str, quick: bool) -> dict:
@@ -514,6 +559,7 @@ def environment(device: str, quick: bool) -> dict:
     except md.PackageNotFoundError:
         tl = None
     return {
+        "kernel_sha256": kernel_sha256(),  # which version of compatlas/composition.py was timed
         "date": _dt.datetime.now().astimezone().isoformat(timespec="seconds"),
         "hostname": socket.gethostname(), "device": device, "quick": quick,
         "command": " ".join([Path(sys.executable).name, *sys.argv]),
@@ -541,7 +587,9 @@ def main() -> int:
 
     if args._child:  # a measured part, in its own process
         workdir = Path(args._workdir)
+        sha = kernel_sha256()
         res = CHILDREN[args._child](json.loads(args._config), workdir)
+        res["kernel_sha256"] = sha
         (workdir / f"{args._child}.json").write_text(json.dumps(res))
         return 0
 
@@ -596,6 +644,11 @@ def main() -> int:
                 big["shape"] = SHAPES[cfg["big_shape"]]
                 results["big"] = big
     results["total_wall_s"] = time.perf_counter() - t_start
+    shas = {results["environment"]["kernel_sha256"], kernel_sha256()} | {
+        r.get("kernel_sha256") for r in (results["gpt2"].get("ours"), results["gpt2"].get("reference"), results.get("big")) if r}
+    results["kernel_changed_during_run"] = len(shas - {None}) > 1
+    if results["kernel_changed_during_run"]:
+        print("!! compatlas/composition.py changed while the benchmark ran: parts timed different versions", file=sys.stderr)
 
     report(results)
     out = args.json or ROOT / "benchmarks" / "results" / (

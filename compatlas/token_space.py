@@ -44,12 +44,22 @@ def normalised_embedding(w: AttentionWeights) -> torch.Tensor:
     return E
 
 
-def embedding_basis(W_E: torch.Tensor, max_condition: float = DEFAULT_MAX_CONDITION) -> EmbeddingBasis:
-    """R_E and its inverse from W_E [d_vocab, d_model], in float64; never d_vocab x d_vocab."""
+def embedding_factor(W_E: torch.Tensor) -> torch.Tensor:
+    """A d_model x d_model R with ``W_E = Q R`` (Q orthonormal columns): the thin QR, in float64.
+
+    The one O(d_vocab d_model^2) step of token space, done once per model at extraction.
+    Under ``x -> x T``, ``W_E T = Q (R T)``: the factor of a transformed model is ``R T``."""
     W = W_E.double()
     if W.shape[0] < W.shape[1]:
         raise ValueError(f"W_E is {tuple(W.shape)}: token space needs d_vocab >= d_model")
-    R0 = torch.linalg.qr(W, mode="r").R  # d_model x d_model; W = Q0 R0
+    return torch.linalg.qr(W, mode="r").R
+
+
+def embedding_basis(W_E: torch.Tensor | None = None, max_condition: float = DEFAULT_MAX_CONDITION,
+                    factor: torch.Tensor | None = None) -> EmbeddingBasis:
+    """R_E = S V^T and its inverse from W_E [d_vocab, d_model] (or from a factor R with
+    W_E = Q R); never d_vocab x d_vocab."""
+    R0 = embedding_factor(W_E) if factor is None else factor.double()
     _, S, Vh = torch.linalg.svd(R0)  # W = (Q0 U) S Vh
     condition = float(S[0] / S[-1]) if S[-1] > 0 else float("inf")
     floor = S[0] / max_condition
@@ -70,14 +80,29 @@ def change_basis(w: AttentionWeights, R: torch.Tensor, R_inv: torch.Tensor) -> A
     )
 
 
+def add_space_factors(w: AttentionWeights) -> None:
+    """Compute each token space's factor once (at extraction) and record its condition number."""
+    for space in SPACES[1:]:
+        R = embedding_factor(w.W_E if space == "token" else normalised_embedding(w))
+        w.extras[f"R_{space}"] = R  # kept in float64: the basis change is sensitive to conditioning
+        S = torch.linalg.svdvals(R)
+        w.meta[f"{space}_condition"] = float(S[0] / S[-1]) if S[-1] > 0 else float("inf")
+
+
+def space_factor(w: AttentionWeights, space: str) -> torch.Tensor:
+    """The factor R of the space's embedding (stored at extraction when available)."""
+    if f"R_{space}" in w.extras:
+        return w.extras[f"R_{space}"]
+    return embedding_factor(w.W_E if space == "token" else normalised_embedding(w))
+
+
 def to_space(w: AttentionWeights, space: str, max_condition: float = DEFAULT_MAX_CONDITION) -> tuple[AttentionWeights, dict]:
     """The model's weights in the given space, plus facts about the basis (condition number...)."""
     if space == "residual":
         return w, {}
     if space not in SPACES:
         raise ValueError(f"unknown space {space!r}; choose from {SPACES}")
-    E = w.W_E if space == "token" else normalised_embedding(w)
-    basis = embedding_basis(E, max_condition)
+    basis = embedding_basis(max_condition=max_condition, factor=space_factor(w, space))
     return change_basis(w, basis.R, basis.R_inv), {
         "embedding_condition": basis.condition, "embedding_clamped": basis.n_clamped, "max_condition": max_condition,
     }

@@ -43,6 +43,8 @@ class AttentionWeights:
     ln1_w: torch.Tensor | None = None
     ln_final_w: torch.Tensor | None = None
     meta: dict[str, Any] = field(default_factory=dict)
+    # derived per-model tensors computed once at extraction (e.g. the token-space factor R_E)
+    extras: dict[str, torch.Tensor] = field(default_factory=dict)
 
     @property
     def n_layers(self) -> int:
@@ -102,14 +104,15 @@ class AttentionWeights:
             W_Q=self.W_Q[idx], W_K=self.W_K[idx], W_V=self.W_V[idx], W_O=self.W_O[idx],
             W_E=self.W_E, W_U=self.W_U,
             ln1_w=None if self.ln1_w is None else self.ln1_w[idx],
-            ln_final_w=self.ln_final_w, meta=self.meta,
+            ln_final_w=self.ln_final_w, meta=self.meta, extras=self.extras,
         )
 
     def to(self, device: torch.device | str, dtype: torch.dtype) -> "AttentionWeights":
         def cast(t: torch.Tensor | None) -> torch.Tensor | None:
             return None if t is None else t.to(device=device, dtype=dtype)
 
-        return AttentionWeights(**{k: cast(getattr(self, k)) for k in WEIGHT_KEYS}, meta=self.meta)
+        return AttentionWeights(**{k: cast(getattr(self, k)) for k in WEIGHT_KEYS}, meta=self.meta,
+                                extras={k: cast(v) for k, v in self.extras.items()})
 
 
 def file_sha256(path: str | os.PathLike, chunk: int = 1 << 22) -> str:
@@ -129,6 +132,7 @@ def save_weights(w: AttentionWeights, tensors_path: str | os.PathLike, meta_path
 
     w.validate()
     tensors = {k: getattr(w, k).detach().contiguous().cpu() for k in WEIGHT_KEYS if getattr(w, k) is not None}
+    tensors.update({f"extra.{k}": v.detach().contiguous().cpu() for k, v in w.extras.items()})
     with atomic_path(tensors_path) as tmp:
         save_file(tensors, str(tmp))
     meta = dict(w.meta)
@@ -166,6 +170,7 @@ def load_weights(tensors_path: str | os.PathLike, meta_path: str | os.PathLike, 
     missing = [k for k in ("W_Q", "W_K", "W_V", "W_O", "W_E") if k not in tensors]
     if missing:
         raise CorruptShardError(f"weight shard {tensors_path} lacks {missing}")
-    w = AttentionWeights(**{k: tensors.get(k) for k in WEIGHT_KEYS}, meta=meta)
+    extras = {k.removeprefix("extra."): v for k, v in tensors.items() if k.startswith("extra.")}
+    w = AttentionWeights(**{k: tensors.get(k) for k in WEIGHT_KEYS}, meta=meta, extras=extras)
     w.validate()
     return w

@@ -3,6 +3,8 @@ from compatlas.atlas import build_atlas
 from compatlas.logs import setup
 
 log = setup(snakemake.log[0])
-build_atlas(snakemake.output[0], list(snakemake.input.shards), list(snakemake.input.metas))
-log.info("atlas %s: %d composition shards, %d models", snakemake.output[0], len(snakemake.input.shards),
+shards = {"composition": list(snakemake.input.shards), "invariance": list(snakemake.input.invariance),
+          "metric_audit": list(snakemake.input.metric_audit)}
+build_atlas(snakemake.output[0], shards, list(snakemake.input.metas))
+log.info("atlas %s: %s shards, %d models", snakemake.output[0], {k: len(v) for k, v in shards.items()},
          len(snakemake.input.metas))

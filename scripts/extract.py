@@ -8,10 +8,12 @@ if snakemake.params.entry["source"]["kind"] != "hub":
 
 from compatlas.loading import load_and_extract  # noqa: E402
 from compatlas.logs import setup  # noqa: E402
+from compatlas.token_space import add_space_factors  # noqa: E402
 from compatlas.weights import save_weights  # noqa: E402
 
 log = setup(snakemake.log[0])
 w, _ = load_and_extract(snakemake.wildcards.model, snakemake.params.entry, snakemake.params.checkpoint,
                         Path(snakemake.params.workdir))
+add_space_factors(w)  # token-space QR of W_E: once per model
 save_weights(w, snakemake.output.tensors, snakemake.output.meta)
 log.info("wrote %s", snakemake.output.tensors)

@@ -50,8 +50,8 @@ def expected_rows(n_layers: int, n_heads: int) -> int:
 def test_views_hold_every_score(pipeline_run: Path):
     con = duckdb.connect(str(pipeline_run / "results" / "atlas.duckdb"), read_only=True)
     rows = dict(con.execute("SELECT model, count(*) FROM composition GROUP BY model").fetchall())
-    # tiny-gpt2: 3 layers x 2 heads; tiny-llama: 3 layers x 4 heads; 3 metrics x 3 comps
-    assert rows == {"tiny-gpt2": 9 * expected_rows(3, 2), "tiny-llama": 9 * expected_rows(3, 4)}
+    # tiny-gpt2: 3 layers x 2 heads; tiny-llama: 3 layers x 4 heads; 3 metrics x 3 comps x 2 spaces
+    assert rows == {"tiny-gpt2": 18 * expected_rows(3, 2), "tiny-llama": 18 * expected_rows(3, 4)}
     assert con.execute("SELECT count(*) FROM composition WHERE writer_layer >= reader_layer").fetchone()[0] == 0
     assert con.execute("SELECT min(score) >= 0 AND max(score) <= 1 + 1e-9 FROM composition").fetchone()[0]
     assert con.execute("SELECT count(*) FROM composition WHERE baseline_spectrum_std IS NULL OR baseline_gaussian_mean IS NULL").fetchone()[0] == 0
@@ -64,11 +64,31 @@ def test_views_hold_every_score(pipeline_run: Path):
     assert len(top) == 10 and top[0][4] >= top[-1][4]
 
 
+def test_audit_views(pipeline_run: Path):
+    con = duckdb.connect(str(pipeline_run / "results" / "atlas.duckdb"), read_only=True)
+    inv = con.execute("""SELECT space, transform, min(spearman), max(max_abs_change) FROM invariance
+                         WHERE metric = 'frobenius' GROUP BY ALL""").fetchall()
+    by = {(s, t): (rho, change) for s, t, rho, change in inv}
+    assert len(by) == 2 * 5  # spaces x transform classes
+    for t in ("permutation", "orthogonal", "orthogonal_scale", "diagonal", "gl"):
+        assert by[("token", t)][1] < 1e-8  # token space survives every class
+    assert by[("residual", "orthogonal")][1] < 1e-8
+    assert by[("residual", "diagonal")][1] > 1e-3 and by[("residual", "gl")][1] > 1e-3
+    # 3 metrics x 2 spaces x 4 axioms; the headline: frobenius fails Axiom 1 (identity -> d^-1/2)
+    cells = con.execute("SELECT metric, space, axiom, bool_and(passed) FROM metric_audit GROUP BY ALL").fetchall()
+    assert len(cells) == 3 * 2 * 4
+    verdict = {(m, s, a): p for m, s, a, p in cells}
+    assert not verdict[("frobenius", "residual", "axiom1_full")]
+    assert verdict[("subspace", "token", "axiom4_invariant")] and not verdict[("subspace", "residual", "axiom4_invariant")]
+    assert con.execute("SELECT token_condition > 1 FROM models WHERE model = 'tiny-gpt2'").fetchone()[0]
+
+
 def test_shards_are_hive_partitioned_with_provenance(pipeline_run: Path):
     from compatlas.storage import read_provenance
 
     shards = sorted((pipeline_run / "results" / "composition").rglob("*.parquet"))
-    assert len(shards) == 2 * 3 * 2  # models x metrics x blocks
+    assert shards[0].name == "block=0.parquet"
+    assert len(shards) == 2 * 3 * 2 * 2  # models x metrics x spaces x blocks
     prov = read_provenance(shards[0])
     assert shards[0].parent.parent.parent.parent.name.startswith("model=")
     for key in ("model", "checkpoint", "processing", "metric", "space", "versions", "source_checksum", "weights_sha256"):
@@ -95,10 +115,10 @@ def test_adding_a_model_runs_only_its_jobs(pipeline_run: Path, tmp_path: Path):
     ran = [line.split("rule ")[1].rstrip(":") for line in proc.stderr.splitlines() if line.strip().startswith(("rule ", "localrule "))]
     assert all(sha(p) == h for p, h in before.items()), "old shards were rewritten"
     new = sorted((work / "results" / "composition" / "model=tiny-extra").rglob("*.parquet"))
-    assert len(new) == 3  # one block, three metrics
+    assert len(new) == 6  # one block, three metrics, two spaces
     jobs = [line for line in proc.stderr.splitlines() if line.strip().startswith("wildcards:")]
     assert jobs and all("tiny-extra" in j for j in jobs), jobs
-    assert ran.count("composition") == 3, ran
+    assert ran.count("composition") == 6 and ran.count("invariance") == 1 and "metric_audit" not in ran, ran
 
 
 def test_bad_config_fails_before_any_job(tmp_path: Path):

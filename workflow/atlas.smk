@@ -4,6 +4,8 @@
 rule atlas:
     input:
         shards=composition_shards,
+        invariance=invariance_shards,
+        metric_audit=f"{RESULTS}/metric_audit/metric_audit.parquet",
         metas=all_metas,
     output:
         f"{RESULTS}/atlas.duckdb",

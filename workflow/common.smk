@@ -16,6 +16,7 @@ LOGS = f"{RESULTS}/logs"
 
 WEIGHTS_TENSORS = f"{RESULTS}/weights/{{model}}/{{checkpoint}}/weights.safetensors"
 WEIGHTS_META = f"{RESULTS}/weights/{{model}}/{{checkpoint}}/meta.json"
+INVARIANCE = f"{RESULTS}/invariance/model={{model}}/checkpoint={{checkpoint}}/invariance.parquet"
 SHARD = f"{RESULTS}/composition/model={{model}}/checkpoint={{checkpoint}}/metric={{metric}}/space={{space}}/block={{block}}.parquet"
 
 
@@ -56,6 +57,12 @@ def composition_shards(wildcards):
         grid = dict(model=model, checkpoint=ckpt, metric=config["metrics"], space=config["spaces"])
         shards += expand(SHARD, block=range(model_blocks(model)), **grid)
     return shards
+
+
+def invariance_shards(wildcards):
+    if not config["invariance"]["enabled"]:
+        return []
+    return [INVARIANCE.format(model=m, checkpoint=c) for m, c in model_checkpoint_pairs()]
 
 
 def all_metas(wildcards):

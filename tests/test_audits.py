@@ -1,0 +1,74 @@
+"""The invariance audit's transform preserves the network's function, and the metric audit's
+constructions give values derived by hand."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from compatlas.composition import COMPS
+from compatlas.invariance import TRANSFORMS, apply_transform, compare, random_transform, sample_layer_pairs
+from compatlas.metric_audit import constructions, score
+from compatlas.weights import AttentionWeights
+
+D, DH = 12, 3
+
+
+@pytest.mark.parametrize("kind", TRANSFORMS)
+def test_transform_preserves_attention_and_outputs(kind):
+    g = torch.Generator().manual_seed(0)
+    r = lambda *s: torch.randn(*s, generator=g, dtype=torch.float64)  # noqa: E731
+    w = AttentionWeights(W_Q=r(1, 2, D, DH), W_K=r(1, 2, D, DH), W_V=r(1, 2, D, DH), W_O=r(1, 2, DH, D),
+                         W_E=r(40, D), W_U=r(D, 40))
+    T = random_transform(kind, D, seed=3)
+    wt = apply_transform(w, T)
+    x = w.W_E[:5]  # residual rows (embeddings); in the new basis they are x T
+    xt = wt.W_E[:5]
+    torch.testing.assert_close(xt, x @ T)
+    for h in range(2):
+        logits = (x @ w.W_Q[0, h]) @ (x @ w.W_K[0, h]).T
+        torch.testing.assert_close((xt @ wt.W_Q[0, h]) @ (xt @ wt.W_K[0, h]).T, logits)
+        # what the head writes, read out through W_U, is unchanged
+        torch.testing.assert_close(xt @ wt.W_V[0, h] @ wt.W_O[0, h] @ wt.W_U, x @ w.W_V[0, h] @ w.W_O[0, h] @ w.W_U)
+
+
+def test_transform_classes_have_their_shape():
+    P = random_transform("permutation", D, 1)
+    assert set(P.sum(0).tolist()) == {1.0} and set(P.unique().tolist()) == {0.0, 1.0}
+    O = random_transform("orthogonal_scale", D, 1)
+    c = (O @ O.T)[0, 0]
+    torch.testing.assert_close(O @ O.T, c * torch.eye(D, dtype=torch.float64))
+    Dg = random_transform("diagonal", D, 1, log10_range=2.0)
+    assert torch.count_nonzero(Dg - torch.diag(torch.diagonal(Dg))) == 0
+    assert 1e-2 <= Dg.diagonal().min() and Dg.diagonal().max() <= 1e2
+
+
+def test_compare_and_sampling():
+    before = np.array([0.9, 0.1, 0.5, 0.3])
+    out = compare(before, before[::-1].copy(), top_k=2)
+    # ranks [4,1,3,2] vs [2,3,1,4]: sum d^2 = 16, rho = 1 - 6*16/(4*15) = -0.6
+    assert out["spearman"] == pytest.approx(-0.6) and out["top_k_overlap"] == 0.0 and not out["top_k_kept"]
+    assert compare(before, 2 * before, top_k=2)["spearman"] == pytest.approx(1.0)
+    pairs = sample_layer_pairs(list(range(10)), 7, seed=1)
+    assert len(pairs) == 7 and pairs == sorted(set(pairs)) and all(a < b for a, b in pairs)
+    assert sample_layer_pairs(list(range(4)), 0, seed=1) == [(a, b) for a in range(4) for b in range(a + 1, 4)]
+
+
+@pytest.mark.parametrize("d", [4, 16, 64])
+def test_identity_construction_values(d):
+    factors = constructions()["axiom1_full"][f"identity_d{d}"]
+    for c in COMPS:
+        assert score("frobenius", "residual", c, factors) == pytest.approx(d ** -0.5, abs=1e-12)
+        assert score("svd_bound", "residual", c, factors) == pytest.approx(1.0, abs=1e-12)
+        assert score("subspace", "token", c, factors) == pytest.approx(1.0, abs=1e-12)
+
+
+def test_rotation_sweep_subspace_is_cos_squared():
+    # every principal angle between the write rows (cos t U_in + sin t U_out) and U_in is t
+    sweep = constructions()["axiom3_sweep"]
+    thetas = np.linspace(math.pi / 2, 0.0, len(sweep))
+    for theta, factors in zip(thetas, sweep.values()):
+        assert score("subspace", "residual", "Q", factors) == pytest.approx(math.cos(theta) ** 2, abs=1e-10)

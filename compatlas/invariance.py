@@ -9,11 +9,13 @@ untransformed scores: Spearman rank correlation, max absolute change, top-k over
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import polars as pl
 import torch
 
-from compatlas.composition import COMPS, head_factors, layer_pair_scores, layer_pairs, stable_seed
+from compatlas.composition import COMPS, HeadFactors, head_factors, layer_pair_scores, layer_pairs, stable_seed
 from compatlas.token_space import to_space
 from compatlas.weights import AttentionWeights
 
@@ -52,14 +54,16 @@ def apply_transform(w: AttentionWeights, T: torch.Tensor) -> AttentionWeights:
     # token_norm's row normalisation does not commute with T, so its factor is recomputed.
     extras = {"R_token": w.extras["R_token"] @ T.to(w.extras["R_token"])} if "R_token" in w.extras else {}
     return AttentionWeights(
-        W_Q=T_inv @ w.W_Q, W_K=T_inv @ w.W_K, W_V=T_inv @ w.W_V, W_O=w.W_O @ T, W_E=w.W_E @ T,
+        W_Q=T_inv @ w.W_Q, W_K=T_inv @ w.W_K, W_V=T_inv @ w.W_V, W_O=w.W_O @ T,
+        W_E=None if w.W_E is None else w.W_E @ T,
         W_U=None if w.W_U is None else T_inv @ w.W_U, meta=w.meta, extras=extras,
     )
 
 
-def model_scores(ws: AttentionWeights, metric: str, pairs: list[tuple[int, int]] | None = None) -> dict[str, torch.Tensor]:
+def model_scores(ws: AttentionWeights, metric: str, pairs: list[tuple[int, int]] | None = None,
+                 factors: HeadFactors | None = None) -> dict[str, torch.Tensor]:
     """Pair scores of a model already in its space (no nulls), per comp, in a fixed pair order."""
-    f = head_factors(ws, metric)
+    f = head_factors(ws, metric) if factors is None else replace(factors, metric=metric)
     pairs = layer_pairs(list(range(ws.n_layers))) if pairs is None else pairs
     readers: dict[int, list[int]] = {}
     for l1, l2 in pairs:
@@ -90,35 +94,43 @@ def compare(before: np.ndarray, after: np.ndarray, top_k: int) -> dict[str, floa
             "top_k": k, "top_k_overlap": overlap, "top_k_kept": bool(overlap == 1.0)}
 
 
-def sample_layer_pairs(layers: list[int], n: int, seed: int) -> list[tuple[int, int]]:
-    """A seeded sample of n layer pairs (all of them when n is 0 or covers them)."""
-    pairs = layer_pairs(layers)
-    if n <= 0 or n >= len(pairs):
-        return pairs
-    rng = np.random.default_rng(stable_seed(seed, "audit-pairs", len(pairs)))
-    return sorted(pairs[i] for i in rng.choice(len(pairs), size=n, replace=False))
+def sample_layers(layers: list[int], n: int) -> list[int]:
+    """n layers spread evenly from the first to the last (all of them when n is 0 or covers them).
+
+    The audit scores every pair among them: per-head factors are then needed for n layers only."""
+    if n <= 0 or n >= len(layers):
+        return list(layers)
+    return [layers[round(i * (len(layers) - 1) / (n - 1))] for i in range(n)] if n > 1 else [layers[0]]
+
+
+def scores_all_metrics(ws: AttentionWeights, metrics: list[str]) -> dict[str, dict[str, torch.Tensor]]:
+    """Every metric's scores on one model; frobenius and svd_bound share their per-head factors."""
+    shared = head_factors(ws, "frobenius") if {"frobenius", "svd_bound"} & set(metrics) else None
+    return {m: model_scores(ws, m, factors=None if m == "subspace" else shared) for m in metrics}
 
 
 def audit(w: AttentionWeights, metrics: list[str], spaces: list[str], *, transforms: tuple[str, ...] = TRANSFORMS,
-          top_k: int = 20, seed: int = 0, log10_range: float = 2.0, pairs: list[tuple[int, int]] | None = None,
+          top_k: int = 20, seed: int = 0, log10_range: float = 2.0, layers: list[int] | None = None,
           max_condition: float = 1e6) -> pl.DataFrame:
-    """One row per transform class x metric x space x comp, over the given layer pairs (all by
-    default). Runs in float64 so that what changes is the metric, not rounding."""
-    w64 = w.to("cpu", torch.float64)
-    w64.ln1_w = None  # norms ignored: the symmetry holds exactly only in the linear setting
-    transformed = {k: apply_transform(w64, random_transform(k, w.d_model, stable_seed(seed, "invariance", k), log10_range))
-                   for k in transforms}
+    """One row per transform class x metric x space x comp, over every head pair of the given
+    layers (all by default). Runs in float64 so that what changes is the metric, not rounding."""
+    w64 = (w if layers is None else w.layers(layers)).to("cpu", torch.float64)
+    # norms ignored: the symmetry holds exactly only in the linear setting. The stored token_norm
+    # factor folds the first norm's weight, so drop it too: both sides recompute it alike.
+    w64.ln1_w = None
+    w64.W_U = None  # not read by any metric; saves a d_model x d_vocab product per transform
+    w64.extras = {k: v for k, v in w64.extras.items() if k != "R_token_norm"}
+    # the untransformed scores once; then one transformed model at a time (memory: two models)
+    base = {s: scores_all_metrics(to_space(w64, s, max_condition)[0], metrics) for s in spaces}
     rows = []
-    for space in spaces:  # each model's basis change (a QR of W_E) once per space
-        base_w = to_space(w64, space, max_condition)[0]
-        moved_w = {k: to_space(wt, space, max_condition)[0] for k, wt in transformed.items()}
-        for metric in metrics:
-            base = model_scores(base_w, metric, pairs)
-            for kind, wt in moved_w.items():
-                moved = model_scores(wt, metric, pairs)
+    for kind in transforms:
+        wt = apply_transform(w64, random_transform(kind, w.d_model, stable_seed(seed, "invariance", kind), log10_range))
+        for space in spaces:
+            moved = scores_all_metrics(to_space(wt, space, max_condition)[0], metrics)
+            for metric in metrics:
                 for c in COMPS:
                     rows.append({"transform": kind, "metric": metric, "space": space, "comp": c,
-                                 **compare(base[c].numpy(), moved[c].numpy(), top_k)})
+                                 **compare(base[space][metric][c].numpy(), moved[metric][c].numpy(), top_k)})
     return pl.DataFrame(rows).with_columns(
         pl.lit(w.meta.get("model", "?")).alias("model"), pl.lit(w.meta.get("checkpoint", "final")).alias("checkpoint"),
         pl.lit(w.meta.get("processing", "none")).alias("processing"), pl.lit(log10_range).alias("log10_scale_range"),

@@ -45,7 +45,7 @@ def score_block(w: AttentionWeights, metric: str, space: str, pairs: list[tuple[
     w_s, facts = to_space(w, space, max_condition)
     w_s = w_s.to(dev, dt)
     f = head_factors(w_s, metric)
-    d_model, d_head, H = w.d_model, w.d_head, w.n_heads
+    d_model, d_head, H = w_s.d_model, w.d_head, w.n_heads  # d_model of the space (token space may drop directions)
     P2 = {c: haar_overlap_blocks(d_model, d_head, baseline_samples, stable_seed(seed, "spectrum", metric, space, c),
                                  device=dev).pow(2).to(dt) for c in COMPS}
     gauss = {c: gaussian_baseline(metric, c, d_model, d_head, baseline_samples,

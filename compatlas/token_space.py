@@ -6,10 +6,13 @@ space in the basis ``z = x R_E^-1``: transform every head once (``W_Q, W_K, W_V 
 ``W_O -> W_O R_E^-1``) and run the unchanged kernel. Under ``x -> x T`` the factor becomes
 ``O^T R_E T`` for an orthogonal O, which no metric sees: token-space scores are invariant.
 
-We take ``R_E = S V^T`` from the SVD of W_E (any factor with ``W_E = Q R``, Q orthonormal,
-works). It gives the condition number for free and a documented remedy when W_E is badly
-conditioned: singular values below ``s_max / max_condition`` are raised to that floor,
-so the basis change stays invertible; the number raised is recorded (0 = exact).
+We take ``R_E = S V^T`` from the SVD of W_E's factor (any factor with ``W_E = Q R``, Q
+orthonormal, works). It gives the condition number for free and the remedy when W_E is badly
+conditioned or rank-deficient (``compat`` processing centres W_E, so its rank is d_model - 1):
+singular values below ``s_max / max_condition`` are dropped. Token space is then the rank-r
+space W_E can embed into, ``R = S_r V_r^T`` (r x d_model) with ``R^+ = V_r S_r^-1``: exactly
+``W_E OV W_E^+`` with the pseudo-inverse, and still invariant (``W_E T`` has the same rank).
+The number dropped is recorded (0 = full rank).
 """
 
 from __future__ import annotations
@@ -22,14 +25,15 @@ from compatlas.weights import AttentionWeights
 
 SPACES = ("residual", "token", "token_norm")
 DEFAULT_MAX_CONDITION = 1e6
+GRAM_MAX_CONDITION = 1e5  # above this, the factor comes from Householder QR (float64 accuracy)
 
 
 @dataclass
 class EmbeddingBasis:
-    R: torch.Tensor  # [d_model, d_model], W_E = Q R
-    R_inv: torch.Tensor
-    condition: float  # of W_E (before any clamping)
-    n_clamped: int
+    R: torch.Tensor  # [r, d_model], W_E ~= Q R over its r kept directions
+    R_inv: torch.Tensor  # [d_model, r], R R_inv = I_r
+    condition: float  # of W_E (before any truncation)
+    n_dropped: int
 
 
 def normalised_embedding(w: AttentionWeights) -> torch.Tensor:
@@ -52,6 +56,13 @@ def embedding_factor(W_E: torch.Tensor) -> torch.Tensor:
     W = W_E.double()
     if W.shape[0] < W.shape[1]:
         raise ValueError(f"W_E is {tuple(W.shape)}: token space needs d_vocab >= d_model")
+    # Cholesky of the Gram matrix gives the same R (up to row signs) several times faster than
+    # Householder QR, but squares the condition number: use it only while that is harmless.
+    L, info = torch.linalg.cholesky_ex(W.T @ W)
+    if info == 0:
+        s = torch.linalg.svdvals(L)
+        if s[-1] > 0 and s[0] / s[-1] < GRAM_MAX_CONDITION:
+            return L.T
     return torch.linalg.qr(W, mode="r").R
 
 
@@ -62,10 +73,10 @@ def embedding_basis(W_E: torch.Tensor | None = None, max_condition: float = DEFA
     R0 = embedding_factor(W_E) if factor is None else factor.double()
     _, S, Vh = torch.linalg.svd(R0)  # W = (Q0 U) S Vh
     condition = float(S[0] / S[-1]) if S[-1] > 0 else float("inf")
-    floor = S[0] / max_condition
-    n_clamped = int((S < floor).sum())
-    S = S.clamp_min(floor)
-    return EmbeddingBasis(R=S[:, None] * Vh, R_inv=Vh.T / S[None, :], condition=condition, n_clamped=n_clamped)
+    keep = S >= S[0] / max_condition
+    S, Vh = S[keep], Vh[keep]
+    return EmbeddingBasis(R=S[:, None] * Vh, R_inv=Vh.T / S[None, :], condition=condition,
+                          n_dropped=int((~keep).sum()))
 
 
 def change_basis(w: AttentionWeights, R: torch.Tensor, R_inv: torch.Tensor) -> AttentionWeights:
@@ -73,10 +84,11 @@ def change_basis(w: AttentionWeights, R: torch.Tensor, R_inv: torch.Tensor) -> A
     def rd(W: torch.Tensor) -> torch.Tensor:
         return (R.to(W) @ W)
 
+    # The vocabulary side is not carried over: the kernel never reads it, and W_E R^-1 alone
+    # would cost a d_vocab x d_model^2 product per call.
     return AttentionWeights(
         W_Q=rd(w.W_Q), W_K=rd(w.W_K), W_V=rd(w.W_V), W_O=w.W_O @ R_inv.to(w.W_O),
-        W_E=w.W_E @ R_inv.to(w.W_E), W_U=None if w.W_U is None else rd(w.W_U),
-        ln1_w=None, ln_final_w=None, meta=w.meta,
+        W_E=None, W_U=None, ln1_w=None, ln_final_w=None, meta=w.meta,
     )
 
 
@@ -104,5 +116,5 @@ def to_space(w: AttentionWeights, space: str, max_condition: float = DEFAULT_MAX
         raise ValueError(f"unknown space {space!r}; choose from {SPACES}")
     basis = embedding_basis(max_condition=max_condition, factor=space_factor(w, space))
     return change_basis(w, basis.R, basis.R_inv), {
-        "embedding_condition": basis.condition, "embedding_clamped": basis.n_clamped, "max_condition": max_condition,
+        "embedding_condition": basis.condition, "embedding_dropped": basis.n_dropped, "max_condition": max_condition,
     }

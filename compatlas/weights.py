@@ -38,7 +38,7 @@ class AttentionWeights:
     W_K: torch.Tensor
     W_V: torch.Tensor
     W_O: torch.Tensor
-    W_E: torch.Tensor
+    W_E: torch.Tensor | None  # None in a derived basis (token space), where the kernel needs no vocabulary side
     W_U: torch.Tensor | None = None
     ln1_w: torch.Tensor | None = None
     ln_final_w: torch.Tensor | None = None
@@ -68,6 +68,8 @@ class AttentionWeights:
 
     @property
     def d_vocab(self) -> int:
+        if self.W_E is None:
+            raise ValueError("these weights carry no W_E (a derived basis)")
         return self.W_E.shape[0]
 
     def validate(self) -> None:
@@ -85,7 +87,7 @@ class AttentionWeights:
                 raise ValueError(f"{name} has shape {got}, expected {shape}")
         if H % Hkv:
             raise ValueError(f"n_heads={H} is not a multiple of n_kv_heads={Hkv}")
-        if self.W_E.ndim != 2 or self.W_E.shape[1] != d:
+        if self.W_E is not None and (self.W_E.ndim != 2 or self.W_E.shape[1] != d):
             raise ValueError(f"W_E has shape {tuple(self.W_E.shape)}, expected [d_vocab, {d}]")
         if self.W_U is not None and self.W_U.shape[0] != d:
             raise ValueError(f"W_U has shape {tuple(self.W_U.shape)}, expected [{d}, d_vocab]")
@@ -104,7 +106,7 @@ class AttentionWeights:
             W_Q=self.W_Q[idx], W_K=self.W_K[idx], W_V=self.W_V[idx], W_O=self.W_O[idx],
             W_E=self.W_E, W_U=self.W_U,
             ln1_w=None if self.ln1_w is None else self.ln1_w[idx],
-            ln_final_w=self.ln_final_w, meta=self.meta, extras=self.extras,
+            ln_final_w=self.ln_final_w, meta=self.meta, extras=self.extras,  # extras are per model, not per layer
         )
 
     def to(self, device: torch.device | str, dtype: torch.dtype) -> "AttentionWeights":
@@ -167,7 +169,7 @@ def load_weights(tensors_path: str | os.PathLike, meta_path: str | os.PathLike, 
         tensors = load_file(str(tensors_path))
     except (SafetensorError, OSError, ValueError) as e:
         raise CorruptShardError(f"cannot read weight shard {tensors_path}: {e}") from e
-    missing = [k for k in ("W_Q", "W_K", "W_V", "W_O", "W_E") if k not in tensors]
+    missing = [k for k in ("W_Q", "W_K", "W_V", "W_O", "W_E") if k not in tensors]  # a shard always has W_E
     if missing:
         raise CorruptShardError(f"weight shard {tensors_path} lacks {missing}")
     extras = {k.removeprefix("extra."): v for k, v in tensors.items() if k.startswith("extra.")}

@@ -1,6 +1,6 @@
 """Snakemake adapter: the invariance audit of one model (x checkpoint)."""
 from compatlas.config import selected_layers
-from compatlas.invariance import audit, sample_layer_pairs
+from compatlas.invariance import audit, sample_layers
 from compatlas.logs import setup
 from compatlas.storage import write_shard
 from compatlas.weights import load_weights
@@ -8,13 +8,12 @@ from compatlas.weights import load_weights
 log = setup(snakemake.log[0])
 p, s = snakemake.params, snakemake.params.settings
 w = load_weights(snakemake.input.tensors, snakemake.input.meta)
-pairs = sample_layer_pairs(selected_layers({"layers": p.layers}, w.n_layers, snakemake.wildcards.model),
-                           s["layer_pairs"], p.seed)
-log.info("auditing %d layer pairs x %d transforms x %d metrics x %d spaces", len(pairs), len(s["transforms"]),
-         len(p.metrics), len(p.spaces))
+layers = sample_layers(selected_layers({"layers": p.layers}, w.n_layers, snakemake.wildcards.model), s["layers"])
+log.info("auditing all head pairs of layers %s x %d transforms x %d metrics x %d spaces", layers,
+         len(s["transforms"]), len(p.metrics), len(p.spaces))
 df = audit(w, p.metrics, p.spaces, transforms=tuple(s["transforms"]), top_k=s["top_k"], seed=p.seed,
-           log10_range=s["log10_scale_range"], pairs=pairs, max_condition=p.max_condition)
+           log10_range=s["log10_scale_range"], layers=layers, max_condition=p.max_condition)
 provenance = {k: w.meta.get(k) for k in ("model", "checkpoint", "processing", "source_checksum", "weights_sha256", "versions")}
-provenance.update(settings=s, layer_pairs=[list(x) for x in pairs], seed=p.seed)
+provenance.update(settings=s, layers=layers, seed=p.seed)
 write_shard(df, snakemake.output[0], provenance)
 log.info("wrote %d rows to %s", df.height, snakemake.output[0])

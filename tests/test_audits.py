@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from compatlas.composition import COMPS
-from compatlas.invariance import TRANSFORMS, apply_transform, compare, random_transform, sample_layer_pairs
+from compatlas.invariance import TRANSFORMS, apply_transform, compare, random_transform, sample_layers
 from compatlas.metric_audit import constructions, score
 from compatlas.weights import AttentionWeights
 
@@ -52,9 +52,8 @@ def test_compare_and_sampling():
     # ranks [4,1,3,2] vs [2,3,1,4]: sum d^2 = 16, rho = 1 - 6*16/(4*15) = -0.6
     assert out["spearman"] == pytest.approx(-0.6) and out["top_k_overlap"] == 0.0 and not out["top_k_kept"]
     assert compare(before, 2 * before, top_k=2)["spearman"] == pytest.approx(1.0)
-    pairs = sample_layer_pairs(list(range(10)), 7, seed=1)
-    assert len(pairs) == 7 and pairs == sorted(set(pairs)) and all(a < b for a, b in pairs)
-    assert sample_layer_pairs(list(range(4)), 0, seed=1) == [(a, b) for a in range(4) for b in range(a + 1, 4)]
+    assert sample_layers(list(range(30)), 6) == [0, 6, 12, 17, 23, 29]
+    assert sample_layers(list(range(4)), 0) == [0, 1, 2, 3] and sample_layers(list(range(4)), 9) == [0, 1, 2, 3]
 
 
 @pytest.mark.parametrize("d", [4, 16, 64])
@@ -72,3 +71,20 @@ def test_rotation_sweep_subspace_is_cos_squared():
     thetas = np.linspace(math.pi / 2, 0.0, len(sweep))
     for theta, factors in zip(thetas, sweep.values()):
         assert score("subspace", "residual", "Q", factors) == pytest.approx(math.cos(theta) ** 2, abs=1e-10)
+
+
+def test_token_norm_survives_orthogonal_but_not_diagonal():
+    """Row normalisation commutes with orthogonal T (and a global scale), not with diagonal T."""
+    from compatlas.invariance import audit
+    from compatlas.token_space import add_space_factors
+
+    g = torch.Generator().manual_seed(5)
+    r = lambda *s: torch.randn(*s, generator=g, dtype=torch.float64)  # noqa: E731
+    w = AttentionWeights(W_Q=r(3, 2, D, DH), W_K=r(3, 2, D, DH), W_V=r(3, 2, D, DH), W_O=r(3, 2, DH, D),
+                         W_E=r(60, D), ln1_w=1 + 0.5 * r(3, D), meta={"norm_type": "RMS"})
+    add_space_factors(w)  # as extraction does: the stored token_norm factor folds ln1_w
+    df = audit(w, ["frobenius"], ["token_norm"], top_k=5)
+    change = dict(zip(df["transform"], df["max_abs_change"]))
+    for kind in ("permutation", "orthogonal", "orthogonal_scale"):
+        assert change[kind] < 1e-10, kind
+    assert change["diagonal"] > 1e-3

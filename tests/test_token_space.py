@@ -52,7 +52,7 @@ def brute_token_scores(w: AttentionWeights, metric: str, comp: str, l1: int, l2:
 def test_token_space_equals_brute_force(metric):
     w = random_model()
     df, facts = score_block(w, metric, "token", [(0, 1), (0, 2), (1, 2)], baseline_samples=4, device="cpu", dtype="float64")
-    assert facts["embedding_clamped"] == 0
+    assert facts["embedding_dropped"] == 0
     for comp in COMPS:
         for l1, l2 in [(0, 1), (1, 2)]:
             got = df.filter((df["comp"] == comp) & (df["writer_layer"] == l1) & (df["reader_layer"] == l2)).sort(["writer_head", "reader_head"])
@@ -99,15 +99,40 @@ def test_invariance_classes(metric, kind):
         assert residual_change > 1e-2, f"residual {metric} should move under {kind}"
 
 
-def test_bad_conditioning_is_clamped_and_reported():
+def test_bad_conditioning_drops_directions_and_reports():
     w = random_model()
     W_E = w.W_E.clone()
     W_E[:, -1] = W_E[:, 0] * 1.0 + 1e-12 * W_E[:, -1]  # nearly rank-deficient
     basis = embedding_basis(W_E, max_condition=1e6)
-    assert basis.condition > 1e9 and basis.n_clamped >= 1
-    assert torch.isfinite(basis.R_inv).all()
+    assert basis.condition > 1e9 and basis.n_dropped == 1
+    assert torch.isfinite(basis.R_inv).all() and basis.R.shape == (D - 1, D)
     ws, facts = to_space(AttentionWeights(**{**w.__dict__, "W_E": W_E}), "token")
-    assert facts["embedding_clamped"] >= 1 and torch.isfinite(ws.W_O).all()
+    assert facts["embedding_dropped"] == 1 and ws.W_O.shape[-1] == D - 1 and torch.isfinite(ws.W_O).all()
+
+
+@pytest.mark.parametrize("metric", METRICS)
+def test_rank_deficient_embedding_equals_pseudo_inverse_brute_force(metric):
+    """compat processing centres W_E (rank d - 1): token space is W_E OV W_E^+ exactly."""
+    w = random_model(2)
+    w.W_E = w.W_E - w.W_E.mean(-1, keepdim=True)
+    df, facts = score_block(w, metric, "token", [(0, 1)], baseline_samples=4, device="cpu", dtype="float64")
+    assert facts["embedding_dropped"] == 1
+    for comp in COMPS:
+        got = df.filter(df["comp"] == comp).sort(["writer_head", "reader_head"])
+        want = brute_token_scores(w, metric, comp, 0, 1).flatten()
+        torch.testing.assert_close(torch.tensor(got["score"].to_numpy()), want, atol=1e-6, rtol=0)
+
+
+def test_centred_embedding_and_writers_keep_token_space_invariant():
+    """compat processing centres W_E *and* the writers (W_O rows), so no head writes into the
+    direction W_E cannot embed: token space stays invariant. (Writers that do write there are
+    projected away by W_E^+, and that projection depends on the basis: documented, not claimed.)"""
+    w = random_model(3)
+    w.W_E = w.W_E - w.W_E.mean(-1, keepdim=True)
+    w.W_O = w.W_O - w.W_O.mean(-1, keepdim=True)
+    wt = transform(w, random_T("gl", 11))
+    for metric in METRICS:
+        assert (scores(w, metric, "token") - scores(wt, metric, "token")).abs().max() < 1e-8
 
 
 def test_token_norm_normalises_rows():

@@ -63,6 +63,15 @@ COMP_TEXT = {
 }
 SPACE_TEXT = {
     "residual": "weights acting on the residual stream",
+    "token": "exact token space: W_E = Q R_E, the residual basis z = x R_E^-1 (invariant under every change of residual basis)",
+    "token_norm": "token space of W_E's rows normalised as the first norm would, its weight folded",
+}
+TRANSFORM_ORDER = ("permutation", "orthogonal", "orthogonal_scale", "diagonal", "gl")
+AXIOM_TEXT = {
+    "axiom1_full": "Axiom 1: writes only where the reader reads → 1",
+    "axiom2_zero": "Axiom 2: orthogonal write/read spaces → 0",
+    "axiom3_monotone_smooth": "Axiom 3: rotating the write space in raises it monotonically, smoothly",
+    "axiom4_invariant": "Axiom 4: unchanged by any change of residual basis",
 }
 PROCESSING_TEXT = {
     "none": "raw weights",
@@ -443,6 +452,9 @@ th { background: #f0f0f0; } td:first-child, th:first-child { text-align: left; }
 .note { color: #555; font-size: 0.9em; max-width: 70em; }
 .tops { display: flex; gap: 1.5em; flex-wrap: wrap; }
 .fig { overflow-x: auto; min-height: 120px; }
+.side { display: flex; flex-wrap: wrap; gap: 12px; align-items: flex-start; }
+.pass { color: #1a7f37; font-weight: bold; } .fail { color: #cf222e; font-weight: bold; }
+table.audit td { vertical-align: top; max-width: 260px; }
 .png { font-size: 0.8em; }
 nav ul { columns: 3; font-size: 0.9em; }
 """
@@ -541,18 +553,85 @@ def _section(page: _Page, con: duckdb.DuckDBPyConnection, model: str, checkpoint
     processing = (minfo or {}).get("processing")
     if processing is None and df["processing"].drop_nulls().len():
         processing = df["processing"].drop_nulls()[0]
-    for space in _order(df["space"].unique().to_list(), SPACE_ORDER):
-        for metric in _order(df.filter(pl.col("space") == space)["metric"].unique().to_list(), METRIC_ORDER):
+    invariance_figure(page, con, model, checkpoint)
+    for metric in _order(df["metric"].unique().to_list(), METRIC_ORDER):
+        formula, words = METRIC_TEXT.get(metric, (metric, ""))
+        page.add(f"<h4>{html.escape(metric)}</h4><p class='note'>score = <code>{html.escape(formula)}</code>"
+                 + (f": {html.escape(words)}." if words else ".") + " Spaces side by side: residual, then token.</p>")
+        spaces = _order(df.filter(pl.col("metric") == metric)["space"].unique().to_list(), SPACE_ORDER)
+        page.add("<div class='side'>")  # the same metric in every space, next to each other
+        for space in spaces:
             g = df.filter((pl.col("space") == space) & (pl.col("metric") == metric))
-            stem = figure_stem(model, checkpoint, metric, space)
-            formula, words = METRIC_TEXT.get(metric, (metric, ""))
-            page.add(f"<h4>{html.escape(metric)} · {html.escape(space)} space</h4>"
-                     f"<p class='note'>score = <code>{html.escape(formula)}</code>"
-                     + (f": {html.escape(words)}." if words else ".") + "</p>")
-            page.figure(heatmap_chart(g, model, checkpoint, metric, space, H, processing), f"{stem}__heatmap.png")
-            page.figure(distribution_chart(g, model, checkpoint, metric, space), f"{stem}__distribution.png")
+            page.add("<div>")
+            page.figure(heatmap_chart(g, model, checkpoint, metric, space, H, processing),
+                        f"{figure_stem(model, checkpoint, metric, space)}__heatmap.png")
+            page.add("</div>")
+        page.add("</div>")
+        for space in spaces:
+            g = df.filter((pl.col("space") == space) & (pl.col("metric") == metric))
+            page.add(f"<h5>{html.escape(metric)} · {html.escape(space)} space: distribution and top pairs</h5>")
+            page.figure(distribution_chart(g, model, checkpoint, metric, space),
+                        f"{figure_stem(model, checkpoint, metric, space)}__distribution.png")
             page.add(summary_table(g))
             page.add(top_pairs_tables(g))
+
+
+def invariance_figure(page: _Page, con: duckdb.DuckDBPyConnection, model: str, checkpoint: str) -> None:
+    """Rank correlation with the untransformed scores, per transform class, metric and space."""
+    if not _view_exists(con, "invariance"):
+        return
+    inv = con.sql("""SELECT transform, metric, space, min(spearman) AS spearman, max(max_abs_change) AS change,
+                            min(top_k_overlap) AS top_k_overlap, any_value(top_k) AS k
+                     FROM invariance WHERE model = ? AND checkpoint = ? GROUP BY ALL""",
+                  params=[model, checkpoint]).pl()
+    if inv.is_empty():
+        return
+    k = int(inv["k"][0])
+    chart = alt.Chart(inv).mark_bar().encode(
+        x=alt.X("transform:N", sort=list(TRANSFORM_ORDER), title="change of residual basis x → x T"),
+        xOffset=alt.XOffset("space:N", sort=list(SPACE_ORDER)),
+        y=alt.Y("spearman:Q", title="Spearman rank correlation with original scores (worst of Q/K/V)",
+                scale=alt.Scale(domain=[min(0.0, float(inv["spearman"].min())), 1.0])),
+        color=alt.Color("space:N", sort=list(SPACE_ORDER), title="space"),
+        column=alt.Column("metric:N", sort=list(METRIC_ORDER), title=None),
+        tooltip=["metric", "space", "transform", alt.Tooltip("spearman:Q", format=".4f"),
+                 alt.Tooltip("change:Q", title="max |change|", format=".2e"),
+                 alt.Tooltip("top_k_overlap:Q", title=f"top-{k} kept (worst)", format=".2f")],
+    ).properties(width=260, height=200, title=alt.TitleParams(
+        f"{model} @ {checkpoint}: which scores survive a change of basis?",
+        subtitle=["Bars at 1: the ranking of head pairs is unchanged. Permutation, orthogonal and global "
+                  "scale are symmetries every metric should survive;",
+                  "diagonal scaling and general GL(n) are symmetries too (norms aside) — only token space survives them."]))
+    page.add("<h4>Invariance audit (Axiom 4)</h4>")
+    page.figure(chart, f"{safe_name(model)}__{safe_name(checkpoint)}__invariance.png")
+
+
+def metric_audit_table(con: duckdb.DuckDBPyConnection) -> str:
+    """Metrics (x space) as rows, axioms as columns: pass/fail with the measured values."""
+    if not _view_exists(con, "metric_audit"):
+        return ""
+    df = con.sql("SELECT * FROM metric_audit").pl()
+    if df.is_empty():
+        return ""
+    axioms = [a for a in AXIOM_TEXT if a in set(df["axiom"])]
+    rows = []
+    for metric in _order(df["metric"].unique().to_list(), METRIC_ORDER):
+        for space in _order(df.filter(pl.col("metric") == metric)["space"].unique().to_list(), SPACE_ORDER):
+            cells = [f"<b>{html.escape(metric)}</b>", html.escape(space)]
+            for a in axioms:
+                g = df.filter((pl.col("metric") == metric) & (pl.col("space") == space) & (pl.col("axiom") == a))
+                ok = bool(g["passed"].all())
+                vals = "; ".join(f"{c}: {v:.3g}" for c, v in zip(g["construction"], g["value"]) if v is not None)
+                cells.append(f"<span class='{'pass' if ok else 'fail'}'>{'PASS' if ok else 'FAIL'}</span>"
+                             f"<br><small>{html.escape(vals)}</small>")
+            rows.append("<tr>" + "".join(f"<td>{c}</td>" for c in cells) + "</tr>")
+    head = "".join(f"<th>{html.escape(h)}</th>" for h in ["metric", "space", *[AXIOM_TEXT[a] for a in axioms]])
+    return ("<h2 id='axioms'>Which metric satisfies which axiom?</h2><p class='note'>Canonical constructions "
+            "(seeds 000, 002): identity with identity at d = 4, 16, 64; the rank-1 constant-rows/columns pair; "
+            "a writer inside / orthogonal to the reader's subspace; a 21-step rotation of the write space into "
+            "the read space (value = rise from orthogonal to aligned); a random model under every transform "
+            "class (value = max change). Details: <code>SELECT * FROM metric_audit</code>.</p>"
+            f"<table class='audit'><tr>{head}</tr>{''.join(rows)}</table>")
 
 
 def build_report(db_path: str | Path, out_dir: str | Path) -> list[Path]:
@@ -588,6 +667,7 @@ def build_report(db_path: str | Path, out_dir: str | Path) -> list[Path]:
                          "spectra, which affects svd_bound scores and the spectrum-kept null.</p>")
                 if not with_results:
                     page.add("<p><b>No results:</b> there are no composition scores yet.</p>")
+                page.add(metric_audit_table(con))
                 page.add("<nav><ul>" + "".join(
                     f"<li><a href='#{html.escape(safe_name(m) + '__' + safe_name(c))}'>{html.escape(str(m))} @ "
                     f"{html.escape(str(c))}</a></li>" for m, c in all_keys) + "</ul></nav>")

@@ -99,7 +99,10 @@ def test_shards_are_hive_partitioned_with_provenance(pipeline_run: Path):
 def test_report_is_written(pipeline_run: Path):
     html = (pipeline_run / "results" / "report" / "index.html").read_text()
     assert "tiny-llama" in html and "src=\"http" not in html
-    assert list((pipeline_run / "results" / "report").glob("*.png"))
+    assert "Which metric satisfies which axiom?" in html and "FAIL" in html and "PASS" in html
+    report = pipeline_run / "results" / "report"
+    assert (report / "tiny-llama__final__invariance.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert (report / "tiny-llama__final__frobenius__token__heatmap.png").exists()
 
 
 def test_adding_a_model_runs_only_its_jobs(pipeline_run: Path, tmp_path: Path):

@@ -210,7 +210,8 @@ def _layer_axis(title: str, start_layer: int, stop_layer: int, H: int, x: bool) 
         gridWidth=0.6,
         gridOpacity=0.9,
         zindex=1,
-        tickSize=4,
+        ticks=False,
+        labelPadding=3,
         labelFontSize=10,
         titleFontSize=12,
         labelAlign="left" if x else "right",
@@ -305,7 +306,7 @@ def heatmap_chart(df: pl.DataFrame, model: str, checkpoint: str, metric: str, sp
             subtitle=subtitle, anchor="start", fontSize=15, subtitleFontSize=11,
             subtitleColor="#444",
         ),
-    ).configure_view(stroke="#999", fill="#f4f4f4")
+    ).configure_view(stroke="#999", fill="#f4f4f4").properties(padding=12)
 
 
 def _bins(df: pl.DataFrame) -> tuple[float, float]:
@@ -349,25 +350,27 @@ def distribution_chart(df: pl.DataFrame, model: str, checkpoint: str, metric: st
         .encode(
             x=alt.X("x0:Q", scale=xscale, title=f"{metric} score"),
             x2="x1:Q",
-            y=alt.Y("n:Q", title="number of head pairs"),
+            y=alt.Y("n:Q", title="number of head pairs", axis=alt.Axis(tickMinStep=1, format="d")),
             tooltip=[alt.Tooltip("x0:Q", title="from", format=".4f"),
                      alt.Tooltip("x1:Q", title="to", format=".4f"),
                      alt.Tooltip("n:Q", title="pairs")],
         )
     )
+    legend_title = "mean of the null baseline (over all pairs)"
+    legend = alt.Legend(orient="bottom", direction="vertical", labelLimit=0, titleLimit=0,
+                        labelFontSize=11, symbolStrokeWidth=3)
     rules = (
         alt.Chart()
         .transform_filter("datum.k == 'rule'")
         .mark_rule(strokeWidth=2.5)
         .encode(
             x=alt.X("x:Q", scale=xscale),
-            color=alt.Color("null:N", title="mean of the null baseline (over all pairs)",
+            color=alt.Color("null:N", title=legend_title,
                             scale=alt.Scale(domain=[GAUSS_LABEL, SPECTRUM_LABEL], range=["#e6550d", "#d62790"]),
-                            legend=alt.Legend(orient="bottom", direction="vertical", labelLimit=0, titleLimit=0,
-                                              labelFontSize=11, symbolStrokeWidth=3)),
-            strokeDash=alt.StrokeDash("null:N",
+                            legend=legend),
+            strokeDash=alt.StrokeDash("null:N", title=legend_title,
                                       scale=alt.Scale(domain=[GAUSS_LABEL, SPECTRUM_LABEL], range=[[6, 3], [1, 0]]),
-                                      legend=None),
+                                      legend=legend),
             tooltip=[alt.Tooltip("null:N", title="baseline"), alt.Tooltip("x:Q", title="mean", format=".4f")],
         )
     )
@@ -383,7 +386,7 @@ def distribution_chart(df: pl.DataFrame, model: str, checkpoint: str, metric: st
                       "would be on average if the weights had no structure, under two null models."],
             anchor="start", fontSize=15, subtitleFontSize=11, subtitleColor="#444",
         ),
-    )
+    ).properties(padding=12)
 
 
 # ----------------------------------------------------------------------------- tables
@@ -459,7 +462,7 @@ table.audit td { vertical-align: top; max-width: 260px; }
 nav ul { columns: 3; font-size: 0.9em; }
 """
 
-JS_EMBED = """
+JS_EMBED = """(() => {
 const opts = {renderer: "canvas", actions: {export: true, source: false, compiled: false, editor: false}};
 function show(el) {
   if (el.dataset.done) return; el.dataset.done = "1";
@@ -472,6 +475,7 @@ if ("IntersectionObserver" in window) {
                                       {rootMargin: "800px"});
   figs.forEach(f => io.observe(f));
 } else { figs.forEach(show); }
+})();
 """
 
 

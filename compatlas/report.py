@@ -222,17 +222,22 @@ def _layer_axis(title: str, start_layer: int, stop_layer: int, H: int, x: bool) 
     )
 
 
-def heatmap_chart(df: pl.DataFrame, model: str, checkpoint: str, metric: str, space: str,
-                  H: int, processing: str | None = None) -> alt.FacetChart:
-    """Q/K/V panels of writer head (rows) x reader head (columns), colour = score.
+HEATMAP_DATA = "heatmap"  # name of the heatmap's dataset in the spec's top-level "datasets"
 
-    ``df``: rows of one model x checkpoint x metric x space (any comps)."""
-    d = df.with_columns(
+
+def _head_indices(df: pl.DataFrame, H: int) -> pl.DataFrame:
+    return df.with_columns(
         w=pl.col("writer_layer") * H + pl.col("writer_head"),
         r=pl.col("reader_layer") * H + pl.col("reader_head"),
         s=pl.when(pl.col("score").is_finite()).then(pl.col("score").round(4)),
     )
+
+
+def heatmap_rows(df: pl.DataFrame, H: int) -> list[dict[str, Any]]:
+    """The heatmap's data, compact: one row per (comp, writer head index ``w`` = layer * H + head)
+    with the scores (4 decimals, null where missing) of reader heads ``r0``, ``r0 + 1``, ..."""
     rows: list[dict[str, Any]] = []
+    d = _head_indices(df, H)
     for (comp, w), g in d.sort(["comp", "w", "r"]).group_by(["comp", "w"], maintain_order=True):
         r = g["r"].to_list()
         r0 = r[0]
@@ -240,6 +245,17 @@ def heatmap_chart(df: pl.DataFrame, model: str, checkpoint: str, metric: str, sp
         for ri, si in zip(r, g["s"].to_list()):
             arr[ri - r0] = si
         rows.append({"c": comp, "w": int(w), "r0": int(r0), "s": arr})
+    return rows
+
+
+def heatmap_chart(df: pl.DataFrame, model: str, checkpoint: str, metric: str, space: str,
+                  H: int, processing: str | None = None) -> alt.FacetChart:
+    """Q/K/V panels of writer head (rows) x reader head (columns), colour = score.
+
+    ``df``: rows of one model x checkpoint x metric x space (any comps). The chart reads the
+    named dataset ``HEATMAP_DATA``: supply ``heatmap_rows(df, H)`` as the spec's top-level
+    ``datasets`` (``_Page.figure`` does), so that Altair never walks ~10^5 values."""
+    d = _head_indices(df, H)
 
     w_lo, w_hi = int(d["writer_layer"].min()), int(d["writer_layer"].max()) + 1
     r_lo, r_hi = int(d["reader_layer"].min()), int(d["reader_layer"].max()) + 1
@@ -258,12 +274,13 @@ def heatmap_chart(df: pl.DataFrame, model: str, checkpoint: str, metric: str, sp
         "L = writer head's OV matrix (W_V W_O); R = reader's matrix: Q: W_Q W_K^T, K: W_K W_Q^T, V: W_V W_O.",
         "Rows: writer head; columns: reader head in a later layer (ticks = first head of each layer). "
         "Hover a cell for its heads.",
-        f"Space: {space}" + (f" ({SPACE_TEXT[space]})" if space in SPACE_TEXT else "")
-        + (f"; processing: {processing}" + (f" ({PROCESSING_TEXT[processing]})" if processing in PROCESSING_TEXT else "")
-           if processing else "") + ".",
+        f"Space: {space}" + (f" ({SPACE_TEXT[space]})" if space in SPACE_TEXT else "") + ".",
     ]
+    if processing:
+        subtitle.append(f"Processing: {processing}"
+                        + (f" ({PROCESSING_TEXT[processing]})" if processing in PROCESSING_TEXT else "") + ".")
     base = (
-        alt.Chart(alt.Data(values=rows))
+        alt.Chart(alt.Data(name=HEATMAP_DATA))
         .transform_flatten(["s"])
         .transform_window(i="row_number()", groupby=["c", "w"])
         .transform_filter("isValid(datum.s)")
@@ -479,9 +496,13 @@ if ("IntersectionObserver" in window) {
 """
 
 
-def _spec_json(chart: alt.TopLevelMixin) -> str:
+def _spec_json(chart: alt.TopLevelMixin, datasets: dict[str, list[dict[str, Any]]] | None = None) -> str:
+    """The Vega-Lite spec as JSON, with ``datasets`` added to its top-level datasets."""
+    spec = chart.to_dict()
+    if datasets:
+        spec.setdefault("datasets", {}).update(datasets)
     # '<' escaped so no spec text can close the <script> element it sits in.
-    return json.dumps(chart.to_dict(), separators=(",", ":")).replace("<", "\\u003c")
+    return json.dumps(spec, separators=(",", ":")).replace("<", "\\u003c")
 
 
 def _js_bundle() -> str:
@@ -511,8 +532,9 @@ class _Page:
     def add(self, s: str) -> None:
         self.parts.append(s)
 
-    def figure(self, chart: alt.TopLevelMixin, png_name: str) -> None:
-        spec = _spec_json(chart)
+    def figure(self, chart: alt.TopLevelMixin, png_name: str,
+               datasets: dict[str, list[dict[str, Any]]] | None = None) -> None:
+        spec = _spec_json(chart, datasets)
         path = self.out_dir / png_name
         with atomic_path(path) as tmp:
             tmp.write_bytes(_png(spec))
@@ -568,7 +590,8 @@ def _section(page: _Page, con: duckdb.DuckDBPyConnection, model: str, checkpoint
             g = df.filter((pl.col("space") == space) & (pl.col("metric") == metric))
             page.add("<div>")
             page.figure(heatmap_chart(g, model, checkpoint, metric, space, H, processing),
-                        f"{figure_stem(model, checkpoint, metric, space)}__heatmap.png")
+                        f"{figure_stem(model, checkpoint, metric, space)}__heatmap.png",
+                        datasets={HEATMAP_DATA: heatmap_rows(g, H)})
             page.add("</div>")
         page.add("</div>")
         for space in spaces:
@@ -641,8 +664,9 @@ def metric_audit_table(con: duckdb.DuckDBPyConnection) -> str:
 def build_report(db_path: str | Path, out_dir: str | Path) -> list[Path]:
     """Write ``out_dir/index.html`` and one PNG per figure from the atlas database.
 
-    Opens ``db_path`` read-only and reads only the ``composition`` and ``models`` views.
-    Returns the files written (the PNGs, then ``index.html``)."""
+    Opens ``db_path`` read-only and reads the ``composition`` and ``models`` views (plus the
+    ``invariance`` and ``metric_audit`` views when they exist). Returns the files written
+    (the PNGs, then ``index.html``)."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     page = _Page(out_dir)

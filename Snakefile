@@ -5,7 +5,11 @@ from snakemake.utils import min_version
 min_version("9.0")
 
 
-configfile: "config/config.yaml"
+# The built-in offline zoo, unless a config is given (--configfile replaces it, never merges).
+if not config:
+
+    configfile: "config/config.yaml"
+
 
 
 include: "workflow/common.smk"

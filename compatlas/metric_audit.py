@@ -14,8 +14,9 @@ K: W_K = A2, W_Q = B2^T; V: W_V = A2, W_O = B2), and scored by the production ke
   random model.
 
 Axioms 1-3 are properties of a metric on matrices. Token space evaluates the same metric in
-the token basis, so its constructions are built in that basis (W_E with orthonormal columns,
-where the two bases agree); the spaces differ on Axiom 4, which is where token space earns its keep.
+the token basis, so its constructions are built in that basis (W_E with orthonormal columns and
+rows of equal norm, where all three bases agree); the spaces differ on Axiom 4, which is where
+token space earns its keep.
 """
 
 from __future__ import annotations
@@ -48,7 +49,8 @@ def _well_conditioned(k: int, g: torch.Generator) -> torch.Tensor:
 
 def model_from_factors(A1, B1, A2, B2, comp: str, vocab: int = 64, seed: int = 0) -> AttentionWeights:
     """A 2-layer, 1-head model whose layer-0 OV is A1 B1 and whose layer-1 reader matrix for
-    ``comp`` is A2 B2; W_E has orthonormal columns, so token space agrees with residual space."""
+    ``comp`` is A2 B2; W_E's columns are orthonormal and its rows of equal norm, so both token
+    spaces agree with residual space (up to a rotation and a scale, which no metric sees)."""
     d, k = A1.shape
     g = torch.Generator().manual_seed(seed)
     rnd = lambda *s: torch.randn(*s, generator=g, dtype=torch.float64)  # noqa: E731
@@ -60,7 +62,10 @@ def model_from_factors(A1, B1, A2, B2, comp: str, vocab: int = 64, seed: int = 0
         W_K[1, 0], W_Q[1, 0] = A2, B2.T
     else:
         W_V[1, 0], W_O[1, 0] = A2, B2
-    W_E = _orthonormal(max(vocab, d), d, g)
+    # orthonormal columns and rows of equal norm (stacked identities, rotated): row normalisation
+    # is then a global scale, so residual, token and token_norm bases all agree up to rotation
+    reps = -(-vocab // d)
+    W_E = torch.eye(d, dtype=torch.float64).repeat(reps, 1) / math.sqrt(reps) @ _orthonormal(d, d, g)
     w = AttentionWeights(W_Q=W_Q, W_K=W_K, W_V=W_V, W_O=W_O, W_E=W_E, meta={"norm_type": "RMS"})
     add_space_factors(w)
     return w

@@ -88,3 +88,16 @@ def test_token_norm_survives_orthogonal_but_not_diagonal():
     for kind in ("permutation", "orthogonal", "orthogonal_scale"):
         assert change[kind] < 1e-10, kind
     assert change["diagonal"] > 1e-3
+
+
+def test_axioms_1_to_3_agree_across_spaces():
+    """The constructions live where all three bases agree, so only Axiom 4 may tell spaces apart."""
+    from compatlas.metric_audit import audit_metric
+
+    for metric in ("subspace", "frobenius"):
+        verdicts = {}
+        for space in ("residual", "token", "token_norm"):
+            for r in audit_metric(metric, space):
+                if r["axiom"] != "axiom4_invariant":
+                    verdicts.setdefault((r["axiom"], r["construction"]), set()).add(r["passed"])
+        assert all(len(v) == 1 for v in verdicts.values()), verdicts

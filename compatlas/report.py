@@ -312,18 +312,22 @@ def heatmap_chart(df: pl.DataFrame, model: str, checkpoint: str, metric: str, sp
         )
         .properties(width=width, height=height)
     )
-    return base.facet(
+    return _facet_by_comp(base, comps, 18, f"{model} @ {checkpoint}: {metric} composition, {space} space",
+                          subtitle).configure_view(stroke="#999", fill="#f4f4f4")
+
+
+def _facet_by_comp(chart, comps: list[str], spacing: int, title: str, subtitle: list[str]) -> alt.FacetChart:
+    """One panel per comp, headed 'Q-composition' etc., under a titled figure."""
+    return chart.facet(
         column=alt.Column("c:N", sort=comps, title=None,
                           header=alt.Header(labelExpr="datum.value + '-composition'",
                                             labelFontSize=13, labelFontWeight="bold")),
-        spacing=18,
+        spacing=spacing,
     ).properties(
-        title=alt.TitleParams(
-            text=f"{model} @ {checkpoint}: {metric} composition, {space} space",
-            subtitle=subtitle, anchor="start", fontSize=15, subtitleFontSize=11,
-            subtitleColor="#444",
-        ),
-    ).configure_view(stroke="#999", fill="#f4f4f4").properties(padding=12)
+        title=alt.TitleParams(text=title, subtitle=subtitle, anchor="start", fontSize=15, subtitleFontSize=11,
+                              subtitleColor="#444"),
+        padding=12,
+    )
 
 
 def _bins(df: pl.DataFrame) -> tuple[float, float]:
@@ -391,19 +395,11 @@ def distribution_chart(df: pl.DataFrame, model: str, checkpoint: str, metric: st
             tooltip=[alt.Tooltip("null:N", title="baseline"), alt.Tooltip("x:Q", title="mean", format=".4f")],
         )
     )
-    return alt.layer(bars, rules, data=alt.Data(values=rows)).properties(width=260, height=170).facet(
-        column=alt.Column("c:N", sort=comps, title=None,
-                          header=alt.Header(labelExpr="datum.value + '-composition'",
-                                            labelFontSize=13, labelFontWeight="bold")),
-        spacing=16,
-    ).properties(
-        title=alt.TitleParams(
-            text=f"{model} @ {checkpoint}: distribution of {metric} scores, {space} space",
-            subtitle=["All writer/reader head pairs (writer layer < reader layer). Vertical lines: what the score",
-                      "would be on average if the weights had no structure, under two null models."],
-            anchor="start", fontSize=15, subtitleFontSize=11, subtitleColor="#444",
-        ),
-    ).properties(padding=12)
+    return _facet_by_comp(
+        alt.layer(bars, rules, data=alt.Data(values=rows)).properties(width=260, height=170), comps, 16,
+        f"{model} @ {checkpoint}: distribution of {metric} scores, {space} space",
+        ["All writer/reader head pairs (writer layer < reader layer). Vertical lines: what the score",
+         "would be on average if the weights had no structure, under two null models."])
 
 
 # ----------------------------------------------------------------------------- tables

@@ -450,60 +450,63 @@ def report(results: dict) -> None:
     print(f"compatlas composition benchmark  {env['date']}  host {env['hostname']}  device {env['device']}")
     print(f"  {env['cpu']} x {env['cpu_count']} cores, torch {env['torch']} ({env['torch_threads']} threads), "
           f"transformer_lens {env['transformer_lens']}, compatlas/composition.py sha256 {env['kernel_sha256'][:12]}")
-    s = p1["shape"]
-    print(f"\n[1] {s['name']}: {s['n_layers']} layers x {s['n_heads']} heads, d_model {s['d_model']}, d_head {s['d_head']}; "
-          "frobenius, float32, random Gaussian weights (seed 0)")
-    print(f"    {'comp':<6}{'ours median':>13}{'ours cold':>11}{'reference':>11}{'speedup':>10}{'max|diff|':>12}")
-    for comp in ("Q", "K", "V"):
-        o = ours["per_comp"][comp] if ours else None
-        r = ref["per_comp"][comp]["time_s"] if ref else None
-        sp = f"{r / o['median_s']:.0f}x" if (o and r) else "-"
-        dd = p1.get("agreement", {}).get(comp, {}).get("max_abs_diff")
-        om = f"{o['median_s']:.3f} s" if o else "-"
-        oc = f"{o['cold_s']:.3f} s" if o else "-"
-        rs = f"{r:.1f} s" if r else "-"
-        ds = f"{dd:.1e}" if dd is not None else "-"
-        print(f"    {comp:<6}{om:>13}{oc:>11}{rs:>11}{sp:>10}{ds:>12}")
-    if ours:
-        rs = f"{ref['total_s']:.1f} s" if ref else "-"
-        sp = f"{p1['ratios']['speedup']:.0f}x" if ref else "-"
-        print(f"    {'Q+K+V':<6}{ours['sum_median_s']:>11.3f} s{ours['sum_cold_s']:>9.3f} s{rs:>11}{sp:>10}")
-        print(f"    (ours, all three comps sharing one head_factors call: "
-              f"{ours['all_comps_one_head_factors']['median_s']:.3f} s median)")
-    print(f"\n    {'peak RSS':<12}{'peak':>11}{'baseline':>11}{'increment':>11}")
-    for name, side in (("ours", ours), ("reference", ref)):
-        if side:
-            m = side["memory"]
-            print(f"    {name:<12}{fmt_mib(m['peak_rss_mib']):>11}{fmt_mib(m['baseline_maxrss_mib']):>11}{fmt_mib(m['increment_mib']):>11}")
-    if ours and ref:
-        r = p1["ratios"]
-        print(f"\n    speedup (ref / ours, median)   {r['speedup']:8.1f}x   target >= {SPEEDUP_TARGET:.0f}x   {verdict(r['speedup_pass'])}")
-        print(f"    speedup (ref / ours, cold)     {r['speedup_cold']:8.1f}x")
-        print(f"    memory (ours / ref peak RSS)   {r['memory_ratio']:8.4f}    target <= {MEMORY_TARGET}   {verdict(r['memory_pass'])}")
-        print(f"    memory (increments ours / ref) {r['memory_increment_ratio']:8.4f}")
-        a = p1["agreement"]
-        print(f"    max |ours - ref| float32, upper triangle ({a['Q']['n_head_pairs']} head pairs per comp): "
-              f"{r['max_abs_diff']:.2e}   tol {DIFF_TOL:g}   {verdict(r['agreement_pass'])}")
-        c = ref.get("float64_check")
-        if c:
-            worst = lambda k: max(c[x][k] or 0.0 for x in ("Q", "K", "V"))  # noqa: E731
-            print(f"    float64 check on {len(c['layer_pairs'])} random layer pairs {c['layer_pairs']}: "
-                  f"|ours64 - ref64| <= {worst('ours64_vs_ref64'):.1e}; float32 error vs ref64: "
-                  f"ours {worst('ours32_vs_ref64'):.1e}, reference {worst('ref32_vs_ref64'):.1e}")
-        if env["quick"]:
-            print("    (--quick: shapes too small for the speed and memory targets to mean anything)")
-    elif not ref:
-        print("    (reference skipped)")
-    for name, side in (("ours", ours), ("reference", ref)):
-        if side and side.get("foreign_cpu_fraction", 0) > 0.05:
-            print(f"    WARNING: other processes used {side['foreign_cpu_s']:.0f} CPU-s "
-                  f"({side['foreign_cpu_fraction']:.0%} of the machine) while {name} ran")
-    if ours:
-        sb = ours["spectrum_baseline_frobenius"]
-        print(f"    spectrum_baseline, one layer pair, n={N_BASELINE}, frobenius: "
-              + ", ".join(f"{c} {sb[c]['median_s'] * 1e3:.2f} ms" for c in ("Q", "K", "V"))
-              + (" (+ P2 draw, once per comp and job: " + ", ".join(f"{c} {sb[c]['draw_s'] * 1e3:.1f} ms" for c in ("Q", "K", "V")) + ")"
-                 if "draw_s" in sb["Q"] else ""))
+    if not (ours or ref):
+        print("\n[1] skipped")
+    else:
+        s = p1["shape"]
+        print(f"\n[1] {s['name']}: {s['n_layers']} layers x {s['n_heads']} heads, d_model {s['d_model']}, d_head {s['d_head']}; "
+              "frobenius, float32, random Gaussian weights (seed 0)")
+        print(f"    {'comp':<6}{'ours median':>13}{'ours cold':>11}{'reference':>11}{'speedup':>10}{'max|diff|':>12}")
+        for comp in ("Q", "K", "V"):
+            o = ours["per_comp"][comp] if ours else None
+            r = ref["per_comp"][comp]["time_s"] if ref else None
+            sp = f"{r / o['median_s']:.0f}x" if (o and r) else "-"
+            dd = p1.get("agreement", {}).get(comp, {}).get("max_abs_diff")
+            om = f"{o['median_s']:.3f} s" if o else "-"
+            oc = f"{o['cold_s']:.3f} s" if o else "-"
+            rs = f"{r:.1f} s" if r else "-"
+            ds = f"{dd:.1e}" if dd is not None else "-"
+            print(f"    {comp:<6}{om:>13}{oc:>11}{rs:>11}{sp:>10}{ds:>12}")
+        if ours:
+            rs = f"{ref['total_s']:.1f} s" if ref else "-"
+            sp = f"{p1['ratios']['speedup']:.0f}x" if ref else "-"
+            print(f"    {'Q+K+V':<6}{ours['sum_median_s']:>11.3f} s{ours['sum_cold_s']:>9.3f} s{rs:>11}{sp:>10}")
+            print(f"    (ours, all three comps sharing one head_factors call: "
+                  f"{ours['all_comps_one_head_factors']['median_s']:.3f} s median)")
+        print(f"\n    {'peak RSS':<12}{'peak':>11}{'baseline':>11}{'increment':>11}")
+        for name, side in (("ours", ours), ("reference", ref)):
+            if side:
+                m = side["memory"]
+                print(f"    {name:<12}{fmt_mib(m['peak_rss_mib']):>11}{fmt_mib(m['baseline_maxrss_mib']):>11}{fmt_mib(m['increment_mib']):>11}")
+        if ours and ref:
+            r = p1["ratios"]
+            print(f"\n    speedup (ref / ours, median)   {r['speedup']:8.1f}x   target >= {SPEEDUP_TARGET:.0f}x   {verdict(r['speedup_pass'])}")
+            print(f"    speedup (ref / ours, cold)     {r['speedup_cold']:8.1f}x")
+            print(f"    memory (ours / ref peak RSS)   {r['memory_ratio']:8.4f}    target <= {MEMORY_TARGET}   {verdict(r['memory_pass'])}")
+            print(f"    memory (increments ours / ref) {r['memory_increment_ratio']:8.4f}")
+            a = p1["agreement"]
+            print(f"    max |ours - ref| float32, upper triangle ({a['Q']['n_head_pairs']} head pairs per comp): "
+                  f"{r['max_abs_diff']:.2e}   tol {DIFF_TOL:g}   {verdict(r['agreement_pass'])}")
+            c = ref.get("float64_check")
+            if c:
+                worst = lambda k: max(c[x][k] or 0.0 for x in ("Q", "K", "V"))  # noqa: E731
+                print(f"    float64 check on {len(c['layer_pairs'])} random layer pairs {c['layer_pairs']}: "
+                      f"|ours64 - ref64| <= {worst('ours64_vs_ref64'):.1e}; float32 error vs ref64: "
+                      f"ours {worst('ours32_vs_ref64'):.1e}, reference {worst('ref32_vs_ref64'):.1e}")
+            if env["quick"]:
+                print("    (--quick: shapes too small for the speed and memory targets to mean anything)")
+        elif not ref:
+            print("    (reference skipped)")
+        for name, side in (("ours", ours), ("reference", ref)):
+            if side and side.get("foreign_cpu_fraction", 0) > 0.05:
+                print(f"    WARNING: other processes used {side['foreign_cpu_s']:.0f} CPU-s "
+                      f"({side['foreign_cpu_fraction']:.0%} of the machine) while {name} ran")
+        if ours:
+            sb = ours["spectrum_baseline_frobenius"]
+            print(f"    spectrum_baseline, one layer pair, n={N_BASELINE}, frobenius: "
+                  + ", ".join(f"{c} {sb[c]['median_s'] * 1e3:.2f} ms" for c in ("Q", "K", "V"))
+                  + (" (+ P2 draw, once per comp and job: " + ", ".join(f"{c} {sb[c]['draw_s'] * 1e3:.1f} ms" for c in ("Q", "K", "V")) + ")"
+                     if "draw_s" in sb["Q"] else ""))
 
     big = results.get("big")
     if big:
@@ -576,6 +579,7 @@ def main() -> int:
     ap.add_argument("--device", choices=("cpu", "cuda"), default=None, help="default: cuda when available")
     ap.add_argument("--skip-reference", action="store_true", help="do not run the TransformerLens reference")
     ap.add_argument("--skip-big", action="store_true", help="do not run part 2 (Llama-70B shapes)")
+    ap.add_argument("--skip-gpt2", action="store_true", help="do not run part 1 (GPT-2 shapes, ours and reference)")
     ap.add_argument("--repeats", type=int, default=None, help="timed repeats of our kernel, median reported (5; quick: 3)")
     ap.add_argument("--idle-timeout", type=float, default=None,
                     help="seconds to wait for other CPU load to go away before each part (300; quick: 0)")
@@ -608,10 +612,11 @@ def main() -> int:
     t_start = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="bench_composition_") as tmp:
         workdir = Path(tmp)
-        print(f"[1] our kernel, {SHAPES[cfg['gpt2_shape']]['name']} ...", file=sys.stderr, flush=True)
-        ours = run_child("ours", cfg, workdir)
-        ref = None
-        if not args.skip_reference:
+        ours = ref = None
+        if not args.skip_gpt2:
+            print(f"[1] our kernel, {SHAPES[cfg['gpt2_shape']]['name']} ...", file=sys.stderr, flush=True)
+            ours = run_child("ours", cfg, workdir)
+        if not (args.skip_reference or args.skip_gpt2):
             print("[1] TransformerLens reference (sequential Q, K, V; the heavy part) ...", file=sys.stderr, flush=True)
             ref = run_child("reference", cfg, workdir)
         p1 = results["gpt2"]
@@ -660,7 +665,8 @@ def main() -> int:
     # only at full size (at --quick shapes the fixed interpreter + torch RSS dominates)
     checks = ("agreement_pass",) if args.quick else ("speedup_pass", "memory_pass", "agreement_pass")
     failed = [k for k in checks if not results["gpt2"].get("ratios", {}).get(k, True)]
-    failed += [k for k in ("ours", "reference") if k not in results["gpt2"] and not (k == "reference" and args.skip_reference)]
+    failed += [k for k in ("ours", "reference") if k not in results["gpt2"] and not args.skip_gpt2
+               and not (k == "reference" and args.skip_reference)]
     failed += [] if args.skip_big or "big" in results else ["big"]
     if failed:
         print(f"FAILED: {', '.join(failed)}")

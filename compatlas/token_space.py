@@ -93,7 +93,14 @@ def change_basis(w: AttentionWeights, R: torch.Tensor, R_inv: torch.Tensor) -> A
 
 
 def add_space_factors(w: AttentionWeights) -> None:
-    """Compute each token space's factor once (at extraction) and record its condition number."""
+    """Compute each token space's factor once (at extraction) and record its condition number.
+
+    A vocabulary smaller than d_model has no token space: recorded as None, and only the
+    token-space jobs fail (with embedding_factor's message), not the extraction."""
+    if w.W_E.shape[0] < w.W_E.shape[1]:
+        for space in SPACES[1:]:
+            w.meta[f"{space}_condition"] = None
+        return
     for space in SPACES[1:]:
         R = embedding_factor(w.W_E if space == "token" else normalised_embedding(w))
         w.extras[f"R_{space}"] = R  # kept in float64: the basis change is sensitive to conditioning

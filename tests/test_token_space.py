@@ -140,3 +140,14 @@ def test_token_norm_normalises_rows():
     ws, facts = to_space(w, "token_norm")
     assert facts["embedding_condition"] >= 1
     assert ws.W_Q.shape == w.W_Q.shape
+
+
+def test_small_vocabulary_has_no_token_space_but_extracts():
+    from compatlas.token_space import add_space_factors
+
+    w = random_model()
+    small = AttentionWeights(**{**w.__dict__, "W_E": w.W_E[: D - 2], "meta": {}, "extras": {}})
+    add_space_factors(small)  # must not raise: residual space still works
+    assert small.meta["token_condition"] is None and not small.extras
+    with pytest.raises(ValueError, match="token space needs d_vocab >= d_model"):
+        to_space(small, "token")

@@ -42,7 +42,10 @@ def score_block(w: AttentionWeights, metric: str, space: str, pairs: list[tuple[
     Returns the table (columns ``SCHEMA``) and facts for the provenance record."""
     dev, dt = resolve_device(device), getattr(torch, dtype)
     t0 = time.perf_counter()
-    w_s, facts = to_space(w, space, max_condition)
+    # factor only the layers this job's pairs touch: at 70B shapes all 80 layers' factors are ~86 GB
+    touched = sorted({layer for pair in pairs for layer in pair}) or [0]
+    local = {layer: i for i, layer in enumerate(touched)}
+    w_s, facts = to_space(w.layers(touched), space, max_condition)
     w_s = w_s.to(dev, dt)
     f = head_factors(w_s, metric)
     d_model, d_head, H = w_s.d_model, w.d_head, w.n_heads  # d_model of the space (token space may drop directions)
@@ -58,10 +61,11 @@ def score_block(w: AttentionWeights, metric: str, space: str, pairs: list[tuple[
     n = H * H
     for l1, readers in sorted(by_writer.items()):
         for c in COMPS:
-            s = layer_pair_scores(f, l1, readers, c).double().cpu().numpy()
+            s = layer_pair_scores(f, local[l1], [local[r] for r in readers], c).double().cpu().numpy()
             for i, l2 in enumerate(readers):
-                mu, sd = spectrum_baseline(metric, f.writer_norm[l1], f.writer_sv[l1], f.reader_norm[c][l2],
-                                           f.reader_sv[c][l2], P2[c])
+                a, b = local[l1], local[l2]
+                mu, sd = spectrum_baseline(metric, f.writer_norm[a], f.writer_sv[a], f.reader_norm[c][b],
+                                           f.reader_sv[c][b], P2[c])
                 cols["comp"].append(np.full(n, c))
                 cols["writer_layer"].append(np.full(n, l1))
                 cols["writer_head"].append(hw.ravel())

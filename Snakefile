@@ -16,6 +16,7 @@ include: "workflow/common.smk"
 include: "workflow/extract.smk"
 include: "workflow/composition.smk"
 include: "workflow/audit.smk"
+include: "workflow/induction.smk"
 include: "workflow/atlas.smk"
 include: "workflow/report.smk"
 

@@ -14,6 +14,7 @@ from typing import Any
 import duckdb
 import polars as pl
 
+from compatlas.induction import HEAD_SCHEMA, TOKEN_SCHEMA
 from compatlas.scores import SCHEMA
 from compatlas.storage import atomic_path, check_shards
 
@@ -28,7 +29,65 @@ INVARIANCE_SCHEMA = {"model": pl.Utf8, "checkpoint": pl.Utf8, "processing": pl.U
                      "top_k_kept": pl.Boolean, "log10_scale_range": pl.Float64}
 AUDIT_SCHEMA = {"metric": pl.Utf8, "space": pl.Utf8, "axiom": pl.Utf8, "construction": pl.Utf8, "value": pl.Float64,
                 "expected": pl.Float64, "passed": pl.Boolean, "detail": pl.Utf8}
-VIEWS = {"composition": SCHEMA, "invariance": INVARIANCE_SCHEMA, "metric_audit": AUDIT_SCHEMA}
+VIEWS = {"composition": SCHEMA, "invariance": INVARIANCE_SCHEMA, "metric_audit": AUDIT_SCHEMA,
+         "induction_tokens": TOKEN_SCHEMA, "head_scores": HEAD_SCHEMA}
+
+# Views derived from the ones over shards (SQL, so they follow the shards whenever the atlas is rebuilt).
+COMPOSITION_Z = """CREATE VIEW composition_z AS SELECT *,
+    score - baseline_gaussian_mean AS score_minus_gaussian,
+    (score - baseline_spectrum_mean) / NULLIF(baseline_spectrum_std, 0) AS z_spectrum,
+    (score - baseline_gaussian_mean) / NULLIF(baseline_gaussian_std, 0) AS z_gaussian
+    FROM composition"""
+
+# Per model x filler setting x role: the mean A (B) power over tokens, its spread across tokens,
+# and B vs nearby-B vs random. Tokens' sequences are independent, so standard errors add in quadrature.
+INDUCTION_SUMMARY = """CREATE VIEW induction_summary AS SELECT
+    model, checkpoint, filler_before, filler_between, role,
+    count(*) AS n_tokens, sum(n) AS n_sequences,
+    avg(mean) AS mean_strength, sqrt(sum(stderr * stderr)) / count(*) AS mean_stderr,
+    stddev_samp(mean) AS power_spread, quantile_cont(mean, 0.1) AS power_p10, quantile_cont(mean, 0.9) AS power_p90,
+    avg(near_b_mean) AS near_b_mean, sqrt(sum(near_b_stderr * near_b_stderr)) / count(*) AS near_b_stderr,
+    avg(random_mean) AS random_mean, sqrt(sum(random_stderr * random_stderr)) / count(*) AS random_stderr
+    FROM induction_tokens GROUP BY ALL"""
+
+# For every reader head: its strongest composition (per metric, space, comp) with an earlier
+# previous-token head (threshold, or the model's best one outside the last layer if none passes), beside its induction score and ablation effect.
+READER_BEST = """CREATE VIEW reader_best_composition AS
+WITH ranked_prev AS (  -- heads of the last layer have no readers
+    SELECT model, checkpoint, layer, head, prev_token_mean,
+           row_number() OVER (PARTITION BY model, checkpoint ORDER BY prev_token_mean DESC, layer, head) AS r
+    FROM head_scores h
+    WHERE layer < (SELECT max(layer) FROM head_scores l WHERE l.model = h.model AND l.checkpoint = h.checkpoint)),
+prev_heads AS (SELECT model, checkpoint, layer, head FROM ranked_prev WHERE prev_token_mean >= {prev} OR r = 1),
+best AS (
+    SELECT c.model, c.checkpoint, c.metric, c.space, c.comp, c.reader_layer AS layer, c.reader_head AS head,
+           max(c.score) AS best_score,
+           max((c.score - c.baseline_spectrum_mean) / NULLIF(c.baseline_spectrum_std, 0)) AS best_z_spectrum,
+           arg_max(c.writer_layer || '.' || c.writer_head, c.score) AS best_writer
+    FROM composition c JOIN prev_heads p
+      ON c.model = p.model AND c.checkpoint = p.checkpoint AND c.writer_layer = p.layer AND c.writer_head = p.head
+    GROUP BY ALL)
+SELECT b.*, h.prev_token_mean, h.induction_mean, h.ablation_drop, h.induction_mean >= {ind} AS is_induction
+FROM best b JOIN head_scores h USING (model, checkpoint, layer, head)"""
+
+# The payoff table: does a metric (in a space, for a comp) pick out the heads that do induction?
+# Spearman = Pearson on average ranks; AUROC = Mann-Whitney U / (n_pos n_neg) from the same ranks.
+COMPOSITION_VS_BEHAVIOUR = """CREATE VIEW composition_vs_behaviour AS
+WITH ranked AS (
+    SELECT *,
+      rank() OVER (PARTITION BY model, checkpoint, metric, space, comp ORDER BY best_score)
+        + (count(*) OVER (PARTITION BY model, checkpoint, metric, space, comp, best_score) - 1) / 2.0 AS r_score,
+      rank() OVER (PARTITION BY model, checkpoint, metric, space, comp ORDER BY induction_mean)
+        + (count(*) OVER (PARTITION BY model, checkpoint, metric, space, comp, induction_mean) - 1) / 2.0 AS r_ind,
+      rank() OVER (PARTITION BY model, checkpoint, metric, space, comp ORDER BY ablation_drop)
+        + (count(*) OVER (PARTITION BY model, checkpoint, metric, space, comp, ablation_drop) - 1) / 2.0 AS r_abl
+    FROM reader_best_composition)
+SELECT model, checkpoint, metric, space, comp,
+    count(*) AS n_readers, count_if(is_induction)::BIGINT AS n_induction_heads,
+    corr(r_score, r_ind) AS spearman_induction, corr(r_score, r_abl) AS spearman_ablation,
+    (sum(CASE WHEN is_induction THEN r_score ELSE 0 END) - sum(is_induction::INTEGER) * (sum(is_induction::INTEGER) + 1) / 2.0)
+      / NULLIF(sum(is_induction::INTEGER) * (count(*) - sum(is_induction::INTEGER)), 0) AS auroc
+FROM ranked GROUP BY ALL"""
 
 _DUCK_TYPES = {pl.Utf8: "VARCHAR", pl.Int32: "INTEGER", pl.Int64: "BIGINT", pl.Float64: "DOUBLE", pl.Boolean: "BOOLEAN"}
 
@@ -55,9 +114,12 @@ def _parquet_view(name: str, shards: list[str | os.PathLike], types: dict) -> st
 
 
 def build_atlas(db_path: str | os.PathLike, shards: dict[str, list[str | os.PathLike]],
-                meta_paths: list[str | os.PathLike]) -> None:
+                meta_paths: list[str | os.PathLike], prev_token_threshold: float = 0.4,
+                induction_threshold: float = 0.4) -> None:
     """(Re)build the atlas database: a view per entry of VIEWS over its shards (empty views for
-    the ones with none). Every shard is checked to open first, naming any bad one."""
+    the ones with none), then the derived views. Every shard is checked to open first, naming
+    any bad one. The thresholds say which heads count as previous-token heads and as
+    induction heads in ``composition_vs_behaviour``."""
     unknown = set(shards) - set(VIEWS)
     if unknown:
         raise ValueError(f"no view is defined for {sorted(unknown)}")
@@ -72,11 +134,10 @@ def build_atlas(db_path: str | os.PathLike, shards: dict[str, list[str | os.Path
             con.execute("CREATE TABLE models AS SELECT * FROM models_df")
             for name, types in VIEWS.items():
                 con.execute(_parquet_view(name, shards.get(name, []), types))
-            con.execute("""CREATE VIEW composition_z AS SELECT *,
-                score - baseline_gaussian_mean AS score_minus_gaussian,
-                (score - baseline_spectrum_mean) / NULLIF(baseline_spectrum_std, 0) AS z_spectrum,
-                (score - baseline_gaussian_mean) / NULLIF(baseline_gaussian_std, 0) AS z_gaussian
-                FROM composition""")
+            con.execute(COMPOSITION_Z)
+            con.execute(INDUCTION_SUMMARY)
+            con.execute(READER_BEST.format(prev=float(prev_token_threshold), ind=float(induction_threshold)))
+            con.execute(COMPOSITION_VS_BEHAVIOUR)
         finally:
             con.close()
 

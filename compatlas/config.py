@@ -158,3 +158,14 @@ def selected_layers(entry: dict[str, Any], n_layers: int, model_id: str = "?") -
         raise ConfigError(f"config error at models.{model_id}.layers: layer {last} is outside the model "
                           f"(it has {n_layers} layers, 0..{n_layers - 1})")
     return list(range(first, last + 1))
+
+
+def induction_settings(config: dict[str, Any], model_id: str) -> dict[str, Any]:
+    """The induction section with the model's overrides applied (nested sections key by key)."""
+    merged = copy.deepcopy(config["induction"])
+    for key, value in config["models"][model_id].get("induction", {}).items():
+        if isinstance(value, dict):
+            merged[key] = {**merged.get(key, {}), **value}
+        else:
+            merged[key] = value
+    return merged

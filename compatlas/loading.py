@@ -184,10 +184,15 @@ def boot(entry: dict[str, Any], checkpoint: dict[str, Any] | None, workdir: Path
     if kind in ("local", "build"):
         folder = local_model_dir(source) if kind == "local" else workdir / "hf_model"
         if kind == "build":
-            model = build_hf_model(source)
-            model.save_pretrained(folder)
-            word_tokenizer(source["d_vocab"], folder)
-            prov["build_spec"] = {k: v for k, v in source.items() if k != "kind"}
+            spec = {k: v for k, v in source.items() if k != "kind"}
+            stamp = folder / "compatlas_build.json"
+            # later rules (induction) reuse the model extraction built, rather than race to rebuild it
+            if not (stamp.is_file() and json.loads(stamp.read_text()) == spec):
+                model = build_hf_model(source)
+                model.save_pretrained(folder)
+                word_tokenizer(source["d_vocab"], folder)
+                stamp.write_text(json.dumps(spec, sort_keys=True))
+            prov["build_spec"] = spec
         if not folder.is_dir():
             raise ModelLoadError(f"model directory {folder} does not exist")
         from transformers import AutoTokenizer

@@ -576,6 +576,7 @@ def _section(page: _Page, con: duckdb.DuckDBPyConnection, model: str, checkpoint
     if processing is None and df["processing"].drop_nulls().len():
         processing = df["processing"].drop_nulls()[0]
     invariance_figure(page, con, model, checkpoint)
+    behaviour_section(page, con, model, checkpoint)
     for metric in _order(df["metric"].unique().to_list(), METRIC_ORDER):
         formula, words = METRIC_TEXT.get(metric, (metric, ""))
         page.add(f"<h4>{html.escape(metric)}</h4><p class='note'>score = <code>{html.escape(formula)}</code>"
@@ -657,6 +658,154 @@ def metric_audit_table(con: duckdb.DuckDBPyConnection) -> str:
             f"<table class='audit'><tr>{head}</tr>{''.join(rows)}</table>")
 
 
+# ----------------------------------------------------------------------------- behaviour (induction)
+
+HEAD_SCORE_TEXT = {
+    "prev_token_mean": "previous-token score",
+    "duplicate_mean": "duplicate-token score",
+    "induction_mean": "induction score",
+    "ablation_drop": "drop in induction strength when ablated",
+}
+
+
+def _rows(con: duckdb.DuckDBPyConnection, view: str, model: str, checkpoint: str) -> pl.DataFrame:
+    if not _view_exists(con, view):
+        return pl.DataFrame()
+    return con.sql(f"SELECT * FROM {view} WHERE model = ? AND checkpoint = ?", params=[model, checkpoint]).pl()
+
+
+def induction_charts(toks: pl.DataFrame, model: str, checkpoint: str) -> tuple[alt.TopLevelMixin, alt.TopLevelMixin]:
+    """Histograms of A and B power (seed 004, result 1), and the strength of B against the
+    nearby-B token and a random token on the same sequences (result 2), per filler setting."""
+    toks = toks.with_columns(fillers=pl.format("{} + {} fillers", "filler_before", "filler_between"))
+    hist = alt.Chart(toks).mark_bar(opacity=0.7).encode(
+        x=alt.X("mean:Q", bin=alt.Bin(maxbins=30), title="induction strength (mean log-odds difference)"),
+        y=alt.Y("count():Q", title="tokens", stack=None),
+        color=alt.Color("role:N", title="power", sort=["A", "B"]),
+        column=alt.Column("fillers:N", title=None),
+    ).properties(width=300, height=180, title=alt.TitleParams(
+        f"{model} @ {checkpoint}: A power and B power", subtitle=[
+            "A power: mean strength over sequences with that token as A; B power: as B.",
+            "Strength = logodds p(B | r.. A B r.. A) - logodds p(B | the same tokens shuffled, last kept)."]))
+    long = pl.concat([
+        toks.select("fillers", "role", pl.lit(label).alias("target"), pl.col(m).alias("mean"), pl.col(se).alias("se"))
+        for label, m, se in (("B", "mean", "stderr"), ("nearby B*", "near_b_mean", "near_b_stderr"),
+                             ("random R", "random_mean", "random_stderr"))])
+    summary = long.group_by("fillers", "role", "target").agg(
+        pl.col("mean").mean(), (pl.col("se").pow(2).sum().sqrt() / pl.len()).alias("se"))
+    summary = summary.with_columns(lo=pl.col("mean") - 2 * pl.col("se"), hi=pl.col("mean") + 2 * pl.col("se"))
+    order = ["B", "nearby B*", "random R"]
+    base = alt.Chart(summary).encode(x=alt.X("target:N", sort=order, title=None))
+    bars = base.mark_bar().encode(y=alt.Y("mean:Q", title="mean induction strength (± 2 s.e.)"),
+                                  color=alt.Color("target:N", sort=order, legend=None))
+    err = base.mark_errorbar().encode(y="lo:Q", y2="hi:Q")
+    near = alt.layer(bars, err).properties(width=160, height=180).facet(
+        column=alt.Column("fillers:N", title=None), row=alt.Row("role:N", title="sequences with fixed")).properties(
+        title=alt.TitleParams(f"{model} @ {checkpoint}: is B's neighbourhood copied too?", subtitle=[
+            "B* = the token nearest to B by cosine in W_U (W_E when tied); R = a random token. Same sequences."]))
+    return hist, near
+
+
+def top_tokens_tables(toks: pl.DataFrame, n: int = 10) -> str:
+    """Top and bottom tokens (decoded) by A power and by B power, first filler setting."""
+    first = toks.sort("filler_before", "filler_between").row(0, named=True)
+    toks = toks.filter((pl.col("filler_before") == first["filler_before"])
+                       & (pl.col("filler_between") == first["filler_between"]))
+    parts = []
+    for role in ("A", "B"):
+        g = toks.filter(pl.col("role") == role)
+        for label, frame in (("top", g.sort("mean", descending=True).head(n)), ("bottom", g.sort("mean").head(n))):
+            rows = [[r["token_id"], repr(r["token_text"]), r["mean"], r["stderr"]] for r in frame.iter_rows(named=True)]
+            parts.append(f"<div><b>{label} {n} by {role} power</b>"
+                         + _table(["id", "token", f"{role} power", "s.e."], rows) + "</div>")
+    return "<div class='side'>" + "".join(parts) + "</div>"
+
+
+def head_scores_chart(heads: pl.DataFrame, model: str, checkpoint: str) -> alt.TopLevelMixin:
+    """Layer x head heatmaps of each behavioural score (each with its own colour scale)."""
+    charts = []
+    for col, title in HEAD_SCORE_TEXT.items():
+        scheme = "redblue" if col == "ablation_drop" else "viridis"
+        charts.append(alt.Chart(heads).mark_rect().encode(
+            x=alt.X("head:O", title="head"), y=alt.Y("layer:O", title="layer", sort="descending"),
+            color=alt.Color(f"{col}:Q", title=None, scale=alt.Scale(scheme=scheme, reverse=col == "ablation_drop",
+                                                                    **({"domainMid": 0} if col == "ablation_drop" else {}))),
+            tooltip=["layer", "head", alt.Tooltip(f"{col}:Q", format=".3f")],
+        ).properties(width=max(120, 12 * int(heads["head"].max() + 1)), height=max(120, 8 * int(heads["layer"].max() + 1)),
+                     title=title))
+    return alt.hconcat(*charts).resolve_scale(color="independent").properties(title=alt.TitleParams(
+        f"{model} @ {checkpoint}: what each head does", subtitle=[
+            "Attention scores on random tokens repeated twice: i -> i-1 (first half), i -> i-T (duplicate), "
+            "i -> i-T+1 (induction)."]))
+
+
+def composition_vs_behaviour_chart(best: pl.DataFrame, model: str, checkpoint: str) -> alt.TopLevelMixin:
+    """Each reader head's strongest K-composition with a previous-token head against its induction score."""
+    k = best.filter(pl.col("comp") == "K")
+    return alt.Chart(k).mark_circle(size=40, opacity=0.7).encode(
+        x=alt.X("best_score:Q", title="strongest K-composition with a previous-token head"),
+        y=alt.Y("induction_mean:Q", title="induction score"),
+        color=alt.Color("is_induction:N", title="induction head"),
+        tooltip=["layer", "head", "best_writer", alt.Tooltip("best_score:Q", format=".3f"),
+                 alt.Tooltip("induction_mean:Q", format=".3f"), alt.Tooltip("ablation_drop:Q", format=".3f")],
+    ).properties(width=180, height=160).facet(
+        row=alt.Row("metric:N", sort=list(METRIC_ORDER), title=None),
+        column=alt.Column("space:N", sort=list(SPACE_ORDER), title=None)).resolve_scale(x="independent").properties(
+        title=alt.TitleParams(f"{model} @ {checkpoint}: does composition predict induction?", subtitle=[
+            "One point per reader head; previous-token heads are chosen by their behaviour (head_scores)."]))
+
+
+def composition_vs_behaviour_table(cvb: pl.DataFrame) -> str:
+    rows = [[r["metric"], r["space"], r["comp"], r["n_readers"], r["n_induction_heads"], r["auroc"],
+             r["spearman_induction"], r["spearman_ablation"]]
+            for r in cvb.sort("auroc", "spearman_induction", descending=True, nulls_last=True).iter_rows(named=True)]
+    return _table(["metric", "space", "comp", "readers", "induction heads", "AUROC", "Spearman vs induction score",
+                   "Spearman vs ablation drop"], rows)
+
+
+def behaviour_section(page: _Page, con: duckdb.DuckDBPyConnection, model: str, checkpoint: str) -> None:
+    toks = _rows(con, "induction_tokens", model, checkpoint)
+    heads = _rows(con, "head_scores", model, checkpoint)
+    if toks.is_empty() and heads.is_empty():
+        return
+    stem = f"{safe_name(model)}__{safe_name(checkpoint)}"
+    page.add("<h4>Induction behaviour (forward passes)</h4>")
+    if not toks.is_empty():
+        hist, near = induction_charts(toks, model, checkpoint)
+        page.figure(hist, f"{stem}__induction_powers.png")
+        page.figure(near, f"{stem}__induction_near_b.png")
+        page.add(top_tokens_tables(toks))
+    if not heads.is_empty():
+        page.figure(head_scores_chart(heads, model, checkpoint), f"{stem}__head_scores.png")
+        best = _rows(con, "reader_best_composition", model, checkpoint)
+        cvb = _rows(con, "composition_vs_behaviour", model, checkpoint)
+        if not best.is_empty():
+            page.figure(composition_vs_behaviour_chart(best, model, checkpoint), f"{stem}__composition_vs_behaviour.png")
+            page.add("<p class='note'>AUROC: how well the reader's strongest composition with a previous-token head "
+                     "separates induction heads (induction score above the threshold) from the rest; 0.5 is chance. "
+                     "Empty when the model has no induction head.</p>")
+            page.add(composition_vs_behaviour_table(cvb))
+
+
+def payoff_table(con: duckdb.DuckDBPyConnection) -> str:
+    """Across models: which metric, in which space, finds the heads that really do induction."""
+    if not _view_exists(con, "composition_vs_behaviour"):
+        return ""
+    df = con.sql("""SELECT metric, space, comp, count(*) AS models, avg(auroc) AS mean_auroc,
+                           avg(spearman_induction) AS mean_spearman_induction,
+                           avg(spearman_ablation) AS mean_spearman_ablation
+                    FROM composition_vs_behaviour GROUP BY ALL
+                    ORDER BY mean_auroc DESC NULLS LAST, mean_spearman_induction DESC NULLS LAST""").pl()
+    if df.is_empty():
+        return ""
+    rows = [list(r) for r in df.iter_rows()]
+    return ("<h2 id='payoff'>Which metric finds the induction heads?</h2><p class='note'>Per metric, space and "
+            "comp, averaged over models and checkpoints (AUROC only over models with at least one induction head). "
+            "Per model: <code>SELECT * FROM composition_vs_behaviour</code>.</p>"
+            + _table(["metric", "space", "comp", "models", "mean AUROC", "mean Spearman (induction score)",
+                      "mean Spearman (ablation drop)"], rows))
+
+
 def build_report(db_path: str | Path, out_dir: str | Path) -> list[Path]:
     """Write ``out_dir/index.html`` and one PNG per figure from the atlas database.
 
@@ -692,6 +841,7 @@ def build_report(db_path: str | Path, out_dir: str | Path) -> list[Path]:
                 if not with_results:
                     page.add("<p><b>No results:</b> there are no composition scores yet.</p>")
                 page.add(metric_audit_table(con))
+                page.add(payoff_table(con))
                 page.add("<nav><ul>" + "".join(
                     f"<li><a href='#{html.escape(safe_name(m) + '__' + safe_name(c))}'>{html.escape(str(m))} @ "
                     f"{html.escape(str(c))}</a></li>" for m, c in all_keys) + "</ul></nav>")

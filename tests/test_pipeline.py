@@ -83,6 +83,20 @@ def test_audit_views(pipeline_run: Path):
     assert con.execute("SELECT token_condition > 1 FROM models WHERE model = 'tiny-gpt2'").fetchone()[0]
 
 
+def test_behaviour_views(pipeline_run: Path):
+    con = duckdb.connect(str(pipeline_run / "results" / "atlas.duckdb"), read_only=True)
+    heads = dict(con.execute("SELECT model, count(*) FROM head_scores GROUP BY model").fetchall())
+    assert heads == {"tiny-gpt2": 3 * 2, "tiny-llama": 3 * 4}  # every head, layers x heads
+    assert con.execute("SELECT count(*) FROM head_scores WHERE ablation_drop IS NULL OR induction_mean IS NULL").fetchone()[0] == 0
+    # 6 tokens x 2 roles per model (tests/data/tiny.yaml); random models: no induction
+    toks = con.execute("SELECT model, count(*), max(abs(mean)) FROM induction_tokens GROUP BY model").fetchall()
+    assert {m: n for m, n, _ in toks} == {"tiny-gpt2": 12, "tiny-llama": 12} and all(x < 0.5 for _, _, x in toks)
+    assert con.execute("SELECT count(*) FROM induction_summary").fetchone()[0] == 2 * 2
+    assert con.execute("SELECT count(DISTINCT token_text) > 1 FROM induction_tokens").fetchone()[0]
+    # one row per model x metric x space x comp
+    assert con.execute("SELECT count(*) FROM composition_vs_behaviour").fetchone()[0] == 2 * 3 * 2 * 3
+
+
 def test_shards_are_hive_partitioned_with_provenance(pipeline_run: Path):
     from compatlas.storage import read_provenance
 
@@ -103,6 +117,9 @@ def test_report_is_written(pipeline_run: Path):
     report = pipeline_run / "results" / "report"
     assert (report / "tiny-llama__final__invariance.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert (report / "tiny-llama__final__frobenius__token__heatmap.png").exists()
+    for fig in ("induction_powers", "induction_near_b", "head_scores", "composition_vs_behaviour"):
+        assert (report / f"tiny-llama__final__{fig}.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", fig
+    assert "Induction behaviour" in html and "Which metric finds the induction heads?" in html
 
 
 def test_adding_a_model_runs_only_its_jobs(pipeline_run: Path, tmp_path: Path):
@@ -121,7 +138,10 @@ def test_adding_a_model_runs_only_its_jobs(pipeline_run: Path, tmp_path: Path):
     assert len(new) == 6  # one block, three metrics, two spaces
     jobs = [line for line in proc.stderr.splitlines() if line.strip().startswith("wildcards:")]
     assert jobs and all("tiny-extra" in j for j in jobs), jobs
-    assert ran.count("composition") == 6 and ran.count("invariance") == 1 and "metric_audit" not in ran, ran
+    assert ran.count("composition") == 6 and ran.count("invariance") == 1 and ran.count("induction") == 1, ran
+    assert "metric_audit" not in ran, ran
+    con = duckdb.connect(str(work / "results" / "atlas.duckdb"), read_only=True)
+    assert con.execute("SELECT count(*) FROM head_scores WHERE model = 'tiny-extra'").fetchone()[0] == 2 * 2
 
 
 def test_bad_config_fails_before_any_job(tmp_path: Path):

@@ -7,8 +7,15 @@ rule atlas:
         invariance=invariance_shards,
         metric_audit=f"{RESULTS}/metric_audit/metric_audit.parquet",
         metas=all_metas,
+        induction_tokens=induction_shards(INDUCTION_TOKENS),
+        head_scores=induction_shards(HEAD_SCORES),
     output:
         f"{RESULTS}/atlas.duckdb",
+    params:
+        thresholds={
+            "prev_token_threshold": config["induction"]["prev_token_threshold"],
+            "induction_threshold": config["induction"]["induction_threshold"],
+        },
     conda:
         "../envs/compatlas.yaml"
     log:

@@ -2,7 +2,7 @@
 from snakemake.exceptions import WorkflowError
 
 from compatlas.composition import METRICS
-from compatlas.config import ConfigError, model_checkpoints, validate_config
+from compatlas.config import ConfigError, induction_settings, model_checkpoints, validate_config
 from compatlas.token_space import SPACES
 
 # Validate (and fill defaults) before any job is scheduled: one line naming key and problem.
@@ -17,6 +17,8 @@ LOGS = f"{RESULTS}/logs"
 WEIGHTS_TENSORS = f"{RESULTS}/weights/{{model}}/{{checkpoint}}/weights.safetensors"
 WEIGHTS_META = f"{RESULTS}/weights/{{model}}/{{checkpoint}}/meta.json"
 INVARIANCE = f"{RESULTS}/invariance/model={{model}}/checkpoint={{checkpoint}}/invariance.parquet"
+INDUCTION_TOKENS = f"{RESULTS}/induction/model={{model}}/checkpoint={{checkpoint}}/tokens.parquet"
+HEAD_SCORES = f"{RESULTS}/induction/model={{model}}/checkpoint={{checkpoint}}/heads.parquet"
 SHARD = f"{RESULTS}/composition/model={{model}}/checkpoint={{checkpoint}}/metric={{metric}}/space={{space}}/block={{block}}.parquet"
 
 
@@ -67,3 +69,12 @@ def invariance_shards(wildcards):
 
 def all_metas(wildcards):
     return [WEIGHTS_META.format(model=m, checkpoint=c) for m, c in model_checkpoint_pairs()]
+
+
+def induction_enabled(model):
+    return induction_settings(config, model)["enabled"]
+
+
+def induction_shards(path):
+    """The induction rule's output `path` for every (model, checkpoint) with induction enabled."""
+    return [path.format(model=m, checkpoint=c) for m, c in model_checkpoint_pairs() if induction_enabled(m)]

@@ -1,0 +1,27 @@
+# Behaviour by forward passes: induction-strength sweeps, head attention scores, head ablation.
+# After extraction (it reuses the model extraction built, and its W_E / W_U for nearby-B).
+
+
+rule induction:
+    input:
+        tensors=WEIGHTS_TENSORS,
+        meta=WEIGHTS_META,
+    output:
+        tokens=INDUCTION_TOKENS,
+        heads=HEAD_SCORES,
+    params:
+        entry=model_entry,
+        checkpoint=checkpoint_spec,
+        settings=lambda wc: induction_settings(config, wc.model),
+        workdir=lambda wc: f"{RESULTS}/models/{wc.model}/{wc.checkpoint}",
+        device=config["device"],
+    conda:
+        "../envs/compatlas.yaml"
+    log:
+        f"{LOGS}/induction/{{model}}/{{checkpoint}}.log",
+    threads: 2
+    resources:
+        mem_mb=8000,
+        runtime=120,
+    script:
+        "../scripts/induction.py"

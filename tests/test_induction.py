@@ -170,7 +170,8 @@ def test_head_scores_find_the_two_heads(built):
     by = {(r["layer"], r["head"]): r for r in df.iter_rows(named=True)}
     assert by[(0, 0)]["prev_token_mean"] > 0.99
     assert max(df["prev_token_mean"]) == by[(0, 0)]["prev_token_mean"]
-    assert by[(1, 0)]["induction_mean"] > 0.8  # repeats inside a half of 12 tokens split a little attention
+    # ~0.8: a token repeated inside a half of 12 (vocabulary 32) splits the head between its matches
+    assert by[(1, 0)]["induction_mean"] > 0.7
     assert max(r["induction_mean"] for k, r in by.items() if k != (1, 0)) < 0.2
     # no head of this model attends to the earlier copy of its own token
     assert df["duplicate_mean"].max() < 0.2

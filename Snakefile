@@ -13,6 +13,7 @@ if not config:
 
 
 include: "workflow/common.smk"
+include: "workflow/train.smk"
 include: "workflow/extract.smk"
 include: "workflow/composition.smk"
 include: "workflow/audit.smk"

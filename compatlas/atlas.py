@@ -16,6 +16,7 @@ import polars as pl
 
 from compatlas.induction import HEAD_SCHEMA, TOKEN_SCHEMA
 from compatlas.scores import SCHEMA
+from compatlas.training import LOSS_SCHEMA
 from compatlas.storage import atomic_path, check_shards
 
 MODEL_COLUMNS = ["model", "checkpoint", "checkpoint_step", "checkpoint_tokens", "architecture", "hf_architecture",
@@ -30,7 +31,7 @@ INVARIANCE_SCHEMA = {"model": pl.Utf8, "checkpoint": pl.Utf8, "processing": pl.U
 AUDIT_SCHEMA = {"metric": pl.Utf8, "space": pl.Utf8, "axiom": pl.Utf8, "construction": pl.Utf8, "value": pl.Float64,
                 "expected": pl.Float64, "passed": pl.Boolean, "detail": pl.Utf8}
 VIEWS = {"composition": SCHEMA, "invariance": INVARIANCE_SCHEMA, "metric_audit": AUDIT_SCHEMA,
-         "induction_tokens": TOKEN_SCHEMA, "head_scores": HEAD_SCHEMA}
+         "induction_tokens": TOKEN_SCHEMA, "head_scores": HEAD_SCHEMA, "training_loss": LOSS_SCHEMA}
 
 # Views derived from the ones over shards (SQL, so they follow the shards whenever the atlas is rebuilt).
 COMPOSITION_Z = """CREATE VIEW composition_z AS SELECT *,

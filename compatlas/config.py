@@ -76,6 +76,11 @@ def validate_config(config: dict[str, Any], schema_path: Path = SCHEMA_PATH, che
     """Validate (and fill defaults in) a config dict; raise ConfigError with one clear message."""
     import jsonschema
 
+    # models made from training runs by an earlier validation are made again below (idempotent)
+    if isinstance(config.get("models"), dict):
+        for name in [k for k, v in config["models"].items() if isinstance(v, dict)
+                     and isinstance(v.get("source"), dict) and v["source"].get("kind") == "trained"]:
+            del config["models"][name]
     schema = yaml.safe_load(schema_path.read_text())
     validator = jsonschema.Draft202012Validator(schema)
     # deepest error first; at equal depth an unknown key explains more than a missing one
@@ -84,9 +89,74 @@ def validate_config(config: dict[str, Any], schema_path: Path = SCHEMA_PATH, che
     if errors:
         raise ConfigError(_explain(errors[-1]))
     _fill_defaults(schema, config, schema)
+    config.setdefault("models", {})
+    _add_training_runs(config)
+    if not config["models"]:
+        raise ConfigError("config error at models: no models (and no training runs) to score")
     for model_id, entry in config["models"].items():
+        if "checkpoint_series" in entry:
+            _expand_series(model_id, entry)
         _check_model(model_id, entry, check_sources)
     return config
+
+
+# tokens per training step, from the families' papers (Pythia: 1024 sequences x 2048 tokens)
+TOKENS_PER_STEP = {"EleutherAI/pythia": 2_097_152}
+
+
+def _expand_series(model_id: str, entry: dict[str, Any]) -> None:
+    """checkpoint_series -> checkpoints, from the family's published schedule (no network)."""
+    from transformer_lens.tools.model_registry.checkpoints import get_checkpoint_labels
+
+    key, series, src = f"models.{model_id}.checkpoint_series", entry.pop("checkpoint_series"), entry["source"]
+    if src["kind"] != "hub":
+        raise ConfigError(f"config error at {key}: checkpoint series need a hub source")
+    try:
+        published, _ = get_checkpoint_labels(src["name"])
+    except Exception as e:
+        raise ConfigError(f"config error at {key}: {src['name']!r} has no published checkpoint schedule ({e})") from e
+    if "steps" in series:
+        missing = sorted(set(series["steps"]) - set(published))
+        if missing:
+            raise ConfigError(f"config error at {key}.steps: {missing} are not published steps of {src['name']}")
+        chosen = list(series["steps"])
+    else:
+        first, last = series.get("range", (published[0], published[-1]))
+        chosen = [s for s in published if first <= s <= last]
+    chosen = chosen[::series.get("every", 1)]
+    per_step = next((n for prefix, n in TOKENS_PER_STEP.items() if src["name"].startswith(prefix)), None)
+    have = {c.get("value") for c in entry.get("checkpoints", [])}
+    merged = entry.get("checkpoints", []) + [
+        {"value": s, "label": f"step{s}", **({"tokens": s * per_step} if per_step else {})} for s in chosen if s not in have]
+    # in training order when every checkpoint has a step (the last one is "final" for the audits)
+    entry["checkpoints"] = sorted(merged, key=lambda c: c["value"]) if all("value" in c for c in merged) else merged
+
+
+def _add_training_runs(config: dict[str, Any]) -> None:
+    """Each training run becomes a model of the zoo, with a checkpoint per scheduled step."""
+    from compatlas.training import checkpoint_label as step_label
+    from compatlas.training import schedule
+
+    for run, spec in config["training"].items():
+        key = f"training.{run}"
+        if run in config["models"] and config["models"][run].get("source", {}).get("run") != run:
+            raise ConfigError(f"config error at {key}: a model of that name exists; training runs name models")
+        if spec["min_span"] > spec["max_span"] or 2 * spec["max_span"] > spec["seq_len"]:
+            raise ConfigError(f"config error at {key}: need min_span <= max_span <= seq_len / 2")
+        steps = schedule({**spec["schedule"], "steps": spec["steps"]})
+        tokens_per_step = spec["batch_size"] * spec["seq_len"]
+        entry = {
+            "description": spec.get("description", f"attention-only, trained by the pipeline ({run})"),
+            "source": {"kind": "trained", "run": run, "path": f"{config['results']}/train/{run}"},
+            "processing": "none",
+            "checkpoints": [{"label": step_label(n), "value": n, "tokens": n * tokens_per_step} for n in steps],
+            # trained with BOS first (token 0 of the word-level tokenizer)
+            "induction": {"prepend_bos": True, "pool": spec["d_vocab"]},
+        }
+        for key_ in ("spaces", "blocks"):
+            if spec.get(key_):
+                entry[key_] = spec[key_]
+        config["models"][run] = entry
 
 
 def _check_model(model_id: str, entry: dict[str, Any], check_sources: bool) -> None:
@@ -122,8 +192,9 @@ def _check_model(model_id: str, entry: dict[str, Any], check_sources: bool) -> N
     labels = [checkpoint_label(c) for c in entry.get("checkpoints", [])]
     if len(set(labels)) != len(labels):
         raise ConfigError(f"config error at {key}.checkpoints: duplicate checkpoint labels {labels}")
-    if labels and src["kind"] != "hub":
-        raise ConfigError(f"config error at {key}.checkpoints: checkpoints need a hub source")
+    if labels and src["kind"] not in ("hub", "trained"):
+        raise ConfigError(f"config error at {key}.checkpoints: checkpoints need a hub source "
+                          "(or a training run, which makes its own)")
 
 
 def checkpoint_label(ckpt: dict[str, Any]) -> str:
@@ -143,6 +214,8 @@ def model_checkpoints(entry: dict[str, Any]) -> dict[str, dict[str, Any]]:
         spec = {"label": checkpoint_label(c)}
         if "value" in c:
             spec.update(checkpoint_value=c["value"], step=c["value"])
+        if "tokens" in c:
+            spec["tokens"] = c["tokens"]
         if "index" in c:
             spec["checkpoint_index"] = c["index"]
         if "revision" in c:
@@ -169,3 +242,9 @@ def induction_settings(config: dict[str, Any], model_id: str) -> dict[str, Any]:
         else:
             merged[key] = value
     return merged
+
+
+def trained_run(config: dict[str, Any], model_id: str) -> dict[str, Any] | None:
+    """The training spec behind a model, or None for models that are not trained here."""
+    src = config["models"][model_id]["source"]
+    return config["training"][src["run"]] if src.get("kind") == "trained" else None

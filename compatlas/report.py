@@ -787,6 +787,120 @@ def behaviour_section(page: _Page, con: duckdb.DuckDBPyConnection, model: str, c
             page.add(composition_vs_behaviour_table(cvb))
 
 
+# ----------------------------------------------------------------------------- training (checkpoint series)
+
+
+def _step_scale() -> alt.Scale:
+    return alt.Scale(type="symlog")  # step 0 and log-spaced early checkpoints both visible
+
+
+def _rule(formation: float | None) -> alt.Chart | None:
+    if formation is None:
+        return None
+    return alt.Chart(pl.DataFrame({"step": [formation]})).mark_rule(color="black", strokeDash=[4, 3]).encode(x="step:Q")
+
+
+def _with_rule(chart: alt.Chart, formation: float | None) -> alt.TopLevelMixin:
+    rule = _rule(formation)
+    return chart if rule is None else alt.layer(chart, rule)
+
+
+def training_section(page: _Page, con: duckdb.DuckDBPyConnection, model: str) -> None:
+    """The seed-000 figure for a model with a checkpoint series: the eventual induction head and
+    previous-token head, their composition over training in every metric and space, beside
+    the loss, the head scores and the induction strength, with the formation step marked."""
+    from compatlas import formation as fm
+
+    steps = con.sql("""SELECT checkpoint, checkpoint_step AS step FROM models
+                       WHERE model = ? AND checkpoint_step IS NOT NULL ORDER BY step""", params=[model]).pl()
+    if steps.height < 2 or not _view_exists(con, "head_scores"):
+        return
+    heads = con.sql("""SELECT h.*, m.checkpoint_step AS step FROM head_scores h JOIN models m USING (model, checkpoint)
+                       WHERE h.model = ? AND m.checkpoint_step IS NOT NULL ORDER BY step""", params=[model]).pl()
+    if heads.is_empty():
+        return
+    last = heads.filter(pl.col("step") == heads["step"].max())
+    pair = fm.eventual_heads(last)
+    stem = safe_name(model)
+    page.add(f"<h3 id='{html.escape(stem)}__training'>{html.escape(model)}: composition over training</h3>")
+    if pair is None:
+        page.add("<p class='note'>The strongest induction head is in layer 0: no earlier head to compose with.</p>")
+        return
+    (il, ih), (pl_, ph) = pair
+    ind = heads.filter((pl.col("layer") == il) & (pl.col("head") == ih)).sort("step")
+    prev = heads.filter((pl.col("layer") == pl_) & (pl.col("head") == ph)).sort("step")
+    formation = fm.formation_step(ind["step"].to_numpy(), ind["induction_mean"].to_numpy())
+    behaviour = pl.concat([
+        ind.select("step", pl.lit(f"induction score of {il}.{ih}").alias("series"), pl.col("induction_mean").alias("value")),
+        prev.select("step", pl.lit(f"previous-token score of {pl_}.{ph}").alias("series"), pl.col("prev_token_mean").alias("value"))])
+    panels = [_with_rule(alt.Chart(behaviour).mark_line(point=True).encode(
+        x=alt.X("step:Q", scale=_step_scale(), title="training step"), y=alt.Y("value:Q", title="attention score"),
+        color=alt.Color("series:N", title=None, legend=alt.Legend(orient="bottom", columns=1))).properties(
+        width=260, height=170, title="head scores"), formation)]
+    if _view_exists(con, "induction_summary"):
+        strength = con.sql("""SELECT m.checkpoint_step AS step, avg(s.mean_strength) AS strength
+                              FROM induction_summary s JOIN models m USING (model, checkpoint)
+                              WHERE s.model = ? GROUP BY ALL ORDER BY step""", params=[model]).pl()
+        if not strength.is_empty():
+            panels.append(_with_rule(alt.Chart(strength).mark_line(point=True, color="#c44e52").encode(
+                x=alt.X("step:Q", scale=_step_scale(), title="training step"),
+                y=alt.Y("strength:Q", title="mean induction strength")).properties(
+                width=260, height=170, title="induction strength (seed 004)"), formation))
+    if _view_exists(con, "training_loss"):
+        loss = con.sql("""SELECT step, loss FROM training_loss WHERE model = ? ORDER BY step""", params=[model]).pl()
+        if not loss.is_empty():
+            width = max(1, loss.height // 200)  # bin to about 200 points
+            loss = loss.with_columns(bin=(pl.col("step") - 1) // width).group_by("bin").agg(
+                pl.col("step").max(), pl.col("loss").mean()).sort("step")
+            panels.insert(0, _with_rule(alt.Chart(loss).mark_line(color="#555").encode(
+                x=alt.X("step:Q", scale=_step_scale(), title="training step"), y=alt.Y("loss:Q", title="training loss")
+            ).properties(width=260, height=170, title="loss"), formation))
+    where = "model = ? AND writer_layer = ? AND writer_head = ? AND reader_layer = ? AND reader_head = ?"
+    curves = con.sql(f"""SELECT c.metric, c.space, c.comp, m.checkpoint_step AS step, c.score
+                         FROM composition c JOIN models m USING (model, checkpoint) WHERE c.{where.replace(' AND ', ' AND c.')}
+                         ORDER BY step""", params=[model, pl_, ph, il, ih]).pl()
+    ribbon = con.sql("""SELECT c.metric, c.space, c.comp, m.checkpoint_step AS step,
+                               quantile_cont(c.score, 0.1) AS q10, median(c.score) AS q50, quantile_cont(c.score, 0.9) AS q90
+                        FROM composition c JOIN models m USING (model, checkpoint) WHERE c.model = ? GROUP BY ALL""",
+                     params=[model]).pl()
+    page.add(f"<p>Eventual induction head <b>{il}.{ih}</b> (highest induction score at the last checkpoint), eventual "
+             f"previous-token head <b>{pl_}.{ph}</b> (highest previous-token score in an earlier layer). "
+             + (f"Formation step <b>{formation:.0f}</b> (dashed): where {il}.{ih}'s induction score crosses the midpoint "
+                f"of its first and final values." if formation is not None else
+                f"<b>No formation detected</b>: {il}.{ih}'s induction score rises by less than {fm.MIN_RISE}.") + "</p>")
+    page.figure(alt.hconcat(*panels).properties(title=f"{model}: behaviour over training"), f"{stem}__training_behaviour.png")
+    if curves.is_empty():
+        return
+    # layered charts with different data facet through a shared key: join both frames
+    both = curves.with_columns(kind=pl.lit("pair")).join(ribbon, on=["metric", "space", "comp", "step"], how="left")
+    grid = alt.layer(
+        alt.Chart().mark_area(opacity=0.15).encode(x=alt.X("step:Q", scale=_step_scale(), title="training step"),
+                                                   y=alt.Y("q10:Q", title=f"score of {pl_}.{ph} → {il}.{ih}"), y2="q90:Q",
+                                                   color=alt.Color("comp:N", sort=list(COMPS), title="comp")),
+        alt.Chart().mark_line(point=True).encode(x="step:Q", y="score:Q", color=alt.Color("comp:N", sort=list(COMPS)),
+                                                 tooltip=["metric", "space", "comp", "step",
+                                                          alt.Tooltip("score:Q", format=".3f")]),
+        *([alt.Chart().mark_rule(color="black", strokeDash=[4, 3]).encode(x="formation:Q")] if formation is not None else []),
+        data=both.with_columns(formation=pl.lit(formation)),
+    ).properties(width=200, height=150).facet(
+        row=alt.Row("metric:N", sort=list(METRIC_ORDER), title=None),
+        column=alt.Column("space:N", sort=list(SPACE_ORDER), title=None)).resolve_scale(y="independent").properties(
+        title=alt.TitleParams(f"{model}: composition of the eventual pair over training", subtitle=[
+            "Lines: the eventual previous-token head writing into the eventual induction head; bands: 10-90% of all "
+            "head pairs at that step (Q, K, V)."]))
+    page.figure(grid, f"{stem}__training_composition.png")
+    if formation is not None:
+        v = fm.verdicts(curves, formation)
+        page.add(f"<p><b>{html.escape(fm.statement(v))}</b></p>")
+        page.add("<p class='note'>Tracks: ends above its value before the formation, with its largest rise between "
+                 "consecutive checkpoints at (or next to) the formation step. Rises early: before half the formation "
+                 "step (initialisation excluded) it already reaches its final value.</p>")
+        page.add(_table(["metric", "space", "comp", "before formation", "final", "largest rise at step",
+                         "early max", "tracks", "rises early"],
+                        [[r["metric"], r["space"], r["comp"], r["before_formation"], r["final"], r["largest_rise_at"],
+                          r["early_max"], r["tracks"], r["rises_early"]] for r in v.iter_rows(named=True)]))
+
+
 def payoff_table(con: duckdb.DuckDBPyConnection) -> str:
     """Across models: which metric, in which space, finds the heads that really do induction."""
     if not _view_exists(con, "composition_vs_behaviour"):
@@ -849,6 +963,7 @@ def build_report(db_path: str | Path, out_dir: str | Path) -> list[Path]:
                 for model, checkpoint in all_keys:
                     if model != current:
                         page.add(f"<h2>{html.escape(str(model))}</h2>")
+                        training_section(page, con, model)
                         current = model
                     _section(page, con, model, checkpoint, minfo.get((model, checkpoint)),
                              (model, checkpoint) in with_results)

@@ -12,7 +12,7 @@ def as_list(files) -> list[str]:
 inp = snakemake.input
 shards = {"composition": as_list(inp.shards), "invariance": as_list(inp.invariance),
           "metric_audit": as_list(inp.metric_audit), "induction_tokens": as_list(inp.induction_tokens),
-          "head_scores": as_list(inp.head_scores)}
+          "head_scores": as_list(inp.head_scores), "training_loss": as_list(inp.training_loss)}
 build_atlas(snakemake.output[0], shards, list(inp.metas), **snakemake.params.thresholds)
 log.info("atlas %s: %s shards, %d models", snakemake.output[0], {k: len(v) for k, v in shards.items()},
          len(inp.metas))

@@ -50,12 +50,14 @@ def expected_rows(n_layers: int, n_heads: int) -> int:
 def test_views_hold_every_score(pipeline_run: Path):
     con = duckdb.connect(str(pipeline_run / "results" / "atlas.duckdb"), read_only=True)
     rows = dict(con.execute("SELECT model, count(*) FROM composition GROUP BY model").fetchall())
-    # tiny-gpt2: 3 layers x 2 heads; tiny-llama: 3 layers x 4 heads; 3 metrics x 3 comps x 2 spaces
-    assert rows == {"tiny-gpt2": 18 * expected_rows(3, 2), "tiny-llama": 18 * expected_rows(3, 4)}
+    # tiny-gpt2: 3 layers x 2 heads; tiny-llama: 3 layers x 4 heads; 3 metrics x 3 comps x 2 spaces;
+    # tiny-trained: 2 layers x 2 heads, 3 checkpoints, residual space only
+    assert rows == {"tiny-gpt2": 18 * expected_rows(3, 2), "tiny-llama": 18 * expected_rows(3, 4),
+                    "tiny-trained": 3 * 9 * expected_rows(2, 2)}
     assert con.execute("SELECT count(*) FROM composition WHERE writer_layer >= reader_layer").fetchone()[0] == 0
     assert con.execute("SELECT min(score) >= 0 AND max(score) <= 1 + 1e-9 FROM composition").fetchone()[0]
     assert con.execute("SELECT count(*) FROM composition WHERE baseline_spectrum_std IS NULL OR baseline_gaussian_mean IS NULL").fetchone()[0] == 0
-    models = con.execute("SELECT model, n_layers, n_heads, n_kv_heads, processing, norm_type FROM models ORDER BY model").fetchall()
+    models = con.execute("SELECT model, n_layers, n_heads, n_kv_heads, processing, norm_type FROM models WHERE checkpoint = 'final' ORDER BY model").fetchall()
     assert models == [("tiny-gpt2", 3, 2, 2, "compat", "LN"), ("tiny-llama", 3, 4, 2, "none", "RMS")]
     # the contract query of the README: strongest K-compositions above their baseline
     top = con.execute("""SELECT writer_layer, writer_head, reader_layer, reader_head, score - baseline_spectrum_mean AS adj
@@ -86,15 +88,28 @@ def test_audit_views(pipeline_run: Path):
 def test_behaviour_views(pipeline_run: Path):
     con = duckdb.connect(str(pipeline_run / "results" / "atlas.duckdb"), read_only=True)
     heads = dict(con.execute("SELECT model, count(*) FROM head_scores GROUP BY model").fetchall())
-    assert heads == {"tiny-gpt2": 3 * 2, "tiny-llama": 3 * 4}  # every head, layers x heads
+    assert heads == {"tiny-gpt2": 3 * 2, "tiny-llama": 3 * 4, "tiny-trained": 3 * 2 * 2}  # every head, every checkpoint
     assert con.execute("SELECT count(*) FROM head_scores WHERE ablation_drop IS NULL OR induction_mean IS NULL").fetchone()[0] == 0
     # 6 tokens x 2 roles per model (tests/data/tiny.yaml); random models: no induction
-    toks = con.execute("SELECT model, count(*), max(abs(mean)) FROM induction_tokens GROUP BY model").fetchall()
+    toks = con.execute("SELECT model, count(*), max(abs(mean)) FROM induction_tokens WHERE checkpoint = 'final' GROUP BY model").fetchall()
     assert {m: n for m, n, _ in toks} == {"tiny-gpt2": 12, "tiny-llama": 12} and all(x < 0.5 for _, _, x in toks)
-    assert con.execute("SELECT count(*) FROM induction_summary").fetchone()[0] == 2 * 2
+    assert con.execute("SELECT count(*) FROM induction_summary").fetchone()[0] == (2 + 3) * 2
     assert con.execute("SELECT count(DISTINCT token_text) > 1 FROM induction_tokens").fetchone()[0]
-    # one row per model x metric x space x comp
-    assert con.execute("SELECT count(*) FROM composition_vs_behaviour").fetchone()[0] == 2 * 3 * 2 * 3
+    # one row per model x checkpoint x metric x space x comp
+    assert con.execute("SELECT count(*) FROM composition_vs_behaviour").fetchone()[0] == 2 * 3 * 2 * 3 + 3 * 3 * 1 * 3
+
+
+def test_training_run_is_a_checkpoint_series(pipeline_run: Path):
+    con = duckdb.connect(str(pipeline_run / "results" / "atlas.duckdb"), read_only=True)
+    series = con.execute("""SELECT checkpoint, checkpoint_step, checkpoint_tokens, source_kind FROM models
+                            WHERE model = 'tiny-trained' ORDER BY checkpoint_step""").fetchall()
+    assert series == [("step0", 0, 0, "trained"), ("step10", 10, 1920, "trained"), ("step20", 20, 3840, "trained")]
+    loss = con.execute("SELECT count(*), min(step), max(step) FROM training_loss WHERE model = 'tiny-trained'").fetchone()
+    assert loss == (20, 1, 20)  # every step logged once, across the three segments
+    # the invariance audit runs on each model's last checkpoint only
+    assert con.execute("SELECT DISTINCT checkpoint FROM invariance WHERE model = 'tiny-trained'").fetchall() == [("step20",)]
+    html = (pipeline_run / "results" / "report" / "index.html").read_text()
+    assert "tiny-trained: composition over training" in html
 
 
 def test_shards_are_hive_partitioned_with_provenance(pipeline_run: Path):
@@ -102,7 +117,7 @@ def test_shards_are_hive_partitioned_with_provenance(pipeline_run: Path):
 
     shards = sorted((pipeline_run / "results" / "composition").rglob("*.parquet"))
     assert shards[0].name == "block=0.parquet"
-    assert len(shards) == 2 * 3 * 2 * 2  # models x metrics x spaces x blocks
+    assert len(shards) == 2 * 3 * 2 * 2 + 3 * 3  # models x metrics x spaces x blocks, + the trained checkpoints
     prov = read_provenance(shards[0])
     assert shards[0].parent.parent.parent.parent.name.startswith("model=")
     for key in ("model", "checkpoint", "processing", "metric", "space", "versions", "source_checksum", "weights_sha256"):
@@ -142,6 +157,26 @@ def test_adding_a_model_runs_only_its_jobs(pipeline_run: Path, tmp_path: Path):
     assert "metric_audit" not in ran, ran
     con = duckdb.connect(str(work / "results" / "atlas.duckdb"), read_only=True)
     assert con.execute("SELECT count(*) FROM head_scores WHERE model = 'tiny-extra'").fetchone()[0] == 2 * 2
+
+
+def test_adding_a_checkpoint_runs_only_its_jobs(pipeline_run: Path, tmp_path: Path):
+    work = tmp_path / "ckpt"
+    shutil.copytree(pipeline_run, work)
+    before = {p: sha(p) for p in (work / "results").rglob("*.parquet") if "invariance" not in p.parts}
+    cfg = tiny_config()
+    cfg["training"]["tiny-trained"]["steps"] = 30  # the schedule gains step30
+    dry = run_snakemake(work, cfg, "--dry-run").stdout
+    assert "results/train/tiny-trained/step30/state.pt" in dry  # the new checkpoint's wildcards resolve
+    proc = run_snakemake(work, cfg)
+    ran = [line.split("rule ")[1].rstrip(":") for line in proc.stderr.splitlines() if line.strip().startswith(("rule ", "localrule "))]
+    jobs = [line for line in proc.stderr.splitlines() if line.strip().startswith("wildcards:")]
+    assert jobs and all("step30" in j for j in jobs), jobs
+    # one segment (20 -> 30), its extraction, 3 metrics x 1 space, induction, and the audit of the new last checkpoint
+    assert sorted(ran) == sorted(["train", "extract", "composition", "composition", "composition", "induction",
+                                  "invariance", "atlas", "report", "all"]), ran
+    assert all(sha(p) == h for p, h in before.items()), "old shards were rewritten"
+    con = duckdb.connect(str(work / "results" / "atlas.duckdb"), read_only=True)
+    assert con.execute("SELECT max(step) FROM training_loss").fetchone()[0] == 30
 
 
 def test_bad_config_fails_before_any_job(tmp_path: Path):

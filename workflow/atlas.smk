@@ -9,6 +9,7 @@ rule atlas:
         metas=all_metas,
         induction_tokens=induction_shards(INDUCTION_TOKENS),
         head_scores=induction_shards(HEAD_SCORES),
+        training_loss=training_loss_shards,
     output:
         f"{RESULTS}/atlas.duckdb",
     params:

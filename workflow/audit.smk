@@ -11,7 +11,7 @@ rule invariance:
     params:
         settings=config["invariance"],
         metrics=config["metrics"],
-        spaces=config["spaces"],
+        spaces=lambda wc: model_spaces(wc.model),
         layers=lambda wc: config["models"][wc.model].get("layers"),
         seed=config["composition"]["seed"],
         max_condition=config["composition"]["max_condition"],

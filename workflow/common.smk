@@ -2,7 +2,7 @@
 from snakemake.exceptions import WorkflowError
 
 from compatlas.composition import METRICS
-from compatlas.config import ConfigError, induction_settings, model_checkpoints, validate_config
+from compatlas.config import ConfigError, induction_settings, model_checkpoints, trained_run, validate_config
 from compatlas.token_space import SPACES
 
 # Validate (and fill defaults) before any job is scheduled: one line naming key and problem.
@@ -19,6 +19,8 @@ WEIGHTS_META = f"{RESULTS}/weights/{{model}}/{{checkpoint}}/meta.json"
 INVARIANCE = f"{RESULTS}/invariance/model={{model}}/checkpoint={{checkpoint}}/invariance.parquet"
 INDUCTION_TOKENS = f"{RESULTS}/induction/model={{model}}/checkpoint={{checkpoint}}/tokens.parquet"
 HEAD_SCORES = f"{RESULTS}/induction/model={{model}}/checkpoint={{checkpoint}}/heads.parquet"
+TRAIN_STATE = f"{RESULTS}/train/{{model}}/{{checkpoint}}/state.pt"
+TRAIN_LOSS = f"{RESULTS}/train/{{model}}/{{checkpoint}}/loss.parquet"
 SHARD = f"{RESULTS}/composition/model={{model}}/checkpoint={{checkpoint}}/metric={{metric}}/space={{space}}/block={{block}}.parquet"
 
 
@@ -31,7 +33,15 @@ wildcard_constraints:
 
 
 def model_entry(wildcards):
-    return config["models"][wildcards.model]
+    """The model's config entry as jobs see it: without the checkpoint list, so that adding a
+    checkpoint does not change (and rerun) the jobs of the others."""
+    return {k: v for k, v in config["models"][wildcards.model].items() if k != "checkpoints"}
+
+
+def segment_spec(wildcards):
+    """What a training segment depends on: the run without its length and schedule."""
+    spec = trained_run(config, wildcards.model)
+    return {k: v for k, v in spec.items() if k not in ("steps", "schedule", "description", "spaces", "blocks")}
 
 
 def checkpoint_spec(wildcards):
@@ -50,21 +60,46 @@ def model_blocks(model):
     return config["models"][model].get("blocks", config["composition"]["blocks"])
 
 
+def model_spaces(model):
+    return config["models"][model].get("spaces", config["spaces"])
+
+
 def composition_shards(wildcards):
     """Every shard of the grid. The DAG is static (blocks come from the config, not from
     the model's layer count), so dry runs and incremental reruns see every job."""
     shards = []
     for model, ckpt in model_checkpoint_pairs():
         # (a line may not start with `checkpoint=` in a .smk file: it is a keyword)
-        grid = dict(model=model, checkpoint=ckpt, metric=config["metrics"], space=config["spaces"])
+        grid = dict(model=model, checkpoint=ckpt, metric=config["metrics"], space=model_spaces(model))
         shards += expand(SHARD, block=range(model_blocks(model)), **grid)
     return shards
 
 
 def invariance_shards(wildcards):
+    """The audit characterises a metric on a model, not a training stage: each model's last
+    checkpoint only."""
     if not config["invariance"]["enabled"]:
         return []
-    return [INVARIANCE.format(model=m, checkpoint=c) for m, c in model_checkpoint_pairs()]
+    return [INVARIANCE.format(model=m, checkpoint=list(model_checkpoints(e))[-1]) for m, e in config["models"].items()]
+
+
+def previous_train_state(wildcards):
+    """The train rule resumes the checkpoint before this one (none for the first)."""
+    labels = list(model_checkpoints(config["models"][wildcards.model]))
+    i = labels.index(wildcards.checkpoint)
+    return [] if i == 0 else [TRAIN_STATE.format(model=wildcards.model, checkpoint=labels[i - 1])]
+
+
+def extract_inputs(wildcards):
+    """A trained model's checkpoint is made by the train rule; other sources need nothing."""
+    if trained_run(config, wildcards.model) is None:
+        return []
+    return [TRAIN_STATE.format(**wildcards)]
+
+
+def training_loss_shards(wildcards):
+    return [TRAIN_LOSS.format(model=m, checkpoint=c) for m, c in model_checkpoint_pairs()
+            if trained_run(config, m) is not None]
 
 
 def all_metas(wildcards):

@@ -2,6 +2,8 @@
 
 
 rule extract:
+    input:
+        extract_inputs,
     output:
         tensors=WEIGHTS_TENSORS,
         meta=WEIGHTS_META,

@@ -1,0 +1,85 @@
+"""Composition over training (seed 000): when do induction heads form, and which composition
+score tracks the formation rather than rising early for no behavioural reason?
+
+Definitions (the report states them):
+- The *eventual* induction head is the head with the highest induction score at the last
+  checkpoint; the eventual previous-token head the highest previous-token score among the
+  heads of earlier layers.
+- The *formation step* is where the eventual induction head's induction score first
+  crosses the midpoint between its value at the first checkpoint and its final value
+  (linear interpolation between checkpoints). No formation if it rises by less than
+  ``MIN_RISE``.
+- A curve (the eventual pair's score for one metric, space, comp) *tracks* the formation
+  when it ends above where it was before the formation and its largest rise between
+  consecutive checkpoints falls in the interval containing the formation step or next to it.
+- A curve *rises early* when, before half the formation step (step 0, the initialisation,
+  excluded), it already reaches its final value: high for no behavioural reason.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import polars as pl
+
+MIN_RISE = 0.1
+
+
+def eventual_heads(last: pl.DataFrame) -> tuple[tuple[int, int], tuple[int, int]] | None:
+    """(induction head, previous-token head) as (layer, head), from the last checkpoint's
+    head scores (columns layer, head, induction_mean, prev_token_mean); None if the induction
+    head sits in layer 0."""
+    ind = last.sort("induction_mean", descending=True).row(0, named=True)
+    earlier = last.filter(pl.col("layer") < ind["layer"])
+    if earlier.is_empty():
+        return None
+    prev = earlier.sort("prev_token_mean", descending=True).row(0, named=True)
+    return (ind["layer"], ind["head"]), (prev["layer"], prev["head"])
+
+
+def formation_step(steps: np.ndarray, values: np.ndarray) -> float | None:
+    """Step where ``values`` first crosses the midpoint of its first and last values."""
+    steps, values = np.asarray(steps, float), np.asarray(values, float)
+    if len(values) < 2 or values[-1] - values[0] < MIN_RISE:
+        return None
+    mid = (values[0] + values[-1]) / 2
+    for i in range(1, len(values)):
+        if values[i] >= mid > values[i - 1] or (values[i] >= mid and i == 1):
+            v0, v1 = values[i - 1], values[i]
+            return float(steps[i - 1] + (mid - v0) / (v1 - v0) * (steps[i] - steps[i - 1])) if v1 != v0 else float(steps[i])
+    return None
+
+
+def curve_verdict(steps: np.ndarray, values: np.ndarray, formation: float) -> dict[str, object]:
+    """Does one composition curve track the formation, or rise early? (module docstring)"""
+    steps, values = np.asarray(steps, float), np.asarray(values, float)
+    before = values[steps < formation]
+    final = float(values[-1])
+    rises = np.diff(values)
+    k = int(np.argmax(rises)) if len(rises) else 0  # largest rise: from checkpoint k to k + 1
+    hit = int(np.searchsorted(steps, formation))    # the interval (hit - 1, hit] holds the formation
+    tracks = bool(len(before) and final > before[-1] and abs((k + 1) - hit) <= 1 and rises[k] > 0)
+    early = values[(steps > 0) & (steps <= formation / 2)]
+    early_max = float(early.max()) if len(early) else float("nan")
+    return {"final": final, "before_formation": float(before[-1]) if len(before) else float("nan"),
+            "largest_rise_at": float(steps[k + 1]) if len(rises) else float("nan"),
+            "early_max": early_max, "tracks": tracks, "rises_early": bool(len(early) and early_max >= final)}
+
+
+def verdicts(curves: pl.DataFrame, formation: float) -> pl.DataFrame:
+    """One verdict per (metric, space, comp) of ``curves`` (columns metric, space, comp, step, score)."""
+    rows = []
+    for (metric, space, comp), g in curves.sort("step").group_by(["metric", "space", "comp"], maintain_order=True):
+        rows.append({"metric": metric, "space": space, "comp": comp,
+                     **curve_verdict(g["step"].to_numpy(), g["score"].to_numpy(), formation)})
+    return pl.DataFrame(rows)
+
+
+def statement(v: pl.DataFrame) -> str:
+    """The sentence the report prints: which curves track the formation, which rise early."""
+    def names(df: pl.DataFrame) -> str:
+        return ", ".join(f"{r['comp']}-composition under {r['metric']} ({r['space']})" for r in df.iter_rows(named=True)) or "none"
+
+    clean = v.filter(pl.col("tracks") & ~pl.col("rises_early"))
+    early = v.filter(pl.col("rises_early"))
+    return (f"Tracks the formation: {names(clean)}. Rises early, before the induction head forms, to its final "
+            f"value or above: {names(early)}.")

@@ -1,0 +1,148 @@
+"""Train small attention-only transformers on data where induction pays, checkpoint by checkpoint.
+
+The model is a Hugging Face Llama (rotary, RMSNorm; or GPT-2) whose MLPs are zeroed and
+frozen, so it is attention-only; each checkpoint is saved with ``save_pretrained`` (plus an
+offline word-level tokenizer) and enters the zoo like any local model, read through
+transformer_lens's bridge.
+
+Data (``induction_batch``): pairs of random tokens ``A B`` repeated in blocks, each block in a
+new order: a B is predictable only by induction from its A (see the function).
+
+Training is a chain of segments, one per checkpoint: the segment ending at step N resumes
+the previous checkpoint's model and AdamW state. Batch s is drawn from a generator seeded by
+(seed, s), so the chain is bitwise the run one long job would make, and adding a checkpoint
+at the end trains only the new segment.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from pathlib import Path
+from typing import Any
+
+import polars as pl
+import torch
+
+from compatlas.composition import stable_seed
+
+log = logging.getLogger(__name__)
+
+LOSS_SCHEMA = {"model": pl.Utf8, "step": pl.Int64, "tokens": pl.Int64, "loss": pl.Float64}
+
+
+def schedule(spec: dict[str, Any]) -> list[int]:
+    """Checkpoint steps: 0, the powers of ``log_base`` up to ``log_until``, and every
+    ``every`` steps up to ``steps`` (which is always included)."""
+    steps = spec["steps"]
+    out = {0, steps}
+    if spec.get("log_until"):
+        p = 1
+        while p <= min(spec["log_until"], steps):
+            out.add(p)
+            p *= spec["log_base"]
+    if spec.get("every"):
+        out.update(range(spec["every"], steps + 1, spec["every"]))
+    return sorted(out)
+
+
+def checkpoint_label(step: int) -> str:
+    return f"step{step}"
+
+
+def build_model(spec: dict[str, Any]):
+    """An attention-only model: Llama-style (rotary positions, RMSNorm) by default, or GPT-2
+    style (learned positions, LayerNorm); MLP weights zeroed and frozen (they then add 0).
+    Rotary positions make "attend one token back" one relative offset to learn, rather than
+    one per absolute position."""
+    from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(stable_seed(spec["seed"], "init"))
+    d_model = spec["n_heads"] * spec["d_head"]
+    n_ctx = max(spec["seq_len"] + 1, 64)
+    if spec.get("architecture", "llama") == "gpt2":
+        cfg = GPT2Config(n_layer=spec["n_layers"], n_head=spec["n_heads"], n_embd=d_model, vocab_size=spec["d_vocab"],
+                         n_positions=n_ctx, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+                         tie_word_embeddings=False, bos_token_id=0, eos_token_id=0)
+        model = GPT2LMHeadModel(cfg)
+        mlps = [block.mlp for block in model.transformer.h]
+    else:
+        cfg = LlamaConfig(num_hidden_layers=spec["n_layers"], num_attention_heads=spec["n_heads"],
+                          num_key_value_heads=spec["n_heads"], hidden_size=d_model, head_dim=spec["d_head"],
+                          intermediate_size=4, vocab_size=spec["d_vocab"], max_position_embeddings=n_ctx,
+                          tie_word_embeddings=False, bos_token_id=0, eos_token_id=0, pad_token_id=None)
+        model = LlamaForCausalLM(cfg)
+        mlps = [layer.mlp for layer in model.model.layers]
+    for mlp in mlps:
+        for p in mlp.parameters():
+            p.data.zero_()
+            p.requires_grad_(False)
+    return model
+
+
+def _optimizer(model, spec: dict[str, Any]) -> torch.optim.Optimizer:
+    return torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=spec["lr"],
+                             weight_decay=spec["weight_decay"])
+
+
+def induction_batch(spec: dict[str, Any], step: int) -> torch.Tensor:
+    """The batch of training step ``step`` (1-based): ``[BOS]`` and ``seq_len`` random tokens
+    in which a span of ``min_span``..``max_span`` tokens is copied once, from a random place
+    to a random later place. Only the copied tokens are predictable, and only by matching the
+    current token against an earlier one and reading the token after it: offsets vary, so
+    no positional head predicts them. Depends only on (seed, step)."""
+    g = torch.Generator().manual_seed(stable_seed(spec["seed"], "data", step))
+    B, N = spec["batch_size"], spec["seq_len"]
+    x = torch.randint(1, spec["d_vocab"], (B, N), generator=g)  # 0 is BOS
+    for i in range(B):
+        for _ in range(spec.get("copies", 1)):
+            k = int(torch.randint(spec["min_span"], spec["max_span"] + 1, (1,), generator=g))
+            src = int(torch.randint(0, N - 2 * k + 1, (1,), generator=g))
+            dst = int(torch.randint(src + k, N - k + 1, (1,), generator=g))
+            x[i, dst:dst + k] = x[i, src:src + k]
+    return torch.cat([torch.zeros(B, 1, dtype=x.dtype), x], 1)
+
+
+def train_segment(spec: dict[str, Any], target_step: int, previous: Path | None, out_dir: Path,
+                  model_id: str = "?") -> pl.DataFrame:
+    """Train from the checkpoint in ``previous`` (None: a fresh model at step 0) to
+    ``target_step``; save the model (``out_dir/hf_model``) and the resumable state
+    (``out_dir/state.pt``); return the loss of every step of the segment."""
+    from compatlas.loading import word_tokenizer
+    from compatlas.storage import atomic_path
+
+    torch.set_num_threads(max(1, torch.get_num_threads()))
+    model = build_model(spec)
+    opt = _optimizer(model, spec)
+    step = 0
+    if previous is not None:
+        state = torch.load(previous / "state.pt", weights_only=True)
+        model.load_state_dict(state["model"])
+        opt.load_state_dict(state["optimizer"])
+        step = int(state["step"])
+    if step > target_step:
+        raise ValueError(f"checkpoint {previous} is at step {step}, after the target step {target_step}")
+    model.train()
+    rows = []
+    t0 = time.perf_counter()
+    tokens_per_step = spec["batch_size"] * spec["seq_len"]
+    while step < target_step:
+        step += 1
+        x = induction_batch(spec, step)
+        loss = model(x, labels=x).loss
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        rows.append({"model": model_id, "step": step, "tokens": step * tokens_per_step, "loss": loss.item()})
+        if step % 200 == 0 or step == target_step:
+            log.info("step %d/%d loss %.3f (%.1fs)", step, target_step, loss.item(), time.perf_counter() - t0)
+        if not math.isfinite(loss.item()):
+            raise FloatingPointError(f"loss is {loss.item()} at step {step}: lower training lr")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    model.eval()
+    model.save_pretrained(out_dir / "hf_model")
+    word_tokenizer(spec["d_vocab"], out_dir / "hf_model")
+    with atomic_path(out_dir / "state.pt") as tmp:  # written last: its presence means the checkpoint is whole
+        torch.save({"model": model.state_dict(), "optimizer": opt.state_dict(), "step": step}, tmp)
+    return pl.DataFrame(rows, schema=LOSS_SCHEMA)

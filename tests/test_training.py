@@ -1,0 +1,135 @@
+"""The pipeline's own training runs (schedule, data, reproducibility, resumable segments, loss
+falls), the config that turns a run into a model with checkpoints, and the formation
+analysis of the report on synthetic curves."""
+
+from __future__ import annotations
+
+import copy
+
+import numpy as np
+import polars as pl
+import pytest
+import torch
+import yaml
+
+from compatlas import formation as fm
+from compatlas.config import model_checkpoints, validate_config
+from compatlas.training import induction_batch, schedule, train_segment
+
+SPEC = {"n_layers": 2, "n_heads": 2, "d_head": 8, "d_vocab": 32, "seq_len": 24, "batch_size": 8, "lr": 3e-3,
+        "weight_decay": 0.01, "seed": 0, "min_span": 4, "max_span": 8, "architecture": "llama"}
+
+
+def test_schedule_is_log_plus_linear():
+    assert schedule({"steps": 100, "log_base": 2, "log_until": 8, "every": 50}) == [0, 1, 2, 4, 8, 50, 100]
+    assert schedule({"steps": 30, "log_base": 4, "log_until": 0, "every": 20}) == [0, 20, 30]
+
+
+def test_batch_copies_a_span_and_is_seeded():
+    x = induction_batch(SPEC, 7)
+    assert x.shape == (8, 25) and (x[:, 0] == 0).all() and (x[:, 1:] > 0).all() and (x < 32).all()
+    assert torch.equal(x, induction_batch(SPEC, 7)) and not torch.equal(x, induction_batch(SPEC, 8))
+    body = x[:, 1:]
+    for row in body:  # some span of >= min_span tokens occurs twice
+        found = any(torch.equal(row[s:s + 4], row[d:d + 4]) for s in range(24) for d in range(s + 4, 21))
+        assert found
+
+
+def test_training_is_reproducible_and_segments_resume_exactly(tmp_path):
+    one = train_segment(SPEC, 30, None, tmp_path / "a")
+    again = train_segment(SPEC, 30, None, tmp_path / "b")
+    assert one["loss"].to_list() == again["loss"].to_list()  # same loss curve twice
+    first = train_segment(SPEC, 12, None, tmp_path / "c12")
+    rest = train_segment(SPEC, 30, tmp_path / "c12", tmp_path / "c30")
+    assert first["step"].to_list() + rest["step"].to_list() == list(range(1, 31))
+    assert first["loss"].to_list() + rest["loss"].to_list() == one["loss"].to_list()  # bitwise
+    a, b = torch.load(tmp_path / "a" / "state.pt"), torch.load(tmp_path / "c30" / "state.pt")
+    assert all(torch.equal(a["model"][k], b["model"][k]) for k in a["model"])
+    assert (tmp_path / "c30" / "hf_model" / "config.json").is_file()
+
+
+def test_mlps_stay_zero_attention_only(tmp_path):
+    train_segment(SPEC, 5, None, tmp_path / "m")
+    state = torch.load(tmp_path / "m" / "state.pt")["model"]
+    mlp = [v for k, v in state.items() if ".mlp." in k]
+    assert mlp and all((v == 0).all() for v in mlp)
+
+
+def test_short_training_lowers_the_loss(tmp_path):
+    """Tokens are uniform, so a model that ignores the context cannot beat ln(d_vocab); after
+    300 steps the loss is below it: the model already uses the copies."""
+    spec = dict(SPEC, batch_size=16)
+    loss = train_segment(spec, 300, None, tmp_path / "s")["loss"].to_numpy()
+    uniform = np.log(spec["d_vocab"])
+    assert loss[:5].mean() > uniform - 0.01
+    assert loss[-30:].mean() < uniform - 0.02, (loss[:5].mean(), loss[-30:].mean(), uniform)
+
+
+def test_training_runs_become_models_with_checkpoints():
+    cfg = yaml.safe_load(open("tests/data/tiny.yaml"))
+    validated = validate_config(copy.deepcopy(cfg))
+    entry = validated["models"]["tiny-trained"]
+    ckpts = model_checkpoints(entry)
+    assert list(ckpts) == ["step0", "step10", "step20"]
+    assert ckpts["step10"]["step"] == 10 and ckpts["step10"]["tokens"] == 10 * 8 * 24
+    assert entry["source"] == {"kind": "trained", "run": "tiny-trained", "path": "results/train/tiny-trained"}
+    assert validate_config(validated) == validated  # validating twice changes nothing
+    cfg["training"]["tiny-trained"]["max_span"] = 20
+    with pytest.raises(Exception, match="training.tiny-trained"):
+        validate_config(cfg)
+
+
+def _sigmoid(steps, at, lo=0.0, hi=1.0):
+    return lo + (hi - lo) / (1 + np.exp(-(np.asarray(steps, float) - at) / 30))
+
+
+STEPS = np.array([0, 1, 2, 4, 8, 16, 32, 64, 128, 256, 400, 500, 600, 800, 1000])
+
+
+def test_formation_step_is_the_midpoint_crossing():
+    f = fm.formation_step(STEPS, _sigmoid(STEPS, 500, 0.05, 0.9))
+    assert 450 < f < 550
+    assert fm.formation_step(STEPS, np.full(len(STEPS), 0.3)) is None  # never rises
+
+
+def test_verdicts_tell_tracking_from_early_rise():
+    f = 500.0
+    curves = pl.DataFrame({
+        "metric": ["frobenius"] * len(STEPS) + ["svd_bound"] * len(STEPS),
+        "space": ["residual"] * 2 * len(STEPS), "comp": ["K"] * 2 * len(STEPS),
+        "step": np.concatenate([STEPS, STEPS]),
+        # frobenius: the seed-000 shape, high early then falls; svd_bound: jumps at the formation
+        "score": np.concatenate([np.where(STEPS < 100, 0.9, 0.3) + 0 * STEPS, _sigmoid(STEPS, 500, 0.2, 0.8)]),
+    })
+    v = {r["metric"]: r for r in fm.verdicts(curves, f).iter_rows(named=True)}
+    assert v["frobenius"]["rises_early"] and not v["frobenius"]["tracks"]
+    assert v["svd_bound"]["tracks"] and not v["svd_bound"]["rises_early"]
+    text = fm.statement(fm.verdicts(curves, f))
+    assert "K-composition under svd_bound (residual)" in text.split("Rises early")[0]
+    assert "frobenius" in text.split("Rises early")[1]
+
+
+def test_eventual_heads():
+    last = pl.DataFrame({"layer": [0, 0, 1, 1], "head": [0, 1, 0, 1], "induction_mean": [0.1, 0.0, 0.2, 0.7],
+                         "prev_token_mean": [0.2, 0.8, 0.9, 0.1]})
+    assert fm.eventual_heads(last) == ((1, 1), (0, 1))  # prev head from an earlier layer only
+
+
+def test_hub_checkpoint_series_select_published_steps():
+    cfg = {"models": {
+        "p": {"source": {"kind": "hub", "name": "EleutherAI/pythia-70m"}, "checkpoint_series": {"range": [0, 4000]},
+              "checkpoints": [{"value": 143000}]},
+        "q": {"source": {"kind": "hub", "name": "EleutherAI/pythia-160m"}, "checkpoint_series": {"steps": [512, 2000]}},
+        "c": {"source": {"kind": "hub", "name": "stanford-crfm/alias-gpt2-small-x21"},
+              "checkpoint_series": {"range": [100, 400], "every": 2}}}}
+    out = validate_config(cfg, check_sources=False)["models"]
+    assert list(model_checkpoints(out["p"])) == [f"step{s}" for s in
+                                                 (0, 1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1000, 2000, 3000, 4000, 143000)]
+    assert model_checkpoints(out["p"])["step2000"] == {"label": "step2000", "checkpoint_value": 2000, "step": 2000,
+                                                       "tokens": 2000 * 2_097_152}
+    assert list(model_checkpoints(out["q"])) == ["step512", "step2000"]
+    assert list(model_checkpoints(out["c"])) == ["step100", "step200", "step300", "step400"]  # every 2nd of 50-step series
+    bad = {"models": {"q": {"source": {"kind": "hub", "name": "EleutherAI/pythia-160m"},
+                            "checkpoint_series": {"steps": [513]}}}}
+    with pytest.raises(Exception, match=r"models.q.checkpoint_series.steps: \[513\] are not published"):
+        validate_config(bad, check_sources=False)

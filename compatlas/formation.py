@@ -2,13 +2,14 @@
 score tracks the formation rather than rising early for no behavioural reason?
 
 Definitions (the report states them):
-- The *eventual* induction head is the head with the highest induction score at the last
-  checkpoint; the eventual previous-token head the highest previous-token score among the
-  heads of earlier layers.
+- The *eventual* induction head is the head after the first layer with the highest
+  induction score at the last checkpoint (ties: the larger ablation drop); the eventual
+  previous-token head the highest previous-token score among the heads of earlier layers.
 - The *formation step* is where the eventual induction head's induction score first
   crosses the midpoint between its value at the first checkpoint and its final value
   (linear interpolation between checkpoints). No formation if it rises by less than
-  ``MIN_RISE``.
+  ``MIN_RISE``; the report then judges the curves against the *loss-drop step* (the
+  steepest fall of the smoothed training loss) and says so.
 - A curve (the eventual pair's score for one metric, space, comp) *tracks* the formation
   when it ends above where it was before the formation and its largest rise between
   consecutive checkpoints falls in the interval containing the formation step or next to it.
@@ -26,12 +27,14 @@ MIN_RISE = 0.1
 
 def eventual_heads(last: pl.DataFrame) -> tuple[tuple[int, int], tuple[int, int]] | None:
     """(induction head, previous-token head) as (layer, head), from the last checkpoint's
-    head scores (columns layer, head, induction_mean, prev_token_mean); None if the induction
-    head sits in layer 0."""
-    ind = last.sort("induction_mean", descending=True).row(0, named=True)
-    earlier = last.filter(pl.col("layer") < ind["layer"])
-    if earlier.is_empty():
+    head scores (columns layer, head, induction_mean, prev_token_mean[, ablation_drop]): the
+    induction head is looked for after the first layer; None for a one-layer model."""
+    readers = last.filter(pl.col("layer") > last["layer"].min())
+    if readers.is_empty():
         return None
+    by = ["induction_mean"] + (["ablation_drop"] if "ablation_drop" in last.columns else [])  # ties: the one that matters
+    ind = readers.sort(by, descending=True, nulls_last=True).row(0, named=True)
+    earlier = last.filter(pl.col("layer") < ind["layer"])
     prev = earlier.sort("prev_token_mean", descending=True).row(0, named=True)
     return (ind["layer"], ind["head"]), (prev["layer"], prev["head"])
 
@@ -47,6 +50,20 @@ def formation_step(steps: np.ndarray, values: np.ndarray) -> float | None:
             v0, v1 = values[i - 1], values[i]
             return float(steps[i - 1] + (mid - v0) / (v1 - v0) * (steps[i] - steps[i - 1])) if v1 != v0 else float(steps[i])
     return None
+
+
+def loss_drop_step(steps: np.ndarray, loss: np.ndarray, window: float = 0.05) -> float | None:
+    """The step at the middle of the steepest fall of the training loss: the loss smoothed over
+    ``window`` of the run, the largest drop across one window. None without a fall of at least
+    ``MIN_RISE`` nats."""
+    steps, loss = np.asarray(steps, float), np.asarray(loss, float)
+    w = max(1, int(len(loss) * window))
+    if len(loss) < 3 * w:
+        return None
+    smooth = np.convolve(loss, np.ones(w) / w, mode="valid")  # smooth[i]: mean of loss[i : i + w]
+    drops = smooth[:-w] - smooth[w:]
+    i = int(np.argmax(drops))
+    return float(steps[i + w]) if drops[i] >= MIN_RISE else None
 
 
 def curve_verdict(steps: np.ndarray, values: np.ndarray, formation: float) -> dict[str, object]:
@@ -81,5 +98,5 @@ def statement(v: pl.DataFrame) -> str:
 
     clean = v.filter(pl.col("tracks") & ~pl.col("rises_early"))
     early = v.filter(pl.col("rises_early"))
-    return (f"Tracks the formation: {names(clean)}. Rises early, before the induction head forms, to its final "
+    return (f"Tracks the formation: {names(clean)}. Rises early (before half the marked step) to its final "
             f"value or above: {names(early)}.")

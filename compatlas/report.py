@@ -824,19 +824,24 @@ def training_section(page: _Page, con: duckdb.DuckDBPyConnection, model: str) ->
     stem = safe_name(model)
     page.add(f"<h3 id='{html.escape(stem)}__training'>{html.escape(model)}: composition over training</h3>")
     if pair is None:
-        page.add("<p class='note'>The strongest induction head is in layer 0: no earlier head to compose with.</p>")
+        page.add("<p class='note'>A one-layer model: no head pairs to follow over training.</p>")
         return
     (il, ih), (pl_, ph) = pair
     ind = heads.filter((pl.col("layer") == il) & (pl.col("head") == ih)).sort("step")
     prev = heads.filter((pl.col("layer") == pl_) & (pl.col("head") == ph)).sort("step")
     formation = fm.formation_step(ind["step"].to_numpy(), ind["induction_mean"].to_numpy())
+    drop = None
+    if _view_exists(con, "training_loss"):
+        raw = con.sql("SELECT step, loss FROM training_loss WHERE model = ? ORDER BY step", params=[model]).pl()
+        drop = fm.loss_drop_step(raw["step"].to_numpy(), raw["loss"].to_numpy()) if raw.height else None
+    marker = formation if formation is not None else drop  # what the curves are judged against
     behaviour = pl.concat([
         ind.select("step", pl.lit(f"induction score of {il}.{ih}").alias("series"), pl.col("induction_mean").alias("value")),
         prev.select("step", pl.lit(f"previous-token score of {pl_}.{ph}").alias("series"), pl.col("prev_token_mean").alias("value"))])
     panels = [_with_rule(alt.Chart(behaviour).mark_line(point=True).encode(
         x=alt.X("step:Q", scale=_step_scale(), title="training step"), y=alt.Y("value:Q", title="attention score"),
         color=alt.Color("series:N", title=None, legend=alt.Legend(orient="bottom", columns=1))).properties(
-        width=260, height=170, title="head scores"), formation)]
+        width=260, height=170, title="head scores"), marker)]
     if _view_exists(con, "induction_summary"):
         strength = con.sql("""SELECT m.checkpoint_step AS step, avg(s.mean_strength) AS strength
                               FROM induction_summary s JOIN models m USING (model, checkpoint)
@@ -845,7 +850,7 @@ def training_section(page: _Page, con: duckdb.DuckDBPyConnection, model: str) ->
             panels.append(_with_rule(alt.Chart(strength).mark_line(point=True, color="#c44e52").encode(
                 x=alt.X("step:Q", scale=_step_scale(), title="training step"),
                 y=alt.Y("strength:Q", title="mean induction strength")).properties(
-                width=260, height=170, title="induction strength (seed 004)"), formation))
+                width=260, height=170, title="induction strength (seed 004)"), marker))
     if _view_exists(con, "training_loss"):
         loss = con.sql("""SELECT step, loss FROM training_loss WHERE model = ? ORDER BY step""", params=[model]).pl()
         if not loss.is_empty():
@@ -854,7 +859,7 @@ def training_section(page: _Page, con: duckdb.DuckDBPyConnection, model: str) ->
                 pl.col("step").max(), pl.col("loss").mean()).sort("step")
             panels.insert(0, _with_rule(alt.Chart(loss).mark_line(color="#555").encode(
                 x=alt.X("step:Q", scale=_step_scale(), title="training step"), y=alt.Y("loss:Q", title="training loss")
-            ).properties(width=260, height=170, title="loss"), formation))
+            ).properties(width=260, height=170, title="loss"), marker))
     where = "model = ? AND writer_layer = ? AND writer_head = ? AND reader_layer = ? AND reader_head = ?"
     curves = con.sql(f"""SELECT c.metric, c.space, c.comp, m.checkpoint_step AS step, c.score
                          FROM composition c JOIN models m USING (model, checkpoint) WHERE c.{where.replace(' AND ', ' AND c.')}
@@ -867,7 +872,9 @@ def training_section(page: _Page, con: duckdb.DuckDBPyConnection, model: str) ->
              f"previous-token head <b>{pl_}.{ph}</b> (highest previous-token score in an earlier layer). "
              + (f"Formation step <b>{formation:.0f}</b> (dashed): where {il}.{ih}'s induction score crosses the midpoint "
                 f"of its first and final values." if formation is not None else
-                f"<b>No formation detected</b>: {il}.{ih}'s induction score rises by less than {fm.MIN_RISE}.") + "</p>")
+                f"<b>No induction head forms</b>: {il}.{ih}'s induction score rises by less than {fm.MIN_RISE}."
+                + (f" The curves are judged against the loss-drop step <b>{drop:.0f}</b> (dashed; the steepest fall of "
+                   "the smoothed training loss)." if drop is not None else "")) + "</p>")
     page.figure(alt.hconcat(*panels).properties(title=f"{model}: behaviour over training"), f"{stem}__training_behaviour.png")
     if curves.is_empty():
         return
@@ -880,8 +887,8 @@ def training_section(page: _Page, con: duckdb.DuckDBPyConnection, model: str) ->
         alt.Chart().mark_line(point=True).encode(x="step:Q", y="score:Q", color=alt.Color("comp:N", sort=list(COMPS)),
                                                  tooltip=["metric", "space", "comp", "step",
                                                           alt.Tooltip("score:Q", format=".3f")]),
-        *([alt.Chart().mark_rule(color="black", strokeDash=[4, 3]).encode(x="formation:Q")] if formation is not None else []),
-        data=both.with_columns(formation=pl.lit(formation)),
+        *([alt.Chart().mark_rule(color="black", strokeDash=[4, 3]).encode(x="marker:Q")] if marker is not None else []),
+        data=both.with_columns(marker=pl.lit(marker)),
     ).properties(width=200, height=150).facet(
         row=alt.Row("metric:N", sort=list(METRIC_ORDER), title=None),
         column=alt.Column("space:N", sort=list(SPACE_ORDER), title=None)).resolve_scale(y="independent").properties(
@@ -889,8 +896,8 @@ def training_section(page: _Page, con: duckdb.DuckDBPyConnection, model: str) ->
             "Lines: the eventual previous-token head writing into the eventual induction head; bands: 10-90% of all "
             "head pairs at that step (Q, K, V)."]))
     page.figure(grid, f"{stem}__training_composition.png")
-    if formation is not None:
-        v = fm.verdicts(curves, formation)
+    if marker is not None:
+        v = fm.verdicts(curves, marker)
         page.add(f"<p><b>{html.escape(fm.statement(v))}</b></p>")
         page.add("<p class='note'>Tracks: ends above its value before the formation, with its largest rise between "
                  "consecutive checkpoints at (or next to) the formation step. Rises early: before half the formation "

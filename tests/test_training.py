@@ -133,3 +133,10 @@ def test_hub_checkpoint_series_select_published_steps():
                             "checkpoint_series": {"steps": [513]}}}}
     with pytest.raises(Exception, match=r"models.q.checkpoint_series.steps: \[513\] are not published"):
         validate_config(bad, check_sources=False)
+
+
+def test_loss_drop_step_finds_the_steepest_fall():
+    steps = np.arange(1, 3001)
+    loss = 4.1 - 0.4 / (1 + np.exp(-(steps - 2200) / 40)) + 0.01 * np.sin(steps)
+    assert abs(fm.loss_drop_step(steps, loss) - 2200) < 100
+    assert fm.loss_drop_step(steps, np.full(3000, 4.1)) is None

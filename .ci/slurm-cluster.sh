@@ -84,7 +84,7 @@ write_config() {
     local overrides=""
     if [ -n "${SLURM_CLUSTER_CPUS:-}" ]; then
         [[ $SLURM_CLUSTER_CPUS =~ ^[1-9][0-9]*$ ]] || die "SLURM_CLUSTER_CPUS must be a positive integer"
-        node_line=$(sed -e "s/CPUs=[0-9]* Boards=[0-9]* SocketsPerBoard=[0-9]* CoresPerSocket=[0-9]* ThreadsPerCore=[0-9]*/CPUs=$SLURM_CLUSTER_CPUS/" <<<"$node_line")
+        node_line="NodeName=$host CPUs=$SLURM_CLUSTER_CPUS RealMemory=$((mem * 9 / 10))"
         overrides=$'# SLURM_CLUSTER_CPUS: more CPUs than the machine has\nSlurmdParameters=config_overrides'
     fi
     port=$(pick_ports)
@@ -136,8 +136,11 @@ link_sysconf() {
     if [ -e "$SYSCONF" ] || [ -L "$SYSCONF" ]; then
         target=$(readlink "$SYSCONF" || true)
         other=$(dirname "$(dirname "${target:-/nonexistent/x/y}")")
-        [ -n "$target" ] && [ -f "$other/.compatlas-slurm-cluster" ] \
-            || die "$SYSCONF exists and is not a link written by this script: not touching a real Slurm setup"
+        # ours: a link into a folder of this script, or a dangling one left by a run that died
+        if ! { [ -n "$target" ] && [ -f "$other/.compatlas-slurm-cluster" ]; } \
+            && ! { [ ! -e "$SYSCONF" ] && [[ $target == */etc/slurm.conf ]] && [ ! -e "$other" ]; }; then
+            die "$SYSCONF exists and is not a link written by this script: not touching a real Slurm setup"
+        fi
         if [ "$other" != "$DIR" ] && pid_alive "$other/run/slurmctld.pid"; then
             die "another cluster of this script is running from $other: '$0 down $other' first"
         fi

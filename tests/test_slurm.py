@@ -1,0 +1,448 @@
+"""The pipeline on a real one-node Slurm: every job through sbatch, incremental reruns, faults.
+
+The module-scoped `cluster` fixture brings up munge, slurmctld and slurmd with
+`.ci/slurm-cluster.sh` (which apt-get installs Debian's packages where they are missing; it
+needs root) and takes them down by PID at the end. Snakemake runs with the repository's
+profiles (`profiles/slurm`, `profiles/local`), with resources cut to the one 2-CPU node.
+
+Every wait is bounded: each Snakemake call runs under `timeout -k`, every poll has a limit, and
+the whole module has a budget (COMPATLAS_SLURM_BUDGET, default 600 s) that later calls are
+cut to. Where Slurm cannot be brought up (no root, no apt) the module fails and says why;
+COMPATLAS_SKIP_SLURM=1 turns it into a reported skip (see `pytest -ra`).
+
+Order matters: the tests share one working directory and run top to bottom.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import duckdb
+import pyarrow.parquet as pq
+import pytest
+import yaml
+
+pytestmark = pytest.mark.slurm
+
+REPO = Path(__file__).resolve().parent.parent
+SCRIPT = REPO / ".ci" / "slurm-cluster.sh"
+BUDGET_S = float(os.environ.get("COMPATLAS_SLURM_BUDGET", "600"))
+SNAKEMAKE = [sys.executable, "-m", "snakemake", "-s", str(REPO / "Snakefile")]
+
+# The repository's Slurm profile, with requests the one small node can hold (the profile's are
+# for real nodes; on the command line these replace the profile's lists). A group job (the
+# composition jobs of one model) is as wide as --cores and --resources allow: 2 CPUs, 4 GB.
+SLURM_ARGS = [
+    "--profile", str(REPO / "profiles" / "slurm"), "--executor", "slurm",
+    "--slurm-status-command", "squeue", "--slurm-init-seconds-before-status-checks", "1",
+    "--jobs", "8", "--latency-wait", "5",
+    "--default-resources", "slurm_partition=debug", "mem_mb=1000", "runtime=10",
+    "--set-resources", "extract:mem_mb=3000", "composition:mem_mb=1500", "invariance:mem_mb=2000",
+    "induction:mem_mb=3000", "metric_audit:mem_mb=1500",
+    "--set-threads", "extract=1", "composition=1", "invariance=1", "induction=1",
+    "--cores", "2", "--resources", "mem_mb=4000",
+]
+LOCAL_ARGS = ["--profile", str(REPO / "profiles" / "local"), "--cores", "2"]
+REMOTE_RULES = {"extract", "composition", "invariance", "induction", "metric_audit"}
+LOCAL_RULES = {"atlas", "report", "all"}
+ATLAS = ("results/atlas.duckdb",)
+
+_clock = {"start": time.monotonic()}  # reset when the cluster fixture starts
+
+
+def remaining() -> float:
+    return BUDGET_S - (time.monotonic() - _clock["start"])
+
+
+def bounded(limit: float) -> float:
+    """`limit` seconds, or what is left of the module's budget if that is less."""
+    left = remaining()
+    if left < 15:
+        pytest.fail(f"the Slurm test used up its budget of {BUDGET_S:.0f} s (COMPATLAS_SLURM_BUDGET)", pytrace=False)
+    return min(limit, left)
+
+
+def poll(predicate, limit: float, what: str, interval: float = 0.2):
+    """Call `predicate` until it returns something truthy; fail after `limit` seconds."""
+    deadline = time.monotonic() + bounded(limit)
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(interval)
+    pytest.fail(f"gave up after {limit:.0f} s waiting for {what}", pytrace=False)
+
+
+@dataclass
+class Cluster:
+    dir: Path
+    env: dict[str, str]
+
+    def cmd(self, *args: str, limit: float = 20) -> str:
+        proc = subprocess.run(["timeout", "-k", "2", str(int(limit)), *args], capture_output=True, text=True,
+                              env=self.env, timeout=limit + 10)
+        if proc.returncode != 0:
+            raise AssertionError(f"{' '.join(args)} failed ({proc.returncode}): {proc.stderr}")
+        return proc.stdout
+
+    def ctl_log_size(self) -> int:
+        return (self.dir / "log" / "slurmctld.log").stat().st_size
+
+    def submitted_since(self, offset: int) -> set[int]:
+        """Job ids of every `sbatch` the controller accepted after `offset` in its log."""
+        with open(self.dir / "log" / "slurmctld.log", "rb") as f:
+            f.seek(offset)
+            text = f.read().decode(errors="replace")
+        return {int(j) for j in re.findall(r"_slurm_rpc_submit_batch_job: JobId=(\d+)", text)}
+
+    def jobcomp(self) -> dict[int, str]:
+        """Final state of every finished job (jobcomp/filetxt)."""
+        path = self.dir / "log" / "jobcomp.log"
+        text = path.read_text() if path.exists() else ""
+        return {int(j): s for j, s in re.findall(r"JobId=(\d+) .*?JobState=(\S+)", text)}
+
+    def squeue(self) -> dict[int, str]:
+        """State of every job the controller still knows (finished ones for MinJobAge)."""
+        out = self.cmd("squeue", "-h", "--states=all", "-o", "%i %T")
+        return {int(j): s for j, s in (line.split() for line in out.splitlines() if line.strip())}
+
+    def final_states(self, ids: set[int]) -> dict[int, str]:
+        return poll(lambda: (lambda c: c if ids <= c.keys() else None)(self.jobcomp()), 30,
+                    f"jobs {sorted(ids)} in the job-completion log")
+
+    def cancel_all(self) -> None:
+        active = self.cmd("squeue", "-h", "-t", "PENDING,RUNNING,SUSPENDED,COMPLETING", "-o", "%i").split()
+        if active:
+            self.cmd("scancel", *active)
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    if os.environ.get("COMPATLAS_SKIP_SLURM") == "1":
+        pytest.skip("COMPATLAS_SKIP_SLURM=1: the real-Slurm tests were skipped on request")
+    _clock["start"] = time.monotonic()
+    d = Path(tempfile.mkdtemp(prefix="compatlas-slurm-", dir="/tmp"))
+    d.chmod(0o755)  # munge and slurm walk into it
+    env = {**os.environ, "SLURM_CONF": str(d / "etc" / "slurm.conf")}
+    # 4 CPUs on the 2-core machine: the jobs are mostly start-up and waiting; with 2, a group
+    # job (2 CPUs) would hold the node alone and the run would go one job at a time
+    up_env = {**env, "SLURM_CLUSTER_CPUS": os.environ.get("SLURM_CLUSTER_CPUS", "4")}
+
+    def down():
+        subprocess.run(["timeout", "-k", "10", "120", "bash", str(SCRIPT), "down", str(d)], env=env, timeout=150,
+                       capture_output=True, text=True)
+
+    try:
+        up = subprocess.run(["timeout", "-k", "10", str(int(bounded(420))), "bash", str(SCRIPT), "up", str(d)],
+                            capture_output=True, text=True, env=up_env, timeout=450)
+    except subprocess.TimeoutExpired:
+        up = subprocess.CompletedProcess([], 124, "", "timed out")
+    if up.returncode != 0:
+        down()
+        shutil.rmtree(d, ignore_errors=True)
+        pytest.fail(f"could not bring up a one-node Slurm with .ci/slurm-cluster.sh (exit {up.returncode}):\n"
+                    f"{up.stderr[-3000:]}\nIt needs root and apt-get (Debian's slurm-wlm and munge). "
+                    "Set COMPATLAS_SKIP_SLURM=1 to skip these tests explicitly.", pytrace=False)
+    try:
+        yield Cluster(d, env)
+    finally:
+        down()
+        if os.environ.get("COMPATLAS_KEEP_SLURM_DIR") != "1":
+            shutil.rmtree(d, ignore_errors=True)
+
+
+@dataclass
+class Run:
+    rc: int
+    out: str
+    seconds: float
+    remote: Counter = field(default_factory=Counter)  # jobs Snakemake handed to Slurm, by rule
+    local: Counter = field(default_factory=Counter)  # jobs it ran itself, by rule
+    finished: Counter = field(default_factory=Counter)
+    groups: list[str] = field(default_factory=list)
+    submitted: dict[int, str] = field(default_factory=dict)  # Slurm job id -> rule_<name> or group_<name>
+    submitted_in_ctl: set[int] = field(default_factory=set)
+
+
+def parse(rc: int, out: str, seconds: float) -> Run:
+    return Run(
+        rc, out, seconds,
+        remote=Counter(re.findall(r"^\s*rule (\w+):$", out, re.M)),
+        local=Counter(re.findall(r"^\s*localrule (\w+):$", out, re.M)),
+        finished=Counter(re.findall(r"Finished jobid: \S+ \(Rule: (\w+)\)", out)),
+        groups=re.findall(r"Group job (\S+) \(jobs in", out),
+        submitted={int(j): kind for j, kind in
+                   re.findall(r"has been submitted with SLURM jobid (\d+) \(log: \S*?/slurm_logs/([^/\s]+)", out)},
+    )
+
+
+def write_config(work: Path, config: dict) -> None:
+    (work / "config.yaml").write_text(yaml.safe_dump(config))
+
+
+def command(work: Path, limit: float, args: tuple[str, ...], targets: tuple[str, ...]) -> list[str]:
+    # targets first: several options take lists (--resources, --configfile) and would eat them
+    return ["timeout", "-k", "10", str(int(limit)), *SNAKEMAKE, *targets, "--directory", str(work),
+            "--configfile", str(work / "config.yaml"), *args]
+
+
+def snakemake(cluster: Cluster, work: Path, *args: str, targets: tuple[str, ...] = (), limit: float = 300,
+              check: bool = True) -> Run:
+    limit = bounded(limit)
+    offset = cluster.ctl_log_size()
+    t0 = time.monotonic()
+    try:
+        proc = subprocess.run(command(work, limit, args, targets), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                              text=True, env=cluster.env, timeout=limit + 30)
+        rc, out = proc.returncode, proc.stdout
+    except subprocess.TimeoutExpired as e:
+        rc, out = 124, (e.output or b"").decode(errors="replace") if isinstance(e.output, bytes) else (e.output or "")
+    run = parse(rc, out, time.monotonic() - t0)
+    print(f"[slurm test] snakemake {' '.join(targets)} {'--dry-run' if '--dry-run' in args else ''}: rc {rc}, "
+          f"{run.seconds:.1f} s, {len(run.submitted)} Slurm jobs; {BUDGET_S - remaining():.0f} s into the module")
+    run.submitted_in_ctl = cluster.submitted_since(offset)
+    if rc in (124, 137):
+        cluster.cancel_all()
+        pytest.fail(f"snakemake {' '.join(args[-3:])} ran past {limit:.0f} s:\n{out[-4000:]}", pytrace=False)
+    if check and rc != 0:
+        pytest.fail(f"snakemake failed ({rc}):\n{out[-6000:]}", pytrace=False)
+    return run
+
+
+def start(cluster: Cluster, work: Path, log: Path, *args: str, targets: tuple[str, ...] = (),
+          limit: float = 240) -> subprocess.Popen:
+    """Snakemake in the background, in its own process group (so that it can be killed whole)."""
+    with open(log, "w") as f:
+        return subprocess.Popen(command(work, bounded(limit), args, targets), stdout=f, stderr=subprocess.STDOUT,
+                                env=cluster.env, start_new_session=True)
+
+
+def stop(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=30)
+
+
+def sha(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def shards(work: Path) -> list[Path]:
+    return sorted((work / "results").rglob("*.parquet"))
+
+
+def assert_every_shard_opens(work: Path) -> int:
+    """Read every Parquet file under results/ whole: none may be truncated."""
+    paths = shards(work)
+    for p in paths:
+        try:
+            pq.read_table(p)
+        except Exception as e:  # noqa: BLE001 -- any failure to read is the finding
+            raise AssertionError(f"{p} does not open: {e}") from e
+    return len(paths)
+
+
+def expected_rows(n_layers: int, n_heads: int) -> int:
+    return n_layers * (n_layers - 1) // 2 * n_heads**2
+
+
+def composition_counts(work: Path) -> dict[tuple[str, str], int]:
+    con = duckdb.connect(str(work / "results" / "atlas.duckdb"), read_only=True)
+    try:
+        return {(m, k): n for m, k, n in con.execute("SELECT model, metric, count(*) FROM composition GROUP BY ALL").fetchall()}
+    finally:
+        con.close()
+
+
+def base_config() -> dict:
+    return yaml.safe_load((REPO / "tests" / "data" / "slurm.yaml").read_text())
+
+
+def grown_config() -> dict:
+    cfg = base_config()
+    cfg["metrics"].append("svd_bound")
+    cfg["models"]["tiny-llama"] = {"source": {"kind": "build", "architecture": "llama", "n_layers": 3, "n_heads": 4,
+                                              "n_kv_heads": 2, "d_head": 8, "d_vocab": 64, "seed": 1}}
+    return cfg
+
+
+def assert_all_through_slurm(run: Run, cluster: Cluster, planned: Run | None = None) -> dict[int, str]:
+    """Every job of a remote rule went to Slurm (in a submission the controller logged, which
+    finished COMPLETED); only the local rules ran on the submitting machine."""
+    if planned is not None:  # a dry run says `rule` for every job, local or not
+        assert run.remote + run.local == planned.remote, (run.remote, run.local, planned.remote)
+        assert sorted(run.groups) == sorted(planned.groups)
+    assert set(run.remote) <= REMOTE_RULES and set(run.local) <= LOCAL_RULES, (run.remote, run.local)
+    assert run.finished == run.remote + run.local, (run.finished, run.remote, run.local)
+    # grouped composition jobs travel together: one submission per group, one per other job
+    assert all(g.startswith("composition_") for g in run.groups), run.groups
+    n_submissions = sum(run.remote.values()) - run.remote["composition"] + len(run.groups)
+    assert len(run.submitted) == n_submissions, (run.submitted, run.remote, run.groups)
+    assert set(run.submitted) == run.submitted_in_ctl, (run.submitted, run.submitted_in_ctl)
+    states = cluster.final_states(set(run.submitted))
+    assert all(states[j] == "COMPLETED" for j in run.submitted), {j: states[j] for j in run.submitted}
+    queue = cluster.squeue()
+    assert all(queue.get(j, "COMPLETED") == "COMPLETED" for j in run.submitted), queue
+    return states
+
+
+@pytest.fixture(scope="module")
+def work(tmp_path_factory) -> Path:
+    w = tmp_path_factory.mktemp("slurm-run")
+    write_config(w, base_config())
+    return w
+
+
+@pytest.fixture(scope="module")
+def first_run(cluster: Cluster, work: Path) -> tuple[Run, Run]:
+    planned = snakemake(cluster, work, *SLURM_ARGS, "--dry-run", limit=120)
+    return planned, snakemake(cluster, work, *SLURM_ARGS)
+
+
+def test_cluster_is_up(cluster: Cluster):
+    assert cluster.cmd("sinfo", "-h", "-o", "%T").split() == ["idle"]
+    assert (cluster.dir / "run" / "slurmctld.pid").exists() and (cluster.dir / "run" / "slurmd.pid").exists()
+
+
+def test_every_job_went_through_sbatch(cluster: Cluster, work: Path, first_run):
+    planned, run = first_run
+    # the plan, from Snakemake's dry run; every rule but the local ones is a cluster job
+    assert set(planned.remote) == REMOTE_RULES | LOCAL_RULES, planned.remote
+    assert planned.remote["composition"] == 2 * 2  # metrics x spaces (x 1 block) of tiny-gpt2
+    assert planned.groups == ["composition_tiny-gpt2_final"]
+    states = assert_all_through_slurm(run, cluster, planned)
+    assert set(run.local) == LOCAL_RULES and set(run.remote) == REMOTE_RULES, (run.local, run.remote)
+    assert len(states) >= 5
+    assert assert_every_shard_opens(work) >= 4
+    assert composition_counts(work) == {("tiny-gpt2", m): 2 * 3 * expected_rows(3, 2) for m in ("frobenius", "subspace")}
+    assert (work / "results" / "report" / "index.html").exists()
+
+
+@pytest.fixture(scope="module")
+def incremental(cluster: Cluster, work: Path, first_run) -> tuple[Run, dict[Path, str]]:
+    assert "Nothing to be done" in snakemake(cluster, work, *SLURM_ARGS, "--dry-run", limit=120).out
+    kept = [p for p in shards(work) if "/composition/" in str(p) or "/induction/" in str(p)]
+    before = {p: sha(p) for p in kept}
+    write_config(work, grown_config())
+    return snakemake(cluster, work, *SLURM_ARGS), before
+
+
+def test_incremental_rerun_submits_only_new_jobs(cluster: Cluster, work: Path, incremental):
+    run, before = incremental
+    # new model: extract, 3 metrics x 2 spaces, invariance, induction; old model: the new metric
+    # in 2 spaces; invariance and the metric audit cover every metric, so they rerun too
+    assert run.remote == Counter(extract=1, composition=6 + 2, invariance=2, induction=1, metric_audit=1), run.remote
+    assert sorted(run.groups) == ["composition_tiny-gpt2_final", "composition_tiny-llama_final"]
+    old_model_jobs = re.findall(r"wildcards: model=tiny-gpt2, checkpoint=final, metric=(\w+)", run.out)
+    assert old_model_jobs and set(old_model_jobs) == {"svd_bound"}, old_model_jobs
+    assert_all_through_slurm(run, cluster)
+    assert len(run.submitted) == 7  # extract, induction, 2 x invariance, metric audit, 2 composition groups
+    changed = [p for p, h in before.items() if sha(p) != h]
+    assert not changed, f"old shards were rewritten: {changed}"
+    counts = composition_counts(work)
+    assert counts == {**{("tiny-gpt2", m): 2 * 3 * expected_rows(3, 2) for m in ("frobenius", "subspace", "svd_bound")},
+                      **{("tiny-llama", m): 2 * 3 * expected_rows(3, 4) for m in ("frobenius", "subspace", "svd_bound")}}
+    con = duckdb.connect(str(work / "results" / "atlas.duckdb"), read_only=True)
+    assert con.execute("SELECT count(*) FROM head_scores WHERE model = 'tiny-llama'").fetchone()[0] == 3 * 4
+    assert con.execute("SELECT count(DISTINCT metric) FROM invariance WHERE model = 'tiny-gpt2'").fetchone()[0] == 3
+
+
+def model_shards(work: Path, model: str) -> list[Path]:
+    return sorted((work / "results" / "composition" / f"model={model}").rglob("*.parquet"))
+
+
+def forget(work: Path, model: str) -> None:
+    """Take a model's composition shards and the atlas away, as if the run had not got there
+    (with the atlas up to date, Snakemake 9 would not remake missing intermediate shards)."""
+    shutil.rmtree(work / "results" / "composition" / f"model={model}")
+    (work / "results" / "atlas.duckdb").unlink()
+
+
+def test_scancel_of_a_running_job_then_rerun_completes(cluster: Cluster, work: Path, incremental, tmp_path: Path):
+    forget(work, "tiny-llama")
+    log = tmp_path / "cancelled.log"
+    proc = start(cluster, work, log, *SLURM_ARGS, targets=ATLAS)
+    try:
+        running = poll(lambda: [j for j, s in cluster.squeue().items() if s == "RUNNING"] or proc.poll() is not None,
+                       120, "the composition job to run")
+        assert isinstance(running, list), f"snakemake ended before any job ran:\n{log.read_text()[-3000:]}"
+        jid = running[0]
+        # let it get mid-way: a shard or two written, the rest still to come (at most 10 s)
+        deadline = time.monotonic() + 10
+        while not model_shards(work, "tiny-llama") and time.monotonic() < deadline:
+            time.sleep(0.2)
+        cluster.cmd("scancel", str(jid))
+        rc = proc.wait(timeout=bounded(120))
+    finally:
+        stop(proc)
+    out = log.read_text()
+    assert rc != 0, out[-3000:]
+    # Snakemake names the failed group job and its Slurm log, which says the job was cancelled
+    assert "Error in group composition_tiny-llama_final" in out, out[-3000:]
+    slurm_log = re.search(rf"\S*/slurm_logs/group_composition_tiny-llama_final\S*/{jid}\.log", out)
+    assert slurm_log and f"JOB {jid} ON" in Path(slurm_log[0]).read_text() and "CANCELLED" in Path(slurm_log[0]).read_text()
+    assert cluster.final_states({jid})[jid].startswith("CANCELLED")
+    assert_every_shard_opens(work)
+    left = len(model_shards(work, "tiny-llama"))
+    run = snakemake(cluster, work, *SLURM_ARGS, targets=ATLAS)
+    assert run.remote == Counter(composition=6 - left), (run.remote, left)
+    assert_all_through_slurm(run, cluster)
+    assert len(model_shards(work, "tiny-llama")) == 6
+    assert_every_shard_opens(work)
+    assert composition_counts(work)[("tiny-llama", "svd_bound")] == 2 * 3 * expected_rows(3, 4)
+
+
+def test_killed_local_run_then_rerun_completes(cluster: Cluster, work: Path, incremental, tmp_path: Path):
+    forget(work, "tiny-gpt2")
+    log = tmp_path / "killed.log"
+    proc = start(cluster, work, log, *LOCAL_ARGS, targets=ATLAS)
+    try:
+        poll(lambda: model_shards(work, "tiny-gpt2") or proc.poll() is not None, 120, "the local run's first shard")
+        os.killpg(proc.pid, signal.SIGKILL)  # the whole process group: snakemake and its jobs
+        proc.wait(timeout=30)
+    finally:
+        stop(proc)
+    written = len(model_shards(work, "tiny-gpt2"))
+    assert 1 <= written < 6, f"{written} shards: the run was not killed mid-way\n{log.read_text()[-2000:]}"
+    assert_every_shard_opens(work)
+    # the killed run's lock stays; the user is told to unlock
+    locked = snakemake(cluster, work, *LOCAL_ARGS, targets=ATLAS, check=False, limit=120)
+    assert locked.rc != 0 and "cannot be locked" in locked.out, locked.out[-2000:]
+    snakemake(cluster, work, "--unlock", limit=120)
+    run = snakemake(cluster, work, *LOCAL_ARGS, targets=ATLAS)
+    # the missing shards, plus any whole shard whose job was killed before Snakemake recorded it
+    assert 6 - written <= run.local["composition"] <= 6 - written + 2, (run.local, written)
+    assert len(model_shards(work, "tiny-gpt2")) == 6
+    assert_every_shard_opens(work)
+    assert composition_counts(work)[("tiny-gpt2", "frobenius")] == 2 * 3 * expected_rows(3, 2)
+
+
+def test_bad_input_fails_fast_with_its_message_in_the_log(cluster: Cluster, work: Path, incremental, tmp_path: Path):
+    bad = tmp_path / "bad"
+    shutil.copytree(work, bad, symlinks=True)
+    weights = bad / "results" / "weights" / "tiny-llama" / "final" / "weights.safetensors"
+    weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+    target = "results/composition/model=tiny-llama/checkpoint=final/metric=frobenius/space=residual/block=0.parquet"
+    (bad / target).unlink()
+    run = snakemake(cluster, bad, *SLURM_ARGS, targets=(target,), check=False, limit=180)
+    assert run.rc != 0, run.out[-3000:]
+    assert run.seconds < 120, f"the failing job took {run.seconds:.0f} s"
+    log = bad / "results" / "logs" / "composition" / "tiny-llama" / "final" / "frobenius-residual-0.log"
+    assert "is corrupt or truncated" in log.read_text() and "weights.safetensors" in log.read_text()
+    # Snakemake reports it and names the rule's log
+    assert "Error in rule composition" in run.out and str(log.relative_to(bad)) in run.out, run.out[-3000:]
+    assert len(run.submitted) == 1 and set(run.submitted) == run.submitted_in_ctl
+    (jid,) = run.submitted
+    assert cluster.final_states({jid})[jid] == "FAILED"
+    assert not (bad / target).exists() and not list((bad / target).parent.glob(".*.tmp"))

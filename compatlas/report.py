@@ -811,8 +811,11 @@ def training_section(page: _Page, con: duckdb.DuckDBPyConnection, model: str) ->
     the loss, the head scores and the induction strength, with the formation step marked."""
     from compatlas import formation as fm
 
-    steps = con.sql("""SELECT checkpoint, checkpoint_step AS step FROM models
-                       WHERE model = ? AND checkpoint_step IS NOT NULL ORDER BY step""", params=[model]).pl()
+    try:  # atlases built before checkpoint steps were recorded have no such column
+        steps = con.sql("""SELECT checkpoint, checkpoint_step AS step FROM models
+                           WHERE model = ? AND checkpoint_step IS NOT NULL ORDER BY step""", params=[model]).pl()
+    except duckdb.Error:
+        return
     if steps.height < 2 or not _view_exists(con, "head_scores"):
         return
     heads = con.sql("""SELECT h.*, m.checkpoint_step AS step FROM head_scores h JOIN models m USING (model, checkpoint)

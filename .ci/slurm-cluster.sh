@@ -15,7 +15,8 @@
 # default path must lead to this cluster. A slurm.conf that is not such a link is never
 # touched: `up` refuses to run on a machine with a real Slurm configuration.
 # Needs root (apt-get, daemons) and no systemd. Every wait is bounded; on failure the
-# daemons' logs are printed and the exit status is non-zero.
+# daemons' logs are printed and the exit status is non-zero: 75 when another cluster of this
+# script is running on the machine (one at a time: they would share the link below).
 # Accounting: none (no slurmdbd). Job states come from squeue (Snakemake:
 # --slurm-status-command squeue), finished jobs are kept MinJobAge=300 s and every finished
 # job gets a line in DIR/log/jobcomp.log (jobcomp/filetxt); submissions are in
@@ -142,7 +143,9 @@ link_sysconf() {
             die "$SYSCONF exists and is not a link written by this script: not touching a real Slurm setup"
         fi
         if [ "$other" != "$DIR" ] && pid_alive "$other/run/slurmctld.pid"; then
-            die "another cluster of this script is running from $other: '$0 down $other' first"
+            echo "slurm-cluster: busy: another cluster of this script is running from $other" \
+                 "('$0 down $other' stops it)" >&2
+            exit 75  # EX_TEMPFAIL: one cluster a machine (the link above); try again later
         fi
     fi
     mkdir -p "$(dirname "$SYSCONF")"

@@ -126,15 +126,14 @@ def _expand_series(model_id: str, entry: dict[str, Any]) -> None:
     chosen = chosen[::series.get("every", 1)]
     per_step = next((n for prefix, n in TOKENS_PER_STEP.items() if src["name"].startswith(prefix)), None)
     have = {c.get("value") for c in entry.get("checkpoints", [])}
-    merged = entry.get("checkpoints", []) + [
-        {"value": s, "label": f"step{s}", **({"tokens": s * per_step} if per_step else {})} for s in chosen if s not in have]
+    merged = entry.get("checkpoints", []) + [  # labelled step<value> by checkpoint_label
+        {"value": s, **({"tokens": s * per_step} if per_step else {})} for s in chosen if s not in have]
     # in training order when every checkpoint has a step (the last one is "final" for the audits)
     entry["checkpoints"] = sorted(merged, key=lambda c: c["value"]) if all("value" in c for c in merged) else merged
 
 
 def _add_training_runs(config: dict[str, Any]) -> None:
     """Each training run becomes a model of the zoo, with a checkpoint per scheduled step."""
-    from compatlas.training import checkpoint_label as step_label
     from compatlas.training import schedule
 
     for run, spec in config["training"].items():
@@ -149,7 +148,7 @@ def _add_training_runs(config: dict[str, Any]) -> None:
             "description": spec.get("description", f"attention-only, trained by the pipeline ({run})"),
             "source": {"kind": "trained", "run": run, "path": f"{config['results']}/train/{run}"},
             "processing": "none",
-            "checkpoints": [{"label": step_label(n), "value": n, "tokens": n * tokens_per_step} for n in steps],
+            "checkpoints": [{"value": n, "tokens": n * tokens_per_step} for n in steps],  # labels: step<n>
             # trained with BOS first (token 0 of the word-level tokenizer)
             "induction": {"prepend_bos": True, "pool": spec["d_vocab"]},
         }

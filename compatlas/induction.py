@@ -357,18 +357,19 @@ def measure(model, tokenizer, directions: torch.Tensor, settings: dict) -> tuple
     return pl.concat(sweeps), heads.join(effects, on=["layer", "head"])
 
 
-def run_model(model_id: str, entry: dict, checkpoint: dict | None, settings: dict, tensors: str, meta: str,
+def run_model(model_id: str, entry: dict, checkpoint: dict | None, settings: dict, meta_path: str,
               workdir, device: str = "auto") -> tuple[pl.DataFrame, pl.DataFrame, dict]:
     """Boot one model (x checkpoint) and measure it: the tables of the ``induction_tokens`` and
-    ``head_scores`` views, and the provenance for their shards."""
+    ``head_scores`` views, and the provenance for their shards. Only the extraction's metadata
+    is read (the forward passes need the model, not the weight shard)."""
     from compatlas.loading import boot
     from compatlas.scores import resolve_device
     from compatlas.storage import library_versions
-    from compatlas.weights import load_weights
+    from compatlas.weights import load_meta
 
     t0 = time.perf_counter()
-    w = load_weights(tensors, meta)
-    if not w.meta.get("has_unembed", True):
+    meta = load_meta(meta_path)
+    if not meta.get("has_unembed", True):
         raise ValueError(f"model {model_id!r} has no unembedding (an encoder): induction needs next-token "
                          f"logits; set models.{model_id}.induction.enabled: false")
     dev = resolve_device(device)
@@ -381,12 +382,12 @@ def run_model(model_id: str, entry: dict, checkpoint: dict | None, settings: dic
                          f"need {longest}")
     with torch.no_grad():  # the raw embeddings (the shard's may be centred by processing)
         W_E = bridge.W_E.detach().float().cpu()
-        W_U = bridge.W_U.detach().float().cpu() if w.W_U is not None else None
+        W_U = bridge.W_U.detach().float().cpu()
     tokens, heads = measure(bridge, bridge.tokenizer, token_directions(W_E, W_U), settings)
-    label = w.meta.get("checkpoint", "final")
+    label = meta.get("checkpoint", "final")
     tokens = tokens.with_columns(model=pl.lit(model_id), checkpoint=pl.lit(label)).select(list(TOKEN_SCHEMA))
     heads = heads.with_columns(model=pl.lit(model_id), checkpoint=pl.lit(label)).select(list(HEAD_SCHEMA))
-    provenance = {k: w.meta.get(k) for k in ("model", "checkpoint", "checkpoint_step", "checkpoint_tokens",
+    provenance = {k: meta.get(k) for k in ("model", "checkpoint", "checkpoint_step", "checkpoint_tokens",
                                              "source_kind", "source_checksum", "weights_sha256", "quantized")}
     provenance.update(weight_processing="none (forward passes on the loaded model)", settings=settings,
                       device=str(dev), versions=library_versions(), seconds=round(time.perf_counter() - t0, 3))

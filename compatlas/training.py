@@ -5,8 +5,8 @@ frozen, so it is attention-only; each checkpoint is saved with ``save_pretrained
 offline word-level tokenizer) and enters the zoo like any local model, read through
 transformer_lens's bridge.
 
-Data (``induction_batch``): pairs of random tokens ``A B`` repeated in blocks, each block in a
-new order: a B is predictable only by induction from its A (see the function).
+Data (``induction_batch``): random tokens in which spans are copied from a random place to a
+random later place: the copies are predictable only by content (see the function).
 
 Training is a chain of segments, one per checkpoint: the segment ending at step N resumes
 the previous checkpoint's model and AdamW state. Batch s is drawn from a generator seeded by
@@ -45,10 +45,6 @@ def schedule(spec: dict[str, Any]) -> list[int]:
     if spec.get("every"):
         out.update(range(spec["every"], steps + 1, spec["every"]))
     return sorted(out)
-
-
-def checkpoint_label(step: int) -> str:
-    return f"step{step}"
 
 
 def build_model(spec: dict[str, Any]):
@@ -112,7 +108,6 @@ def train_segment(spec: dict[str, Any], target_step: int, previous: Path | None,
     from compatlas.loading import word_tokenizer
     from compatlas.storage import atomic_path
 
-    torch.set_num_threads(max(1, torch.get_num_threads()))
     model = build_model(spec)
     opt = _optimizer(model, spec)
     step = 0
@@ -134,11 +129,12 @@ def train_segment(spec: dict[str, Any], target_step: int, previous: Path | None,
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
-        rows.append({"model": model_id, "step": step, "tokens": step * tokens_per_step, "loss": loss.item()})
+        value = loss.item()
+        rows.append({"model": model_id, "step": step, "tokens": step * tokens_per_step, "loss": value})
         if step % 200 == 0 or step == target_step:
-            log.info("step %d/%d loss %.3f (%.1fs)", step, target_step, loss.item(), time.perf_counter() - t0)
-        if not math.isfinite(loss.item()):
-            raise FloatingPointError(f"loss is {loss.item()} at step {step}: lower training lr")
+            log.info("step %d/%d loss %.3f (%.1fs)", step, target_step, value, time.perf_counter() - t0)
+        if not math.isfinite(value):
+            raise FloatingPointError(f"loss is {value} at step {step}: lower training lr")
     out_dir.mkdir(parents=True, exist_ok=True)
     model.eval()
     model.save_pretrained(out_dir / "hf_model")

@@ -12,7 +12,7 @@ from compatlas.storage import write_shard  # noqa: E402
 log = setup(snakemake.log[0])
 wc = snakemake.wildcards
 tokens, heads, provenance = run_model(wc.model, snakemake.params.entry, snakemake.params.checkpoint,
-                                      snakemake.params.settings, snakemake.input.tensors, snakemake.input.meta,
+                                      snakemake.params.settings, snakemake.input.meta,
                                       Path(snakemake.params.workdir), snakemake.params.device)
 write_shard(tokens, snakemake.output.tokens, provenance | {"table": "induction_tokens"})
 write_shard(heads, snakemake.output.heads, provenance | {"table": "head_scores"})

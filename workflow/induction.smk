@@ -1,10 +1,9 @@
 # Behaviour by forward passes: induction-strength sweeps, head attention scores, head ablation.
-# After extraction (it reuses the model extraction built, and its W_E / W_U for nearby-B).
+# After extraction: it reuses the model extraction built, and reads the extraction's metadata.
 
 
 rule induction:
     input:
-        tensors=WEIGHTS_TENSORS,
         meta=WEIGHTS_META,
     output:
         tokens=INDUCTION_TOKENS,

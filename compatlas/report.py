@@ -875,7 +875,9 @@ def training_section(page: _Page, con: duckdb.DuckDBPyConnection, model: str) ->
              f"previous-token head <b>{pl_}.{ph}</b> (highest previous-token score in an earlier layer). "
              + (f"Formation step <b>{formation:.0f}</b> (dashed): where {il}.{ih}'s induction score crosses the midpoint "
                 f"of its first and final values." if formation is not None else
-                f"<b>No induction head forms</b>: {il}.{ih}'s induction score rises by less than {fm.MIN_RISE}."
+                f"<b>No canonical induction head forms</b>: {il}.{ih}'s induction score (attention from i to i-T+1 on a "
+                f"sequence repeated with period T) rises by less than {fm.MIN_RISE}; a head that attends to a shifted "
+                "position (i-T+2, reading the target through a layer-0 head) does not count."
                 + (f" The curves are judged against the loss-drop step <b>{drop:.0f}</b> (dashed; the steepest fall of "
                    "the smoothed training loss)." if drop is not None else "")) + "</p>")
     page.figure(alt.hconcat(*panels).properties(title=f"{model}: behaviour over training"), f"{stem}__training_behaviour.png")

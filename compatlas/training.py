@@ -5,8 +5,9 @@ frozen, so it is attention-only; each checkpoint is saved with ``save_pretrained
 offline word-level tokenizer) and enters the zoo like any local model, read through
 transformer_lens's bridge.
 
-Data (``induction_batch``): random tokens in which spans are copied from a random place to a
-random later place: the copies are predictable only by content (see the function).
+Data (``induction_batch``): random tokens in which a span of random length repeats from a
+random place on (``repeat``, the default) or is copied to a random later place (``copy``): the
+repeats are predictable only by content, never by a fixed offset (see the functions).
 
 Training is a chain of segments, one per checkpoint: the segment ending at step N resumes
 the previous checkpoint's model and AdamW state. Batch s is drawn from a generator seeded by
@@ -83,12 +84,37 @@ def _optimizer(model, spec: dict[str, Any]) -> torch.optim.Optimizer:
 
 
 def induction_batch(spec: dict[str, Any], step: int) -> torch.Tensor:
-    """The batch of training step ``step`` (1-based): ``[BOS]`` and ``seq_len`` random tokens
-    in which a span of ``min_span``..``max_span`` tokens is copied once, from a random place
-    to a random later place. Only the copied tokens are predictable, and only by matching the
-    current token against an earlier one and reading the token after it: offsets vary, so
-    no positional head predicts them. Depends only on (seed, step)."""
+    """The batch of training step ``step`` (1-based): ``[BOS]`` and ``seq_len`` tokens, drawn
+    by ``spec["data"]`` (``repeat_batch`` or ``copy_batch``) from a generator seeded by
+    (seed, step) alone."""
     g = torch.Generator().manual_seed(stable_seed(spec["seed"], "data", step))
+    make = {"repeat": repeat_batch, "copy": copy_batch}[spec.get("data", "repeat")]
+    x = make(spec, g)
+    return torch.cat([torch.zeros(x.shape[0], 1, dtype=x.dtype), x], 1)
+
+
+def repeat_batch(spec: dict[str, Any], g: torch.Generator) -> torch.Tensor:
+    """Random tokens up to a random start, then a random span of ``min_span``..``max_span``
+    tokens repeated to the end. After its first occurrence every token is predictable by
+    finding the current token earlier and reading the one after it: the canonical induction
+    circuit. The period varies per sequence, so no fixed-offset head predicts it; with a
+    vocabulary much larger than the period, one-token matches are unambiguous, which is what
+    makes the model pick previous-token + induction heads over longer-context matching (with
+    d_vocab 64 it grew heads at offsets 2-8 instead)."""
+    B, N, V = spec["batch_size"], spec["seq_len"], spec["d_vocab"]
+    x = torch.randint(1, V, (B, N), generator=g)  # 0 is BOS
+    for i in range(B):
+        k = int(torch.randint(spec["min_span"], spec["max_span"] + 1, (1,), generator=g))
+        start = int(torch.randint(0, k, (1,), generator=g))
+        x[i, start:] = x[i, start:start + k].repeat(N // k + 1)[: N - start]
+    return x
+
+
+def copy_batch(spec: dict[str, Any], g: torch.Generator) -> torch.Tensor:
+    """Random tokens in which ``copies`` spans of ``min_span``..``max_span`` tokens are each
+    copied from a random place to a random later place. Only the copied tokens are
+    predictable: a weaker signal than ``repeat_batch`` (induction heads form later, and not
+    for every seed within a few thousand steps)."""
     B, N = spec["batch_size"], spec["seq_len"]
     x = torch.randint(1, spec["d_vocab"], (B, N), generator=g)  # 0 is BOS
     for i in range(B):
@@ -97,7 +123,7 @@ def induction_batch(spec: dict[str, Any], step: int) -> torch.Tensor:
             src = int(torch.randint(0, N - 2 * k + 1, (1,), generator=g))
             dst = int(torch.randint(src + k, N - k + 1, (1,), generator=g))
             x[i, dst:dst + k] = x[i, src:src + k]
-    return torch.cat([torch.zeros(B, 1, dtype=x.dtype), x], 1)
+    return x
 
 
 def train_segment(spec: dict[str, Any], target_step: int, previous: Path | None, out_dir: Path,

@@ -25,14 +25,26 @@ def test_schedule_is_log_plus_linear():
     assert schedule({"steps": 30, "log_base": 4, "log_until": 0, "every": 20}) == [0, 20, 30]
 
 
-def test_batch_copies_a_span_and_is_seeded():
+def test_repeat_batch_repeats_a_span_of_varying_period_and_is_seeded():
     x = induction_batch(SPEC, 7)
     assert x.shape == (8, 25) and (x[:, 0] == 0).all() and (x[:, 1:] > 0).all() and (x < 32).all()
     assert torch.equal(x, induction_batch(SPEC, 7)) and not torch.equal(x, induction_batch(SPEC, 8))
-    body = x[:, 1:]
-    for row in body:  # some span of >= min_span tokens occurs twice
-        found = any(torch.equal(row[s:s + 4], row[d:d + 4]) for s in range(24) for d in range(s + 4, 21))
-        assert found
+    periods = set()
+    for row in x[:, 1:]:  # the smallest period the tail has, from a start before it
+        found = [(k, s) for k in range(4, 9) for s in range(k)
+                 if torch.equal(row[s + k:], row[s:len(row) - k])]
+        assert found, row
+        periods.add(found[0][0])
+    assert len(periods) > 1  # no single offset predicts every sequence
+
+
+def test_copy_batch_copies_a_span_and_is_seeded():
+    spec = dict(SPEC, data="copy")
+    x = induction_batch(spec, 7)
+    assert x.shape == (8, 25) and (x[:, 0] == 0).all() and (x[:, 1:] > 0).all() and (x < 32).all()
+    assert torch.equal(x, induction_batch(spec, 7)) and not torch.equal(x, induction_batch(SPEC, 7))
+    for row in x[:, 1:]:  # some span of >= min_span tokens occurs twice
+        assert any(torch.equal(row[s:s + 4], row[d:d + 4]) for s in range(24) for d in range(s + 4, 21))
 
 
 def test_training_is_reproducible_and_segments_resume_exactly(tmp_path):
@@ -63,6 +75,31 @@ def test_short_training_lowers_the_loss(tmp_path):
     uniform = np.log(spec["d_vocab"])
     assert loss[:5].mean() > uniform - 0.01
     assert loss[-30:].mean() < uniform - 0.02, (loss[:5].mean(), loss[-30:].mean(), uniform)
+
+
+def test_default_run_forms_a_previous_token_and_an_induction_head(tmp_path):
+    """The default demo run's recipe, trained here: at step 150 no head does either job; by
+    step 500 a layer-0 head attends one token back and both layer-1 heads attend to the
+    token after the current token's earlier occurrence (the pipeline's own head scores,
+    read through the bridge), and the loss has fallen with them."""
+    from compatlas.induction import TokenSet, head_attention_scores
+    from compatlas.loading import boot
+
+    spec = validate_config(yaml.safe_load(open("config/config.yaml")), check_sources=False)["training"]["induction-2l"]
+    scores, losses = {}, {}
+    previous = None
+    for step in (150, 500):
+        losses[step] = train_segment(spec, step, previous, tmp_path / f"s{step}")["loss"].tail(20).mean()
+        previous = tmp_path / f"s{step}"
+        bridge, _ = boot({"source": {"kind": "local", "path": str(previous / "hf_model")}}, None, previous)
+        s = head_attention_scores(bridge, TokenSet(pool=torch.arange(1, spec["d_vocab"]), bos=0), sequences=16, length=12)
+        scores[step] = s.sort(["layer", "head"])
+    early, late = scores[150], scores[500]
+    assert early["prev_token_mean"].max() < 0.3 and early["induction_mean"].max() < 0.3, early
+    l0, l1 = late.filter(pl.col("layer") == 0), late.filter(pl.col("layer") == 1)
+    assert l0["prev_token_mean"].max() > 0.4, late
+    assert l1["induction_mean"].min() > 0.7, late
+    assert losses[500] < losses[150] - 2.0, losses
 
 
 def test_training_runs_become_models_with_checkpoints():

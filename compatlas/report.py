@@ -874,7 +874,9 @@ def training_section(page: _Page, con: duckdb.DuckDBPyConnection, model: str) ->
     page.add(f"<p>Eventual induction head <b>{il}.{ih}</b> (highest induction score at the last checkpoint), eventual "
              f"previous-token head <b>{pl_}.{ph}</b> (highest previous-token score in an earlier layer). "
              + (f"Formation step <b>{formation:.0f}</b> (dashed): where {il}.{ih}'s induction score crosses the midpoint "
-                f"of its first and final values." if formation is not None else
+                f"of its first and final values."
+                + (f" The training loss falls fastest at step <b>{drop:.0f}</b> (steepest fall of the smoothed loss)."
+                   if drop is not None else "") if formation is not None else
                 f"<b>No canonical induction head forms</b>: {il}.{ih}'s induction score (attention from i to i-T+1 on a "
                 f"sequence repeated with period T) rises by less than {fm.MIN_RISE}; a head that attends to a shifted "
                 "position (i-T+2, reading the target through a layer-0 head) does not count."

@@ -24,6 +24,7 @@ import json
 import math
 import re
 from collections.abc import Iterable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -805,39 +806,105 @@ def _with_rule(chart: alt.Chart, formation: float | None) -> alt.TopLevelMixin:
     return chart if rule is None else alt.layer(chart, rule)
 
 
-def training_section(page: _Page, con: duckdb.DuckDBPyConnection, model: str) -> None:
-    """The seed-000 figure for a model with a checkpoint series: the eventual induction head and
-    previous-token head, their composition over training in every metric and space, beside
-    the loss, the head scores and the induction strength, with the formation step marked."""
+@dataclass
+class TrainingOutcome:
+    """What the seed-000 analysis finds for one model with a checkpoint series."""
+    heads: pl.DataFrame                 # head_scores at every checkpoint, with its step
+    pair: tuple[tuple[int, int], tuple[int, int]] | None  # (induction head, previous-token head)
+    formation: float | None             # formation step (formation.formation_step)
+    drop: float | None                  # loss-drop step (formation.loss_drop_step)
+    curves: pl.DataFrame                # the pair's composition over training (metric, space, comp, step, score)
+
+    @property
+    def marker(self) -> float | None:
+        """The step the curves are judged against: the formation, else the loss drop."""
+        return self.formation if self.formation is not None else self.drop
+
+
+def training_outcome(con: duckdb.DuckDBPyConnection, model: str) -> TrainingOutcome | None:
+    """The eventual heads, formation and loss-drop steps, and the eventual pair's composition
+    curves of ``model``; None unless it has two or more checkpoints with steps and head scores."""
     from compatlas import formation as fm
 
     try:  # atlases built before checkpoint steps were recorded have no such column
         steps = con.sql("""SELECT checkpoint, checkpoint_step AS step FROM models
                            WHERE model = ? AND checkpoint_step IS NOT NULL ORDER BY step""", params=[model]).pl()
     except duckdb.Error:
-        return
+        return None
     if steps.height < 2 or not _view_exists(con, "head_scores"):
-        return
+        return None
     heads = con.sql("""SELECT h.*, m.checkpoint_step AS step FROM head_scores h JOIN models m USING (model, checkpoint)
                        WHERE h.model = ? AND m.checkpoint_step IS NOT NULL ORDER BY step""", params=[model]).pl()
     if heads.is_empty():
-        return
-    last = heads.filter(pl.col("step") == heads["step"].max())
-    pair = fm.eventual_heads(last)
-    stem = safe_name(model)
-    page.add(f"<h3 id='{html.escape(stem)}__training'>{html.escape(model)}: composition over training</h3>")
-    if pair is None:
-        page.add("<p class='note'>A one-layer model: no head pairs to follow over training.</p>")
-        return
-    (il, ih), (pl_, ph) = pair
-    ind = heads.filter((pl.col("layer") == il) & (pl.col("head") == ih)).sort("step")
-    prev = heads.filter((pl.col("layer") == pl_) & (pl.col("head") == ph)).sort("step")
-    formation = fm.formation_step(ind["step"].to_numpy(), ind["induction_mean"].to_numpy())
+        return None
     drop = None
     if _view_exists(con, "training_loss"):
         raw = con.sql("SELECT step, loss FROM training_loss WHERE model = ? ORDER BY step", params=[model]).pl()
         drop = fm.loss_drop_step(raw["step"].to_numpy(), raw["loss"].to_numpy()) if raw.height else None
-    marker = formation if formation is not None else drop  # what the curves are judged against
+    pair = fm.eventual_heads(heads.filter(pl.col("step") == heads["step"].max()))
+    if pair is None:
+        return TrainingOutcome(heads, None, None, drop, pl.DataFrame())
+    (il, ih), (pl_, ph) = pair
+    ind = heads.filter((pl.col("layer") == il) & (pl.col("head") == ih)).sort("step")
+    formation = fm.formation_step(ind["step"].to_numpy(), ind["induction_mean"].to_numpy())
+    where = "model = ? AND writer_layer = ? AND writer_head = ? AND reader_layer = ? AND reader_head = ?"
+    curves = con.sql(f"""SELECT c.metric, c.space, c.comp, m.checkpoint_step AS step, c.score
+                         FROM composition c JOIN models m USING (model, checkpoint) WHERE c.{where.replace(' AND ', ' AND c.')}
+                         ORDER BY step""", params=[model, pl_, ph, il, ih]).pl()
+    return TrainingOutcome(heads, pair, formation, drop, curves)
+
+
+def _step(x: float | None) -> str:
+    return "none" if x is None else f"{x:.0f}"
+
+
+def training_runs_table(outcomes: dict[str, TrainingOutcome]) -> str:
+    """Front page: one line per model with a checkpoint series."""
+    from compatlas import formation as fm
+
+    rows = []
+    for model, t in outcomes.items():
+        if t.pair is None:
+            rows.append([model, "(one layer)", "", "", _step(t.drop), ""])
+            continue
+        (il, ih), (pl_, ph) = t.pair
+        last = t.heads.filter(pl.col("step") == t.heads["step"].max())
+        score = {(r["layer"], r["head"]): r for r in last.iter_rows(named=True)}
+        tracks = ""
+        if t.marker is not None and not t.curves.is_empty():
+            v = fm.verdicts(t.curves, t.marker)
+            tracks = ", ".join(f"{r['comp']} {r['metric']} ({r['space']})"
+                               for r in v.filter(pl.col("tracks") & ~pl.col("rises_early")).iter_rows(named=True))
+        rows.append([model, f"{il}.{ih} ({score[(il, ih)]['induction_mean']:.2f})",
+                     f"{pl_}.{ph} ({score[(pl_, ph)]['prev_token_mean']:.2f})",
+                     _step(t.formation), _step(t.drop), tracks or "none"])
+    return ("<h2 id='training'>Composition over training</h2><p class='note'>Per model with a checkpoint series: the "
+            "eventual induction and previous-token heads (final scores), the formation step, the steepest loss drop, "
+            "and the composition curves of the pair that track the formation without rising early (details in the "
+            "model's section).</p>"
+            + _table(["model", "induction head", "previous-token head", "formation step", "loss-drop step",
+                      "tracks the formation"], rows))
+
+
+def training_section(page: _Page, con: duckdb.DuckDBPyConnection, model: str,
+                     t: TrainingOutcome | None = None) -> None:
+    """The seed-000 figure for a model with a checkpoint series: the eventual induction head and
+    previous-token head, their composition over training in every metric and space, beside
+    the loss, the head scores and the induction strength, with the formation step marked."""
+    from compatlas import formation as fm
+
+    t = t or training_outcome(con, model)
+    if t is None:
+        return
+    stem = safe_name(model)
+    page.add(f"<h3 id='{html.escape(stem)}__training'>{html.escape(model)}: composition over training</h3>")
+    if t.pair is None:
+        page.add("<p class='note'>A one-layer model: no head pairs to follow over training.</p>")
+        return
+    (il, ih), (pl_, ph) = t.pair
+    heads, formation, drop, marker, curves = t.heads, t.formation, t.drop, t.marker, t.curves
+    ind = heads.filter((pl.col("layer") == il) & (pl.col("head") == ih)).sort("step")
+    prev = heads.filter((pl.col("layer") == pl_) & (pl.col("head") == ph)).sort("step")
     behaviour = pl.concat([
         ind.select("step", pl.lit(f"induction score of {il}.{ih}").alias("series"), pl.col("induction_mean").alias("value")),
         prev.select("step", pl.lit(f"previous-token score of {pl_}.{ph}").alias("series"), pl.col("prev_token_mean").alias("value"))])
@@ -863,10 +930,6 @@ def training_section(page: _Page, con: duckdb.DuckDBPyConnection, model: str) ->
             panels.insert(0, _with_rule(alt.Chart(loss).mark_line(color="#555").encode(
                 x=alt.X("step:Q", scale=_step_scale(), title="training step"), y=alt.Y("loss:Q", title="training loss")
             ).properties(width=260, height=170, title="loss"), marker))
-    where = "model = ? AND writer_layer = ? AND writer_head = ? AND reader_layer = ? AND reader_head = ?"
-    curves = con.sql(f"""SELECT c.metric, c.space, c.comp, m.checkpoint_step AS step, c.score
-                         FROM composition c JOIN models m USING (model, checkpoint) WHERE c.{where.replace(' AND ', ' AND c.')}
-                         ORDER BY step""", params=[model, pl_, ph, il, ih]).pl()
     ribbon = con.sql("""SELECT c.metric, c.space, c.comp, m.checkpoint_step AS step,
                                quantile_cont(c.score, 0.1) AS q10, median(c.score) AS q50, quantile_cont(c.score, 0.9) AS q90
                         FROM composition c JOIN models m USING (model, checkpoint) WHERE c.model = ? GROUP BY ALL""",
@@ -970,6 +1033,10 @@ def build_report(db_path: str | Path, out_dir: str | Path) -> list[Path]:
                     page.add("<p><b>No results:</b> there are no composition scores yet.</p>")
                 page.add(metric_audit_table(con))
                 page.add(payoff_table(con))
+                outcomes = {m: t for m in dict.fromkeys(k[0] for k in all_keys)
+                            if (t := training_outcome(con, str(m))) is not None}
+                if outcomes:
+                    page.add(training_runs_table(outcomes))
                 page.add("<nav><ul>" + "".join(
                     f"<li><a href='#{html.escape(safe_name(m) + '__' + safe_name(c))}'>{html.escape(str(m))} @ "
                     f"{html.escape(str(c))}</a></li>" for m, c in all_keys) + "</ul></nav>")
@@ -977,7 +1044,8 @@ def build_report(db_path: str | Path, out_dir: str | Path) -> list[Path]:
                 for model, checkpoint in all_keys:
                     if model != current:
                         page.add(f"<h2>{html.escape(str(model))}</h2>")
-                        training_section(page, con, model)
+                        if model in outcomes:
+                            training_section(page, con, model, outcomes[model])
                         current = model
                     _section(page, con, model, checkpoint, minfo.get((model, checkpoint)),
                              (model, checkpoint) in with_results)

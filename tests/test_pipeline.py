@@ -110,6 +110,8 @@ def test_training_run_is_a_checkpoint_series(pipeline_run: Path):
     assert con.execute("SELECT DISTINCT checkpoint FROM invariance WHERE model = 'tiny-trained'").fetchall() == [("step20",)]
     html = (pipeline_run / "results" / "report" / "index.html").read_text()
     assert "tiny-trained: composition over training" in html
+    front = html.split("<h2 id='training'>")[1].split("</table>")[0]  # the front page's one line per run
+    assert "<td>tiny-trained</td>" in front
 
 
 def test_shards_are_hive_partitioned_with_provenance(pipeline_run: Path):

@@ -60,11 +60,40 @@ def test_training_is_reproducible_and_segments_resume_exactly(tmp_path):
     assert (tmp_path / "c30" / "hf_model" / "config.json").is_file()
 
 
+def test_a_run_does_not_depend_on_the_threads_torch_is_given(tmp_path):
+    """Jobs get different core counts (a laptop, a Slurm node); training pins one thread, so
+    the losses are bitwise the same, and the caller's thread count is restored."""
+    spec = validate_config(yaml.safe_load(open("config/config.yaml")), check_sources=False)["training"]["induction-2l"]
+    before = torch.get_num_threads()
+    losses = []
+    try:
+        for n, threads in enumerate((1, 4)):
+            torch.set_num_threads(threads)
+            losses.append(train_segment(spec, 20, None, tmp_path / str(n))["loss"].to_list())
+            assert torch.get_num_threads() == threads
+    finally:
+        torch.set_num_threads(before)
+    assert losses[0] == losses[1]
+
+
 def test_mlps_stay_zero_attention_only(tmp_path):
     train_segment(SPEC, 5, None, tmp_path / "m")
     state = torch.load(tmp_path / "m" / "state.pt")["model"]
     mlp = [v for k, v in state.items() if ".mlp." in k]
     assert mlp and all((v == 0).all() for v in mlp)
+
+
+@pytest.mark.parametrize("n_layers", [1, 3])
+def test_one_and_three_layer_runs_train_and_load_through_the_bridge(tmp_path, n_layers):
+    from compatlas.induction import TokenSet, head_attention_scores
+    from compatlas.loading import boot
+
+    spec = dict(SPEC, n_layers=n_layers)
+    train_segment(spec, 3, None, tmp_path / "m")
+    bridge, _ = boot({"source": {"kind": "local", "path": str(tmp_path / "m" / "hf_model")}}, None, tmp_path / "m")
+    assert bridge.cfg.n_layers == n_layers
+    s = head_attention_scores(bridge, TokenSet(pool=torch.arange(1, 32), bos=0), sequences=2, length=6)
+    assert s.height == n_layers * spec["n_heads"]
 
 
 def test_short_training_lowers_the_loss(tmp_path):
@@ -177,3 +206,43 @@ def test_loss_drop_step_finds_the_steepest_fall():
     loss = 4.1 - 0.4 / (1 + np.exp(-(steps - 2200) / 40)) + 0.01 * np.sin(steps)
     assert abs(fm.loss_drop_step(steps, loss) - 2200) < 100
     assert fm.loss_drop_step(steps, np.full(3000, 4.1)) is None
+
+
+def test_training_outcome_from_the_views():
+    """The report's per-run analysis on hand-made views: head 1.1 forms at step 500 (sigmoid),
+    0.0 is the previous-token head, the loss falls at the same step, and the pair's svd_bound K
+    curve tracks the formation while the frobenius one is high early."""
+    import duckdb
+
+    from compatlas.report import training_outcome, training_runs_table
+
+    con = duckdb.connect()
+    ckpts = [(f"step{s}", int(s)) for s in STEPS]
+    con.execute("CREATE TABLE models (model VARCHAR, checkpoint VARCHAR, checkpoint_step BIGINT)")
+    con.executemany("INSERT INTO models VALUES ('run', ?, ?)", ckpts)
+    ind = _sigmoid(STEPS, 500, 0.02, 0.9)
+    rows = []
+    for (ck, step), v in zip(ckpts, ind):
+        rows += [("run", ck, 0, 0, 0.8, 0.01), ("run", ck, 0, 1, 0.1, 0.02),
+                 ("run", ck, 1, 0, 0.0, 0.05), ("run", ck, 1, 1, 0.0, float(v))]
+    con.execute("""CREATE TABLE head_scores (model VARCHAR, checkpoint VARCHAR, layer INTEGER, head INTEGER,
+                   prev_token_mean DOUBLE, induction_mean DOUBLE)""")
+    con.executemany("INSERT INTO head_scores VALUES (?, ?, ?, ?, ?, ?)", rows)
+    steps = np.arange(1, 1001)
+    con.execute("CREATE TABLE training_loss AS SELECT * FROM (SELECT 'run' AS model, unnest(?) AS step, unnest(?) AS loss)",
+                [steps.tolist(), (4.0 - 2.0 / (1 + np.exp(-(steps - 500) / 20))).tolist()])
+    comp = []
+    for (ck, step) in ckpts:
+        comp.append(("run", ck, "svd_bound", "residual", "K", 0, 0, 1, 1, float(_sigmoid(step, 500, 0.3, 0.9))))
+        comp.append(("run", ck, "frobenius", "residual", "K", 0, 0, 1, 1, 0.9 if 0 < step < 200 else 0.3))
+    con.execute("""CREATE TABLE composition (model VARCHAR, checkpoint VARCHAR, metric VARCHAR, space VARCHAR, comp VARCHAR,
+                   writer_layer INTEGER, writer_head INTEGER, reader_layer INTEGER, reader_head INTEGER, score DOUBLE)""")
+    con.executemany("INSERT INTO composition VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)", comp)
+    t = training_outcome(con, "run")
+    assert t.pair == ((1, 1), (0, 0))
+    assert 450 < t.formation < 550 and abs(t.drop - 500) < 60 and t.marker == t.formation
+    assert set(t.curves["metric"]) == {"svd_bound", "frobenius"} and t.curves.height == 2 * len(STEPS)
+    html = training_runs_table({"run": t})
+    assert "<td>1.1 (0.90)</td>" in html and "<td>0.0 (0.80)</td>" in html
+    assert "K svd_bound (residual)" in html and "frobenius" not in html.split("</tr>")[-2]
+    assert training_outcome(con, "absent") is None

@@ -246,3 +246,20 @@ def test_training_outcome_from_the_views():
     assert "<td>1.1 (0.90)</td>" in html and "<td>0.0 (0.80)</td>" in html
     assert "K svd_bound (residual)" in html and "frobenius" not in html.split("</tr>")[-2]
     assert training_outcome(con, "absent") is None
+
+
+@pytest.mark.parametrize("name", ["config.yaml", "cluster-hub.yaml", "training-sweep.yaml", "optional.yaml"])
+def test_shipped_configs_validate(name):
+    validate_config(yaml.safe_load(open(f"config/{name}")), check_sources=False)
+
+
+def test_the_sweep_runs_the_demo_recipe():
+    """README's sweep table claims its 2-layer runs are the default run's recipe, seed aside."""
+    def recipe(spec):
+        return {k: v for k, v in spec.items() if k not in ("description", "seed", "schedule", "spaces")}  # not training
+
+    demo = validate_config(yaml.safe_load(open("config/config.yaml")), check_sources=False)["training"]["induction-2l"]
+    sweep = validate_config(yaml.safe_load(open("config/training-sweep.yaml")), check_sources=False)["training"]
+    assert {n: s["seed"] for n, s in sweep.items() if s["n_layers"] == 2} == {f"attn2l-s{i}": i for i in range(4)}
+    for spec in sweep.values():
+        assert recipe(spec) == {**recipe(demo), "n_layers": spec["n_layers"]}

@@ -91,12 +91,17 @@ def verdicts(curves: pl.DataFrame, formation: float) -> pl.DataFrame:
     return pl.DataFrame(rows)
 
 
+def tracking(v: pl.DataFrame) -> pl.DataFrame:
+    """The verdicts whose curve tracks the formation without rising early."""
+    return v.filter(pl.col("tracks") & ~pl.col("rises_early"))
+
+
 def statement(v: pl.DataFrame) -> str:
     """The sentence the report prints: which curves track the formation, which rise early."""
     def names(df: pl.DataFrame) -> str:
         return ", ".join(f"{r['comp']}-composition under {r['metric']} ({r['space']})" for r in df.iter_rows(named=True)) or "none"
 
-    clean = v.filter(pl.col("tracks") & ~pl.col("rises_early"))
+    clean = tracking(v)
     early = v.filter(pl.col("rises_early"))
     return (f"Tracks the formation: {names(clean)}. Rises early (before half the marked step) to its final "
             f"value or above: {names(early)}.")

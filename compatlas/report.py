@@ -25,6 +25,7 @@ import math
 import re
 from collections.abc import Iterable
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 from typing import Any
 
@@ -813,12 +814,21 @@ class TrainingOutcome:
     pair: tuple[tuple[int, int], tuple[int, int]] | None  # (induction head, previous-token head)
     formation: float | None             # formation step (formation.formation_step)
     drop: float | None                  # loss-drop step (formation.loss_drop_step)
+    loss: pl.DataFrame                  # training loss per step (step, loss); empty without a training run
     curves: pl.DataFrame                # the pair's composition over training (metric, space, comp, step, score)
 
     @property
     def marker(self) -> float | None:
         """The step the curves are judged against: the formation, else the loss drop."""
         return self.formation if self.formation is not None else self.drop
+
+    @cached_property
+    def verdicts(self) -> pl.DataFrame | None:
+        """formation.verdicts of the curves against the marker (computed once: the front page
+        and the model's section both show them)."""
+        from compatlas import formation as fm
+
+        return None if self.marker is None or self.curves.is_empty() else fm.verdicts(self.curves, self.marker)
 
 
 def training_outcome(con: duckdb.DuckDBPyConnection, model: str) -> TrainingOutcome | None:
@@ -837,13 +847,12 @@ def training_outcome(con: duckdb.DuckDBPyConnection, model: str) -> TrainingOutc
                        WHERE h.model = ? AND m.checkpoint_step IS NOT NULL ORDER BY step""", params=[model]).pl()
     if heads.is_empty():
         return None
-    drop = None
-    if _view_exists(con, "training_loss"):
-        raw = con.sql("SELECT step, loss FROM training_loss WHERE model = ? ORDER BY step", params=[model]).pl()
-        drop = fm.loss_drop_step(raw["step"].to_numpy(), raw["loss"].to_numpy()) if raw.height else None
+    loss = (con.sql("SELECT step, loss FROM training_loss WHERE model = ? ORDER BY step", params=[model]).pl()
+            if _view_exists(con, "training_loss") else pl.DataFrame(schema={"step": pl.Int64, "loss": pl.Float64}))
+    drop = fm.loss_drop_step(loss["step"].to_numpy(), loss["loss"].to_numpy()) if loss.height else None
     pair = fm.eventual_heads(heads.filter(pl.col("step") == heads["step"].max()))
     if pair is None:
-        return TrainingOutcome(heads, None, None, drop, pl.DataFrame())
+        return TrainingOutcome(heads, None, None, drop, loss, pl.DataFrame())
     (il, ih), (pl_, ph) = pair
     ind = heads.filter((pl.col("layer") == il) & (pl.col("head") == ih)).sort("step")
     formation = fm.formation_step(ind["step"].to_numpy(), ind["induction_mean"].to_numpy())
@@ -851,7 +860,7 @@ def training_outcome(con: duckdb.DuckDBPyConnection, model: str) -> TrainingOutc
     curves = con.sql(f"""SELECT c.metric, c.space, c.comp, m.checkpoint_step AS step, c.score
                          FROM composition c JOIN models m USING (model, checkpoint) WHERE c.{where.replace(' AND ', ' AND c.')}
                          ORDER BY step""", params=[model, pl_, ph, il, ih]).pl()
-    return TrainingOutcome(heads, pair, formation, drop, curves)
+    return TrainingOutcome(heads, pair, formation, drop, loss, curves)
 
 
 def _step(x: float | None) -> str:
@@ -870,11 +879,8 @@ def training_runs_table(outcomes: dict[str, TrainingOutcome]) -> str:
         (il, ih), (pl_, ph) = t.pair
         last = t.heads.filter(pl.col("step") == t.heads["step"].max())
         score = {(r["layer"], r["head"]): r for r in last.iter_rows(named=True)}
-        tracks = ""
-        if t.marker is not None and not t.curves.is_empty():
-            v = fm.verdicts(t.curves, t.marker)
-            tracks = ", ".join(f"{r['comp']} {r['metric']} ({r['space']})"
-                               for r in v.filter(pl.col("tracks") & ~pl.col("rises_early")).iter_rows(named=True))
+        tracks = "" if t.verdicts is None else ", ".join(
+            f"{r['comp']} {r['metric']} ({r['space']})" for r in fm.tracking(t.verdicts).iter_rows(named=True))
         rows.append([model, f"{il}.{ih} ({score[(il, ih)]['induction_mean']:.2f})",
                      f"{pl_}.{ph} ({score[(pl_, ph)]['prev_token_mean']:.2f})",
                      _step(t.formation), _step(t.drop), tracks or "none"])
@@ -886,16 +892,13 @@ def training_runs_table(outcomes: dict[str, TrainingOutcome]) -> str:
                       "tracks the formation"], rows))
 
 
-def training_section(page: _Page, con: duckdb.DuckDBPyConnection, model: str,
-                     t: TrainingOutcome | None = None) -> None:
-    """The seed-000 figure for a model with a checkpoint series: the eventual induction head and
-    previous-token head, their composition over training in every metric and space, beside
-    the loss, the head scores and the induction strength, with the formation step marked."""
+def training_section(page: _Page, con: duckdb.DuckDBPyConnection, model: str, t: TrainingOutcome) -> None:
+    """The seed-000 figure for a model with a checkpoint series (``training_outcome``): the
+    eventual induction head and previous-token head, their composition over training in every
+    metric and space, beside the loss, the head scores and the induction strength, with the
+    formation step marked."""
     from compatlas import formation as fm
 
-    t = t or training_outcome(con, model)
-    if t is None:
-        return
     stem = safe_name(model)
     page.add(f"<h3 id='{html.escape(stem)}__training'>{html.escape(model)}: composition over training</h3>")
     if t.pair is None:
@@ -921,15 +924,13 @@ def training_section(page: _Page, con: duckdb.DuckDBPyConnection, model: str,
                 x=alt.X("step:Q", scale=_step_scale(), title="training step"),
                 y=alt.Y("strength:Q", title="mean induction strength")).properties(
                 width=260, height=170, title="induction strength (seed 004)"), marker))
-    if _view_exists(con, "training_loss"):
-        loss = con.sql("""SELECT step, loss FROM training_loss WHERE model = ? ORDER BY step""", params=[model]).pl()
-        if not loss.is_empty():
-            width = max(1, loss.height // 200)  # bin to about 200 points
-            loss = loss.with_columns(bin=(pl.col("step") - 1) // width).group_by("bin").agg(
-                pl.col("step").max(), pl.col("loss").mean()).sort("step")
-            panels.insert(0, _with_rule(alt.Chart(loss).mark_line(color="#555").encode(
-                x=alt.X("step:Q", scale=_step_scale(), title="training step"), y=alt.Y("loss:Q", title="training loss")
-            ).properties(width=260, height=170, title="loss"), marker))
+    if t.loss.height:
+        width = max(1, t.loss.height // 200)  # bin to about 200 points
+        loss = t.loss.with_columns(bin=(pl.col("step") - 1) // width).group_by("bin").agg(
+            pl.col("step").max(), pl.col("loss").mean()).sort("step")
+        panels.insert(0, _with_rule(alt.Chart(loss).mark_line(color="#555").encode(
+            x=alt.X("step:Q", scale=_step_scale(), title="training step"), y=alt.Y("loss:Q", title="training loss")
+        ).properties(width=260, height=170, title="loss"), marker))
     ribbon = con.sql("""SELECT c.metric, c.space, c.comp, m.checkpoint_step AS step,
                                quantile_cont(c.score, 0.1) AS q10, median(c.score) AS q50, quantile_cont(c.score, 0.9) AS q90
                         FROM composition c JOIN models m USING (model, checkpoint) WHERE c.model = ? GROUP BY ALL""",
@@ -966,8 +967,8 @@ def training_section(page: _Page, con: duckdb.DuckDBPyConnection, model: str,
             "Lines: the eventual previous-token head writing into the eventual induction head; bands: 10-90% of all "
             "head pairs at that step (Q, K, V)."]))
     page.figure(grid, f"{stem}__training_composition.png")
-    if marker is not None:
-        v = fm.verdicts(curves, marker)
+    if t.verdicts is not None:
+        v = t.verdicts
         page.add(f"<p><b>{html.escape(fm.statement(v))}</b></p>")
         page.add("<p class='note'>Tracks: ends above its value before the formation, with its largest rise between "
                  "consecutive checkpoints at (or next to) the formation step. Rises early: before half the formation "

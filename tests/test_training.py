@@ -16,6 +16,11 @@ from compatlas import formation as fm
 from compatlas.config import model_checkpoints, validate_config
 from compatlas.training import induction_batch, schedule, train_segment
 
+def _demo_spec() -> dict:
+    """The default demo run's training spec, defaults filled in."""
+    return validate_config(yaml.safe_load(open("config/config.yaml")), check_sources=False)["training"]["induction-2l"]
+
+
 SPEC = {"n_layers": 2, "n_heads": 2, "d_head": 8, "d_vocab": 32, "seq_len": 24, "batch_size": 8, "lr": 3e-3,
         "weight_decay": 0.01, "seed": 0, "min_span": 4, "max_span": 8, "architecture": "llama"}
 
@@ -63,7 +68,7 @@ def test_training_is_reproducible_and_segments_resume_exactly(tmp_path):
 def test_a_run_does_not_depend_on_the_threads_torch_is_given(tmp_path):
     """Jobs get different core counts (a laptop, a Slurm node); training pins one thread, so
     the losses are bitwise the same, and the caller's thread count is restored."""
-    spec = validate_config(yaml.safe_load(open("config/config.yaml")), check_sources=False)["training"]["induction-2l"]
+    spec = _demo_spec()
     before = torch.get_num_threads()
     losses = []
     try:
@@ -114,7 +119,7 @@ def test_default_run_forms_a_previous_token_and_an_induction_head(tmp_path):
     from compatlas.induction import TokenSet, head_attention_scores
     from compatlas.loading import boot
 
-    spec = validate_config(yaml.safe_load(open("config/config.yaml")), check_sources=False)["training"]["induction-2l"]
+    spec = _demo_spec()
     scores, losses = {}, {}
     previous = None
     for step in (150, 500):
@@ -258,7 +263,7 @@ def test_the_sweep_runs_the_demo_recipe():
     def recipe(spec):
         return {k: v for k, v in spec.items() if k not in ("description", "seed", "schedule", "spaces")}  # not training
 
-    demo = validate_config(yaml.safe_load(open("config/config.yaml")), check_sources=False)["training"]["induction-2l"]
+    demo = _demo_spec()
     sweep = validate_config(yaml.safe_load(open("config/training-sweep.yaml")), check_sources=False)["training"]
     assert {n: s["seed"] for n, s in sweep.items() if s["n_layers"] == 2} == {f"attn2l-s{i}": i for i in range(4)}
     for spec in sweep.values():

@@ -14,6 +14,7 @@ from typing import Any
 import duckdb
 import polars as pl
 
+from compatlas.calibration import P_SCHEMA
 from compatlas.induction import HEAD_SCHEMA, TOKEN_SCHEMA
 from compatlas.scores import SCHEMA
 from compatlas.training import LOSS_SCHEMA
@@ -30,15 +31,21 @@ INVARIANCE_SCHEMA = {"model": pl.Utf8, "checkpoint": pl.Utf8, "processing": pl.U
                      "top_k_kept": pl.Boolean, "log10_scale_range": pl.Float64}
 AUDIT_SCHEMA = {"metric": pl.Utf8, "space": pl.Utf8, "axiom": pl.Utf8, "construction": pl.Utf8, "value": pl.Float64,
                 "expected": pl.Float64, "passed": pl.Boolean, "detail": pl.Utf8}
-VIEWS = {"composition": SCHEMA, "invariance": INVARIANCE_SCHEMA, "metric_audit": AUDIT_SCHEMA,
+VIEWS = {"composition": SCHEMA, "composition_null": SCHEMA, "calibration": P_SCHEMA, "invariance": INVARIANCE_SCHEMA, "metric_audit": AUDIT_SCHEMA,
          "induction_tokens": TOKEN_SCHEMA, "head_scores": HEAD_SCHEMA, "training_loss": LOSS_SCHEMA}
 
 # Views derived from the ones over shards (SQL, so they follow the shards whenever the atlas is rebuilt).
-COMPOSITION_Z = """CREATE VIEW composition_z AS SELECT *,
-    score - baseline_gaussian_mean AS score_minus_gaussian,
-    (score - baseline_spectrum_mean) / NULLIF(baseline_spectrum_std, 0) AS z_spectrum,
-    (score - baseline_gaussian_mean) / NULLIF(baseline_gaussian_std, 0) AS z_gaussian
-    FROM composition"""
+COMPOSITION_Z = """CREATE VIEW composition_z AS SELECT c.*,
+    c.score - c.baseline_gaussian_mean AS score_minus_gaussian,
+    (c.score - c.baseline_spectrum_mean) / NULLIF(c.baseline_spectrum_std, 0) AS z_spectrum,
+    (c.score - c.baseline_gaussian_mean) / NULLIF(c.baseline_gaussian_std, 0) AS z_gaussian,
+    p.n_null, p.p_value, p.q_value
+    FROM composition c LEFT JOIN calibration p
+    USING (model, checkpoint, processing, metric, space, comp, writer_layer, writer_head, reader_layer, reader_head)"""
+
+# The calibrated answer: causal pairs whose q-value (Benjamini-Hochberg over the pairs of one
+# model x checkpoint x metric x space x comp) is at most the configured false discovery rate.
+DISCOVERIES = """CREATE VIEW discoveries AS SELECT * FROM composition_z WHERE q_value <= {fdr}"""
 
 # Per model x filler setting x role: the mean A (B) power over tokens, its spread across tokens,
 # and B vs nearby-B vs random. Tokens' sequences are independent, so standard errors add in quadrature.
@@ -64,8 +71,9 @@ best AS (
     SELECT c.model, c.checkpoint, c.metric, c.space, c.comp, c.reader_layer AS layer, c.reader_head AS head,
            max(c.score) AS best_score,
            max((c.score - c.baseline_spectrum_mean) / NULLIF(c.baseline_spectrum_std, 0)) AS best_z_spectrum,
-           arg_max(c.writer_layer || '.' || c.writer_head, c.score) AS best_writer
-    FROM composition c JOIN prev_heads p
+           arg_max(c.writer_layer || '.' || c.writer_head, c.score) AS best_writer,
+           coalesce(bool_or(c.q_value <= {fdr}), false) AS prev_discovery
+    FROM composition_z c JOIN prev_heads p
       ON c.model = p.model AND c.checkpoint = p.checkpoint AND c.writer_layer = p.layer AND c.writer_head = p.head
     GROUP BY ALL)
 SELECT b.*, h.prev_token_mean, h.induction_mean, h.ablation_drop, h.induction_mean >= {ind} AS is_induction
@@ -73,6 +81,8 @@ FROM best b JOIN head_scores h USING (model, checkpoint, layer, head)"""
 
 # The payoff table: does a metric (in a space, for a comp) pick out the heads that do induction?
 # Spearman = Pearson on average ranks; AUROC = Mann-Whitney U / (n_pos n_neg) from the same ranks.
+# Discovery precision / recall: of "the reader has a discovery from a previous-token head" for
+# "the reader is an induction head".
 COMPOSITION_VS_BEHAVIOUR = """CREATE VIEW composition_vs_behaviour AS
 WITH ranked AS (
     SELECT *,
@@ -87,8 +97,14 @@ SELECT model, checkpoint, metric, space, comp,
     count(*) AS n_readers, count_if(is_induction)::BIGINT AS n_induction_heads,
     corr(r_score, r_ind) AS spearman_induction, corr(r_score, r_abl) AS spearman_ablation,
     (sum(CASE WHEN is_induction THEN r_score ELSE 0 END) - sum(is_induction::INTEGER) * (sum(is_induction::INTEGER) + 1) / 2.0)
-      / NULLIF(sum(is_induction::INTEGER) * (count(*) - sum(is_induction::INTEGER)), 0) AS auroc
-FROM ranked GROUP BY ALL"""
+      / NULLIF(sum(is_induction::INTEGER) * (count(*) - sum(is_induction::INTEGER)), 0) AS auroc,
+    coalesce(any_value(d.n_discoveries), 0)::BIGINT AS n_discoveries,
+    count_if(prev_discovery)::BIGINT AS n_readers_with_discovery,
+    count_if(prev_discovery AND is_induction) / NULLIF(count_if(prev_discovery), 0) AS discovery_precision,
+    count_if(prev_discovery AND is_induction) / NULLIF(count_if(is_induction), 0) AS discovery_recall
+FROM ranked LEFT JOIN (SELECT model, checkpoint, metric, space, comp, count(*) AS n_discoveries
+                       FROM discoveries GROUP BY ALL) d USING (model, checkpoint, metric, space, comp)
+GROUP BY ALL"""
 
 _DUCK_TYPES = {pl.Utf8: "VARCHAR", pl.Int32: "INTEGER", pl.Int64: "BIGINT", pl.Float64: "DOUBLE", pl.Boolean: "BOOLEAN"}
 
@@ -116,11 +132,11 @@ def _parquet_view(name: str, shards: list[str | os.PathLike], types: dict) -> st
 
 def build_atlas(db_path: str | os.PathLike, shards: dict[str, list[str | os.PathLike]],
                 meta_paths: list[str | os.PathLike], prev_token_threshold: float = 0.4,
-                induction_threshold: float = 0.4) -> None:
+                induction_threshold: float = 0.4, fdr: float = 0.05) -> None:
     """(Re)build the atlas database: a view per entry of VIEWS over its shards (empty views for
     the ones with none), then the derived views. Every shard is checked to open first, naming
     any bad one. The thresholds say which heads count as previous-token heads and as
-    induction heads in ``composition_vs_behaviour``."""
+    induction heads in ``composition_vs_behaviour``; ``fdr`` is the q-value cut of ``discoveries``."""
     unknown = set(shards) - set(VIEWS)
     if unknown:
         raise ValueError(f"no view is defined for {sorted(unknown)}")
@@ -136,8 +152,10 @@ def build_atlas(db_path: str | os.PathLike, shards: dict[str, list[str | os.Path
             for name, types in VIEWS.items():
                 con.execute(_parquet_view(name, shards.get(name, []), types))
             con.execute(COMPOSITION_Z)
+            con.execute(DISCOVERIES.format(fdr=float(fdr)))
             con.execute(INDUCTION_SUMMARY)
-            con.execute(READER_BEST.format(prev=float(prev_token_threshold), ind=float(induction_threshold)))
+            con.execute(READER_BEST.format(prev=float(prev_token_threshold), ind=float(induction_threshold),
+                                           fdr=float(fdr)))
             con.execute(COMPOSITION_VS_BEHAVIOUR)
         finally:
             con.close()

@@ -233,3 +233,14 @@ def block_pairs(layers: list[int], blocks: int, block: int) -> list[tuple[int, i
     size, extra = divmod(len(pairs), blocks)
     start = block * size + min(block, extra)
     return pairs[start:start + size + (block < extra)]
+
+
+def null_pairs(layers: list[int], blocks: int, block: int) -> list[tuple[int, int]]:
+    """The (writer, reader) layer pairs of job ``block`` whose heads cannot compose: the reader
+    runs before the writer or beside it, so it never sees the writer's output.
+
+    Each causal pair (a, b) of the block is mirrored as (b, a); same-layer pairs (l, l) (distinct
+    heads only, see ``calibration``) go to the jobs in turn, layer i to job ``i % blocks``. Every
+    job thus scores as many null as causal pairs, with the same GEMM shapes."""
+    mirrors = [(b, a) for a, b in block_pairs(layers, blocks, block)]
+    return mirrors + [(layer, layer) for i, layer in enumerate(layers) if i % blocks == block]

@@ -37,9 +37,12 @@ def resolve_device(device: str) -> torch.device:
 def score_block(w: AttentionWeights, metric: str, space: str, pairs: list[tuple[int, int]], *,
                 baseline_samples: int = 32, seed: int = 0, device: str = "auto", dtype: str = "float32",
                 max_condition: float = 1e6) -> tuple[pl.DataFrame, dict]:
-    """Q/K/V scores and both nulls for every head pair of the given layer pairs.
+    """Q/K/V scores and both nulls for every head pair of the given (writer, reader) layer pairs.
 
-    Returns the table (columns ``SCHEMA``) and facts for the provenance record."""
+    Any pair is scored the same way, causal (writer layer < reader layer) or not: the
+    anti-causal and same-layer pairs of ``composition.null_pairs`` are the empirical null of
+    ``calibration``. A head is never paired with itself. Returns the table (columns
+    ``SCHEMA``) and facts for the provenance record."""
     dev, dt = resolve_device(device), getattr(torch, dtype)
     t0 = time.perf_counter()
     # factor only the layers this job's pairs touch: at 70B shapes all 80 layers' factors are ~86 GB
@@ -66,16 +69,18 @@ def score_block(w: AttentionWeights, metric: str, space: str, pairs: list[tuple[
                 a, b = local[l1], local[l2]
                 mu, sd = spectrum_baseline(metric, f.writer_norm[a], f.writer_sv[a], f.reader_norm[c][b],
                                            f.reader_sv[c][b], P2[c])
-                cols["comp"].append(np.full(n, c))
-                cols["writer_layer"].append(np.full(n, l1))
-                cols["writer_head"].append(hw.ravel())
-                cols["reader_layer"].append(np.full(n, l2))
-                cols["reader_head"].append(hr.ravel())
-                cols["score"].append(s[i].ravel())
-                cols["baseline_gaussian_mean"].append(np.full(n, gauss[c][0]))
-                cols["baseline_gaussian_std"].append(np.full(n, gauss[c][1]))
-                cols["baseline_spectrum_mean"].append(mu.double().cpu().numpy().ravel())
-                cols["baseline_spectrum_std"].append(sd.double().cpu().numpy().ravel())
+                keep = hw.ravel() != hr.ravel() if l1 == l2 else np.ones(n, dtype=bool)  # a head is no pair with itself
+                k = int(keep.sum())
+                cols["comp"].append(np.full(k, c))
+                cols["writer_layer"].append(np.full(k, l1))
+                cols["writer_head"].append(hw.ravel()[keep])
+                cols["reader_layer"].append(np.full(k, l2))
+                cols["reader_head"].append(hr.ravel()[keep])
+                cols["score"].append(s[i].ravel()[keep])
+                cols["baseline_gaussian_mean"].append(np.full(k, gauss[c][0]))
+                cols["baseline_gaussian_std"].append(np.full(k, gauss[c][1]))
+                cols["baseline_spectrum_mean"].append(mu.double().cpu().numpy().ravel()[keep])
+                cols["baseline_spectrum_std"].append(sd.double().cpu().numpy().ravel()[keep])
         log.info("%s/%s: writer layer %d scored against %d reader layers (%.1fs)", metric, space, l1, len(readers),
                  time.perf_counter() - t0)
     data = {k: np.concatenate(v) if v else np.array([]) for k, v in cols.items()}

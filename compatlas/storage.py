@@ -10,7 +10,7 @@ import contextlib
 import json
 import os
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -41,7 +41,7 @@ def library_versions() -> dict[str, str]:
     import importlib.metadata as md
 
     out = {}
-    for pkg in ("compatlas", "torch", "transformer-lens", "transformers", "polars", "duckdb"):
+    for pkg in ("compatlas", "torch", "transformer-lens", "transformers", "polars", "duckdb", "scipy"):
         try:
             out[pkg] = md.version(pkg)
         except md.PackageNotFoundError:
@@ -53,6 +53,23 @@ def write_shard(df: pl.DataFrame, path: str | os.PathLike, provenance: dict[str,
     """Write one Parquet shard atomically, with provenance in the file's key-value metadata."""
     with atomic_path(path) as tmp:
         df.write_parquet(tmp, compression="zstd", metadata={"compatlas": json.dumps(provenance, sort_keys=True)})
+
+
+def write_shard_parts(parts: Iterable[pl.DataFrame], path: str | os.PathLike, provenance: dict[str, Any],
+                      schema: dict[str, pl.DataType]) -> int:
+    """Write frames one row group at a time into one Parquet shard (atomically, with provenance),
+    so a large table never sits in memory whole. Returns the number of rows."""
+    import pyarrow.parquet as pq
+
+    arrow_schema = pl.DataFrame(schema=schema).to_arrow().schema
+    arrow_schema = arrow_schema.with_metadata({"compatlas": json.dumps(provenance, sort_keys=True)})
+    rows = 0
+    with atomic_path(path) as tmp:
+        with pq.ParquetWriter(tmp, arrow_schema, compression="zstd") as writer:
+            for df in parts:
+                writer.write_table(df.select(list(schema)).cast(schema).to_arrow().cast(arrow_schema))
+                rows += df.height
+    return rows
 
 
 def read_provenance(path: str | os.PathLike) -> dict[str, Any]:

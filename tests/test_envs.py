@@ -42,7 +42,7 @@ def test_conda_env_is_the_cpu_requirement_set():
 
 def test_cuda_set_matches_the_cpu_set():
     cpu, cuda = requirements("requirements-cpu.txt"), requirements("requirements-cuda.txt")
-    test_only = {"pytest", "scipy"}
+    test_only = {"pytest"}
     assert set(cuda) == set(cpu) - test_only
     assert all(cuda[p] == cpu[p] for p in cuda if p != "torch"), {p: (cpu[p], cuda[p]) for p in cuda if cuda[p] != cpu[p]}
     assert cpu["snakemake-executor-plugin-slurm"].startswith("==")
@@ -55,7 +55,7 @@ def test_profiles_name_real_rules():
         p = profile(name)
         assert p["executor"] == "slurm" and p["default-resources"]["slurm_partition"]
         assert set(p["set-resources"]) <= known and set(p["set-threads"]) <= known
-        assert set(p["groups"]) == {"composition"}
+        assert set(p["groups"]) == {"composition", "calibrate"}  # calibrate rides in its model's bundle
         assert set(p["group-components"]) == set(p["groups"].values())
     assert profile("local")["cores"] == "all" and profile("local")["rerun-incomplete"] is True
     assert not (REPO / "profiles" / "default").exists()  # Snakemake would apply it to every run

@@ -3,7 +3,9 @@
 
 rule atlas:
     input:
-        shards=composition_shards,
+        shards=all_shards(SHARD),
+        null_shards=all_shards(NULL_SHARD),
+        calibration=calibration_shards,
         invariance=invariance_shards,
         metric_audit=f"{RESULTS}/metric_audit/metric_audit.parquet",
         metas=all_metas,
@@ -16,6 +18,7 @@ rule atlas:
         thresholds={
             "prev_token_threshold": config["induction"]["prev_token_threshold"],
             "induction_threshold": config["induction"]["induction_threshold"],
+            "fdr": config["composition"]["fdr"],
         },
     conda:
         "../envs/compatlas.yaml"

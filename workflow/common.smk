@@ -22,6 +22,8 @@ HEAD_SCORES = f"{RESULTS}/induction/model={{model}}/checkpoint={{checkpoint}}/he
 TRAIN_STATE = f"{RESULTS}/train/{{model}}/{{checkpoint}}/state.pt"
 TRAIN_LOSS = f"{RESULTS}/train/{{model}}/{{checkpoint}}/loss.parquet"
 SHARD = f"{RESULTS}/composition/model={{model}}/checkpoint={{checkpoint}}/metric={{metric}}/space={{space}}/block={{block}}.parquet"
+NULL_SHARD = f"{RESULTS}/composition_null/model={{model}}/checkpoint={{checkpoint}}/metric={{metric}}/space={{space}}/block={{block}}.parquet"
+CALIBRATION = f"{RESULTS}/calibration/model={{model}}/checkpoint={{checkpoint}}/pvalues.parquet"
 
 
 wildcard_constraints:
@@ -64,15 +66,27 @@ def model_spaces(model):
     return config["models"][model].get("spaces", config["spaces"])
 
 
-def composition_shards(wildcards):
-    """Every shard of the grid. The DAG is static (blocks come from the config, not from
-    the model's layer count), so dry runs and incremental reruns see every job."""
-    shards = []
-    for model, ckpt in model_checkpoint_pairs():
-        # (a line may not start with `checkpoint=` in a .smk file: it is a keyword)
-        grid = dict(model=model, checkpoint=ckpt, metric=config["metrics"], space=model_spaces(model))
-        shards += expand(SHARD, block=range(model_blocks(model)), **grid)
-    return shards
+def grid_shards(path, model, ckpt):
+    """``path`` (SHARD or NULL_SHARD) for every metric, space and block of one model x checkpoint.
+    The DAG is static (blocks come from the config, not from the model's layer count), so dry
+    runs and incremental reruns see every job."""
+    # (a line may not start with `checkpoint=` in a .smk file: it is a keyword)
+    grid = dict(model=model, checkpoint=ckpt, metric=config["metrics"], space=model_spaces(model))
+    return expand(path, block=range(model_blocks(model)), **grid)
+
+
+def model_composition_shards(path):
+    """Input function: ``path`` for every metric, space and block of the job's model x checkpoint."""
+    return lambda wc: grid_shards(path, wc.model, wc.checkpoint)
+
+
+def all_shards(path):
+    """Input function: ``path`` of every model x checkpoint x metric x space x block of the grid."""
+    return lambda wc: [s for m, c in model_checkpoint_pairs() for s in grid_shards(path, m, c)]
+
+
+def calibration_shards(wildcards):
+    return [CALIBRATION.format(model=m, checkpoint=c) for m, c in model_checkpoint_pairs()]
 
 
 def invariance_shards(wildcards):

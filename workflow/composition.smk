@@ -1,4 +1,5 @@
-# Composition scores for one (model, checkpoint, metric, space, block of layer pairs).
+# Composition scores for one (model, checkpoint, metric, space, block of layer pairs): the causal
+# pairs (writer layer < reader layer) and, from the same factors, the null pairs that cannot compose.
 
 
 rule composition:
@@ -6,7 +7,8 @@ rule composition:
         tensors=WEIGHTS_TENSORS,
         meta=WEIGHTS_META,
     output:
-        SHARD,
+        causal=SHARD,
+        null=NULL_SHARD,
     params:
         layers=lambda wc: config["models"][wc.model].get("layers"),
         blocks=lambda wc: model_blocks(wc.model),
@@ -23,3 +25,25 @@ rule composition:
         runtime=30,
     script:
         "../scripts/composition.py"
+
+
+# p- and q-values of every causal pair of a model x checkpoint against its null pairs
+# (compatlas/calibration.py): all metrics, spaces and blocks at once, one small job.
+rule calibrate:
+    input:
+        causal=model_composition_shards(SHARD),
+        null=model_composition_shards(NULL_SHARD),
+    output:
+        CALIBRATION,
+    params:
+        stratify=config["composition"]["null_stratify"],
+    conda:
+        "../envs/compatlas.yaml"
+    log:
+        f"{LOGS}/calibrate/{{model}}/{{checkpoint}}.log",
+    threads: 1
+    resources:
+        mem_mb=4000,
+        runtime=30,
+    script:
+        "../scripts/calibrate.py"

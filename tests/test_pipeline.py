@@ -66,6 +66,23 @@ def test_views_hold_every_score(pipeline_run: Path):
     assert len(top) == 10 and top[0][4] >= top[-1][4]
 
 
+def test_calibration_views(pipeline_run: Path):
+    """Every causal pair has a p and q; the null holds exactly the non-causal pairs of distinct heads."""
+    con = duckdb.connect(str(pipeline_run / "results" / "atlas.duckdb"), read_only=True)
+    n_causal = con.execute("SELECT count(*) FROM composition").fetchone()[0]
+    assert con.execute("SELECT count(*) FROM composition_z WHERE p_value IS NOT NULL AND q_value >= p_value").fetchone()[0] == n_causal
+    assert con.execute("SELECT count(*) FROM composition_null WHERE writer_layer < reader_layer "
+                       "OR (writer_layer = reader_layer AND writer_head = reader_head)").fetchone()[0] == 0
+    # per model x metric x space x comp: null = anti-causal mirror (as many as causal) + same-layer pairs of distinct heads
+    for model, n_layers, n_heads in con.execute("SELECT model, n_layers, n_heads FROM models").fetchall():
+        per_cell = con.execute("SELECT count(*) FROM composition_null WHERE model = ? GROUP BY checkpoint, metric, space, comp",
+                               [model]).fetchall()
+        causal = expected_rows(n_layers, n_heads)
+        assert {c for (c,) in per_cell} == {causal + n_layers * n_heads * (n_heads - 1)}, model
+    assert con.execute("SELECT count(*) FROM discoveries WHERE q_value > 0.05").fetchone()[0] == 0
+    assert set(con.sql("DESCRIBE discoveries").pl()["column_name"]) >= {"score", "z_spectrum", "p_value", "q_value"}
+
+
 def test_audit_views(pipeline_run: Path):
     con = duckdb.connect(str(pipeline_run / "results" / "atlas.duckdb"), read_only=True)
     inv = con.execute("""SELECT space, transform, min(spearman), max(max_abs_change) FROM invariance
@@ -156,6 +173,7 @@ def test_adding_a_model_runs_only_its_jobs(pipeline_run: Path, tmp_path: Path):
     jobs = [line for line in proc.stderr.splitlines() if line.strip().startswith("wildcards:")]
     assert jobs and all("tiny-extra" in j for j in jobs), jobs
     assert ran.count("composition") == 6 and ran.count("invariance") == 1 and ran.count("induction") == 1, ran
+    assert ran.count("calibrate") == 1, ran
     assert "metric_audit" not in ran, ran
     con = duckdb.connect(str(work / "results" / "atlas.duckdb"), read_only=True)
     assert con.execute("SELECT count(*) FROM head_scores WHERE model = 'tiny-extra'").fetchone()[0] == 2 * 2
@@ -174,8 +192,8 @@ def test_adding_a_checkpoint_runs_only_its_jobs(pipeline_run: Path, tmp_path: Pa
     jobs = [line for line in proc.stderr.splitlines() if line.strip().startswith("wildcards:")]
     assert jobs and all("step30" in j for j in jobs), jobs
     # one segment (20 -> 30), its extraction, 3 metrics x 1 space, induction, and the audit of the new last checkpoint
-    assert sorted(ran) == sorted(["train", "extract", "composition", "composition", "composition", "induction",
-                                  "invariance", "atlas", "report", "all"]), ran
+    assert sorted(ran) == sorted(["train", "extract", "composition", "composition", "composition", "calibrate",
+                                  "induction", "invariance", "atlas", "report", "all"]), ran
     assert all(sha(p) == h for p, h in before.items()), "old shards were rewritten"
     con = duckdb.connect(str(work / "results" / "atlas.duckdb"), read_only=True)
     assert con.execute("SELECT max(step) FROM training_loss").fetchone()[0] == 30

@@ -2,7 +2,7 @@
 from snakemake.exceptions import WorkflowError
 
 from compatlas.composition import METRICS
-from compatlas.config import ConfigError, induction_settings, model_checkpoints, trained_run, validate_config
+from compatlas.config import ConfigError, induction_settings, last_checkpoint, model_checkpoints, trained_run, validate_config
 from compatlas.token_space import SPACES
 
 # Validate (and fill defaults) before any job is scheduled: one line naming key and problem.
@@ -94,7 +94,7 @@ def invariance_shards(wildcards):
     checkpoint only."""
     if not config["invariance"]["enabled"]:
         return []
-    return [INVARIANCE.format(model=m, checkpoint=list(model_checkpoints(e))[-1]) for m, e in config["models"].items()]
+    return [INVARIANCE.format(model=m, checkpoint=last_checkpoint(e)) for m, e in config["models"].items()]
 
 
 def previous_train_state(wildcards):

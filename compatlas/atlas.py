@@ -22,7 +22,7 @@ from compatlas.storage import atomic_path, check_shards
 
 MODEL_COLUMNS = ["model", "checkpoint", "checkpoint_step", "checkpoint_tokens", "architecture", "hf_architecture",
                  "n_layers", "n_heads", "n_kv_heads", "d_model", "d_head", "d_vocab", "norm_type", "tied_embeddings",
-                 "has_unembed", "token_condition", "token_norm_condition", "processing", "quantized", "source_kind", "source_name", "source_path",
+                 "has_unembed", "token_condition", "token_norm_condition", "processing", "quantized", "source_kind", "source_name", "source_path", "source_revision", "source_commit",
                  "source_checksum", "weights_sha256", "versions"]
 
 INVARIANCE_SCHEMA = {"model": pl.Utf8, "checkpoint": pl.Utf8, "processing": pl.Utf8, "transform": pl.Utf8,

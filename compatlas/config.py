@@ -218,19 +218,55 @@ def _check_model(model_id: str, entry: dict[str, Any], check_sources: bool) -> N
             raise ConfigError(f"config error at {key}.source.package: {e}") from e
         if not folder.is_dir():
             raise ConfigError(f"config error at {key}.source.path: model directory {str(folder)!r} does not exist")
+        _check_layers(key, layers, _local_n_layers(key, folder))
     if src["kind"] == "gguf":
         from compatlas.loading import ModelLoadError, check_gguf, gguf_file
 
         try:
-            check_gguf(gguf_file(src["package"], src.get("file")))
+            header = check_gguf(gguf_file(src["package"], src.get("file")))
         except ModelLoadError as e:
             raise ConfigError(f"config error at {key}.source: {e}") from e
+        _check_layers(key, layers, header.get("n_layers"))
     labels = [checkpoint_label(c) for c in entry.get("checkpoints", [])]
     if len(set(labels)) != len(labels):
         raise ConfigError(f"config error at {key}.checkpoints: duplicate checkpoint labels {labels}")
     if labels and src["kind"] not in ("hub", "trained"):
         raise ConfigError(f"config error at {key}.checkpoints: checkpoints need a hub source "
                           "(or a training run, which makes its own)")
+
+
+# files that carry a tokenizer's vocabulary (tokenizer_config.json alone does not)
+TOKENIZER_FILES = ("tokenizer.json", "vocab.json", "vocab.txt", "tokenizer.model", "spiece.model",
+                   "sentencepiece.bpe.model")
+LAYER_KEYS = ("num_hidden_layers", "n_layer", "num_layers", "n_layers")
+
+
+def _local_n_layers(key: str, folder: Path) -> int | None:
+    """The layer count of a save_pretrained folder, read from its config.json (no weights loaded);
+    a folder that is not a whole model with its tokenizer is an error here, not in a job."""
+    cfg_file = folder / "config.json"
+    if not cfg_file.is_file():
+        what = "is empty" if not any(folder.iterdir()) else "has no config.json"
+        raise ConfigError(f"config error at {key}.source.path: model directory {str(folder)!r} {what} "
+                          "(expected a save_pretrained folder: config.json, weights, tokenizer)")
+    if not any((folder / f).is_file() for f in TOKENIZER_FILES):
+        raise ConfigError(f"config error at {key}.source.path: model directory {str(folder)!r} has no tokenizer "
+                          f"(none of {', '.join(TOKENIZER_FILES)}); save it there with tokenizer.save_pretrained")
+    try:
+        cfg = json.loads(cfg_file.read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise ConfigError(f"config error at {key}.source.path: cannot read {cfg_file}: {e}") from e
+    for node in (cfg, cfg.get("text_config") or {}):
+        for k in LAYER_KEYS:
+            if isinstance(node.get(k), int):
+                return node[k]
+    return None
+
+
+def _check_layers(key: str, layers: list[int] | None, n_layers: int | None) -> None:
+    if layers and n_layers is not None and layers[1] >= n_layers:
+        raise ConfigError(f"config error at {key}.layers: layer {layers[1]} is outside the model "
+                          f"(it has {n_layers} layers, 0..{n_layers - 1})")
 
 
 def _check_hub_checkpoints(key: str, src: dict[str, Any], checkpoints: list[dict[str, Any]]) -> None:

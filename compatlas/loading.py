@@ -114,7 +114,10 @@ def check_gguf(path: Path) -> dict[str, Any]:
 
         reader = GGUFReader(str(path))
         arch = reader.fields["general.architecture"]
-        return {"architecture": bytes(arch.parts[arch.data[0]]).decode(), "tensors": len(reader.tensors)}
+        name = bytes(arch.parts[arch.data[0]]).decode()
+        blocks = reader.fields.get(f"{name}.block_count")
+        n_layers = int(blocks.parts[blocks.data[0]][0]) if blocks is not None else None
+        return {"architecture": name, "tensors": len(reader.tensors), "n_layers": n_layers}
     except Exception as e:
         raise ModelLoadError(f"{path} is not a loadable GGUF file: {e}") from e
 

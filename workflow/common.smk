@@ -1,15 +1,19 @@
 # Helpers shared by the rules: config validation, the grid, and what each rule reads.
+import sys
+
 from snakemake.exceptions import WorkflowError
 
 from compatlas.composition import METRICS
 from compatlas.config import ConfigError, induction_settings, last_checkpoint, model_checkpoints, trained_run, validate_config
 from compatlas.token_space import SPACES
 
-# Validate (and fill defaults) before any job is scheduled: one line naming key and problem.
+# Validate (and fill defaults) before any job is scheduled: one line naming the config file, the
+# key and the problem (not this file's line, which a WorkflowError would point at).
 try:
     validate_config(config)
 except ConfigError as e:
-    raise WorkflowError(str(e))
+    print(f"{', '.join(map(str, workflow.configfiles)) or 'config'}: {e}", file=sys.stderr)
+    raise SystemExit(1)
 
 RESULTS = config["results"]
 LOGS = f"{RESULTS}/logs"

@@ -32,6 +32,7 @@ TABLES = {
     "reader_best_composition": "each reader head's strongest composition with a previous-token head",
     "composition_vs_behaviour": "how well each metric picks out the induction heads (Spearman, AUROC)",
     "training_loss": "the loss of the pipeline's own training runs, per step",
+    "excluded_shards": "result shards left out of the views because they do not open (truncated, corrupt)",
 }
 QUERY_HELP = "tables and views:\n" + "\n".join(f"  {k:<26} {v}" for k, v in TABLES.items()) + \
     "\n\ncolumns: compatlas query \"DESCRIBE composition\"; schema: README, 'The schema'"
@@ -86,6 +87,13 @@ def main(argv: list[str] | None = None) -> int:
             print(f"compatlas: query failed: {str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__}",
                   file=sys.stderr)
             return 1
+        try:  # shards the atlas left out (truncated, corrupt): say so beside every answer
+            excluded = query(args.db, "SELECT count(*) AS n FROM excluded_shards")["n"][0]
+        except Exception:  # noqa: BLE001 -- an atlas built before the table existed
+            excluded = 0
+        if excluded:
+            print(f"compatlas: warning: {excluded} result shards are left out of this atlas "
+                  "(SELECT * FROM excluded_shards)", file=sys.stderr)
         if args.format == "csv":
             df.write_csv(sys.stdout)
         elif args.format == "json":

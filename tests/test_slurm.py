@@ -30,10 +30,11 @@ from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import duckdb
 import pyarrow.parquet as pq
 import pytest
 import yaml
+
+from compatlas.atlas import connect
 
 pytestmark = pytest.mark.slurm
 
@@ -278,7 +279,7 @@ def expected_rows(n_layers: int, n_heads: int) -> int:
 
 
 def composition_counts(work: Path) -> dict[tuple[str, str], int]:
-    con = duckdb.connect(str(work / "results" / "atlas.duckdb"), read_only=True)
+    con = connect(work / "results" / "atlas.duckdb")
     try:
         return {(m, k): n for m, k, n in con.execute("SELECT model, metric, count(*) FROM composition GROUP BY ALL").fetchall()}
     finally:
@@ -373,7 +374,7 @@ def test_incremental_rerun_submits_only_new_jobs(cluster: Cluster, work: Path, i
     counts = composition_counts(work)
     assert counts == {**{("tiny-gpt2", m): 2 * 3 * expected_rows(3, 2) for m in ("frobenius", "subspace", "svd_bound")},
                       **{("tiny-llama", m): 2 * 3 * expected_rows(3, 4) for m in ("frobenius", "subspace", "svd_bound")}}
-    con = duckdb.connect(str(work / "results" / "atlas.duckdb"), read_only=True)
+    con = connect(work / "results" / "atlas.duckdb")
     assert con.execute("SELECT count(*) FROM head_scores WHERE model = 'tiny-llama'").fetchone()[0] == 3 * 4
     assert con.execute("SELECT count(DISTINCT metric) FROM invariance WHERE model = 'tiny-gpt2'").fetchone()[0] == 3
 

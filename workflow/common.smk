@@ -1,4 +1,5 @@
 # Helpers shared by the rules: config validation, the grid, and what each rule reads.
+import os
 import sys
 
 from snakemake.exceptions import WorkflowError
@@ -131,3 +132,30 @@ def induction_enabled(model):
 def induction_shards(path):
     """The induction rule's output `path` for every (model, checkpoint) with induction enabled."""
     return [path.format(model=m, checkpoint=c) for m, c in model_checkpoint_pairs() if induction_enabled(m)]
+
+
+# One run at a time on a results folder (compatlas/runlock.py): Snakemake's own lock covers
+# only its working directory. Taken when jobs are about to run (onstart: never for dry runs nor
+# inside jobs), given back when the run ends; --nolock skips it, as it skips Snakemake's.
+_RUN_LOCK = {}
+
+
+onstart:
+    if workflow.is_main_process and workflow.execution_settings.lock:
+        from compatlas import runlock
+
+        try:
+            _RUN_LOCK["lock"] = runlock.acquire(RESULTS, os.getcwd())
+        except runlock.RunLockError as e:
+            print(f"compatlas: {e}", file=sys.stderr)
+            raise SystemExit(1)
+
+
+onsuccess:
+    if "lock" in _RUN_LOCK:
+        _RUN_LOCK.pop("lock").release()
+
+
+onerror:
+    if "lock" in _RUN_LOCK:
+        _RUN_LOCK.pop("lock").release()

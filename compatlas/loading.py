@@ -22,6 +22,7 @@ import importlib.util
 import json
 import logging
 import os
+import time
 from pathlib import Path
 from typing import Any
 
@@ -351,6 +352,9 @@ def load_and_extract(model_id: str, entry: dict[str, Any], checkpoint: dict[str,
     """Boot one model (x checkpoint) and extract its weights; metadata carries full provenance."""
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     workdir.mkdir(parents=True, exist_ok=True)
+    t0 = time.perf_counter()
+    # one line per phase: a download or a GGUF dequantisation can take minutes, and this says which
+    log.info("loading %s (%s) ...", model_id, (checkpoint or {}).get("label", "final"))
     try:
         bridge, prov = boot(entry, checkpoint, workdir, device)
     except ModelLoadError:
@@ -367,6 +371,7 @@ def load_and_extract(model_id: str, entry: dict[str, Any], checkpoint: dict[str,
         for i, cause in enumerate(error_chain(e)):
             log.error("cause %d: %s", i, _first_line(cause), exc_info=cause if i == 0 else None)
         raise ModelLoadError(f"model {model_id!r}: cannot load {what}: {load_cause(e)}") from e
+    log.info("loaded %s in %.1f s; extracting its attention weights", model_id, time.perf_counter() - t0)
     w = extract(bridge, entry.get("processing", "none"))
     w.meta.update(prov)
     w.meta.update(model=model_id, checkpoint=(checkpoint or {}).get("label", "final"),

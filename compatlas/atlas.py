@@ -10,7 +10,8 @@ which ``connect`` sets to that folder (plain ``duckdb.connect`` users: ``SET fil
 A shard that does not open (truncated, corrupt) is left out of its view with a warning in the
 log and a row in the ``excluded_shards`` table (view, path, error), rather than failing the
 build: one bad shard would otherwise break every query of its view, and a failed atlas job
-loses the previous ``atlas.duckdb`` (Snakemake removes a job's outputs before it runs).
+loses the previous ``atlas.duckdb`` (Snakemake removes a job's outputs before it runs). Each
+build also leaves a copy of itself (``last_good_path``) that queries fall back on meanwhile.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -208,6 +210,16 @@ def build_atlas(db_path: str | os.PathLike, shards: dict[str, list[str | os.Path
             con.execute(COMPOSITION_VS_BEHAVIOUR)
         finally:
             con.close()
+        with atomic_path(last_good_path(db_path)) as keep:  # what queries fall back on (see last_good_path)
+            shutil.copyfile(tmp, keep)
+
+
+def last_good_path(db_path: str | os.PathLike) -> Path:
+    """A copy of the last atlas that was built whole, beside it (so its relative shard paths hold).
+    Snakemake removes a job's outputs before it runs and after it fails, so while a rebuild runs
+    or after it failed there is no ``atlas.duckdb``; ``compatlas query`` then answers from this."""
+    p = Path(db_path)
+    return p.with_name(f".{p.stem}.last-good{p.suffix}")
 
 
 def query(db_path: str | os.PathLike, sql: str) -> pl.DataFrame:

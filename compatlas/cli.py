@@ -76,11 +76,16 @@ def main(argv: list[str] | None = None) -> int:
     if args.cmd == "query":
         import polars as pl
 
-        from compatlas.atlas import query
+        from compatlas.atlas import last_good_path, query
 
         if not Path(args.db).exists():
-            print(f"compatlas: no atlas at {args.db}; run the pipeline first (see README)", file=sys.stderr)
-            return 2
+            if not last_good_path(args.db).exists():
+                print(f"compatlas: no atlas at {args.db}; run the pipeline first (see README)", file=sys.stderr)
+                return 2
+            # a rebuild is running or failed (Snakemake removed the old atlas): the last whole one
+            print(f"compatlas: warning: no {args.db} (a rebuild running or failed); answering from the last "
+                  f"good atlas {last_good_path(args.db)}", file=sys.stderr)
+            args.db = str(last_good_path(args.db))
         try:
             df = query(args.db, args.sql)
         except Exception as e:

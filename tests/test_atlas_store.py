@@ -56,3 +56,16 @@ def test_truncated_shard_is_left_out_and_named(tmp_path: Path, caplog):
     assert query(results / "atlas.duckdb", "SELECT model FROM composition").rows() == [("a",)]
     excluded = query(results / "atlas.duckdb", "SELECT view, path FROM excluded_shards")
     assert excluded.rows() == [("composition", str(bad))]
+
+
+def test_query_falls_back_on_the_last_good_atlas(tmp_path: Path, capsys):
+    from compatlas import cli
+
+    results = tmp_path / "results"
+    build_atlas(results / "atlas.duckdb", make_results(results), [])
+    (results / "atlas.duckdb").unlink()  # what Snakemake does to the output of a failed rebuild
+    rc = cli.main(["query", "--db", str(results / "atlas.duckdb"), "--format", "csv",
+                   "SELECT model FROM composition ORDER BY model"])
+    out = capsys.readouterr()
+    assert rc == 0 and out.out.splitlines() == ["model", "a", "b"]
+    assert "answering from the last good atlas" in out.err

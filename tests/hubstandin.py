@@ -308,16 +308,19 @@ def _extract_main(cases_path: str) -> None:
     spec = json.loads(Path(cases_path).read_text())
     config = validate_config(spec["config"])
     out = Path(spec["out"])
+    failed = False
     for model, label in spec["cases"]:
         entry = {k: v for k, v in config["models"][model].items() if k != "checkpoints"}
         ckpt = model_checkpoints(config["models"][model])[label]
         try:
             w, _ = load_and_extract(model, entry, ckpt, out / "work" / model / label)
-        except ModelLoadError as e:
-            print(f"ModelLoadError: {e}")
-            sys.exit(3)
+        except ModelLoadError as e:  # the line a job ends with; go on with the other cases
+            print(f"ModelLoadError: {e}", flush=True)
+            failed = True
+            continue
         add_space_factors(w)  # as scripts/extract.py does
         save_weights(w, out / model / label / "weights.safetensors", out / model / label / "meta.json")
+    sys.exit(3 if failed else 0)
 
 
 if __name__ == "__main__":

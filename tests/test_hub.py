@@ -39,8 +39,16 @@ CONFIG = {
         "crfm": {"source": {"kind": "hub", "name": "stanford-crfm/alias-gpt2-small-x21"},
                  "checkpoints": [{"value": 100}]},
         "pythia-half": {"source": {"kind": "hub", "name": "EleutherAI/pythia-160m"},
-                        "checkpoints": [{"value": 512}, {"revision": "step2000"}]},
+                        "checkpoints": [{"value": 512}, {"revision": "step2000"}, {"revision": "step3000"}]},
+        "missing": {"source": {"kind": "hub", "name": "EleutherAI/no-such-model"}},
     },
+}
+# what fails, and the one line it fails with
+FAILING = {
+    ("missing", "final"): "model 'missing': cannot load EleutherAI/no-such-model@final from {endpoint}: "
+                          "no such repository on the hub",
+    ("pythia-half", "step3000"): "model 'pythia-half': cannot load EleutherAI/pythia-160m@step3000 from {endpoint}: "
+                                 "no such revision on the hub",
 }
 # (config model, checkpoint label) -> (served repo, branch)
 CASES = {
@@ -88,9 +96,19 @@ def hub(tmp_path_factory):
 @pytest.fixture(scope="module")
 def extracted(hub: StandInHub, tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("hub-extract")
-    proc = run_extract(hub, out / "hf-home", out, list(CASES))
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-6000:]
+    proc = run_extract(hub, out / "hf-home", out, list(CASES) + list(FAILING))
+    failures = [ln for ln in proc.stdout.splitlines() if ln.startswith("ModelLoadError: ")]
+    assert proc.returncode == 3 and len(failures) == len(FAILING), proc.stdout[-2000:] + proc.stderr[-6000:]
+    (out / "failures.txt").write_text("\n".join(failures))
     return out
+
+
+def test_bad_name_and_unpublished_revision_fail_in_one_line(hub: StandInHub, extracted: Path):
+    lines = (extracted / "failures.txt").read_text().splitlines()
+    for (model, label), start in FAILING.items():
+        (line,) = [ln for ln in lines if f"model '{model}'" in ln]
+        assert line.removeprefix("ModelLoadError: ").startswith(start.format(endpoint=hub.endpoint)), line
+        assert not (extracted / model / label).exists()
 
 
 def expected_attention(state: dict, architecture: str) -> dict[str, torch.Tensor]:

@@ -116,6 +116,8 @@ def hub_series(name: str) -> tuple[tuple[int, ...], int | None] | None:
     Offline: only families whose schedule transformer_lens ships (others would need the hub)."""
     if not name.startswith(SERIES_PREFIXES):
         return None
+    if name.startswith("pythia-"):  # transformer_lens's alias of EleutherAI/pythia-*
+        name = f"EleutherAI/{name}"
     from transformer_lens.tools.model_registry.checkpoints import get_checkpoint_labels
 
     try:

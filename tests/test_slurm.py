@@ -64,7 +64,8 @@ SLURM_ARGS = [
     "--cores", "2", "--resources", "mem_mb=4000",
 ]
 LOCAL_ARGS = ["--profile", str(REPO / "profiles" / "local"), "--cores", "2"]
-REMOTE_RULES = {"extract", "composition", "invariance", "induction", "metric_audit"}
+REMOTE_RULES = {"extract", "composition", "calibrate", "invariance", "induction", "metric_audit"}
+GROUPED_RULES = ("composition", "calibrate")  # one Slurm job per model x checkpoint (profiles/slurm)
 LOCAL_RULES = {"atlas", "report", "all"}
 ATLAS = ("results/atlas.duckdb",)
 
@@ -365,7 +366,7 @@ def assert_all_through_slurm(run: Run, cluster: Cluster, planned: Run | None = N
     assert run.finished == run.remote + run.local, (run.finished, run.remote, run.local)
     # grouped composition jobs travel together: one submission per group, one per other job
     assert all(g.startswith("composition_") for g in run.groups), run.groups
-    n_submissions = sum(run.remote.values()) - run.remote["composition"] + len(run.groups)
+    n_submissions = sum(run.remote.values()) - sum(run.remote[r] for r in GROUPED_RULES) + len(run.groups)
     assert len(run.submitted) == n_submissions, (run.submitted, run.remote, run.groups)
     assert set(run.submitted) == run.submitted_in_ctl, (run.submitted, run.submitted_in_ctl)
     states = cluster.final_states(set(run.submitted))
@@ -420,7 +421,9 @@ def test_incremental_rerun_submits_only_new_jobs(cluster: Cluster, work: Path, i
     run, before = incremental
     # new model: extract, 3 metrics x 2 spaces, invariance, induction; old model: the new metric
     # in 2 spaces; invariance and the metric audit cover every metric, so they rerun too
-    assert run.remote == Counter(extract=1, composition=6 + 2, invariance=2, induction=1, metric_audit=1), run.remote
+    # (calibrate: one per model x checkpoint whose composition shards changed, in its group)
+    assert run.remote == Counter(extract=1, composition=6 + 2, calibrate=2, invariance=2, induction=1,
+                                 metric_audit=1), run.remote
     assert sorted(run.groups) == ["composition_tiny-gpt2_final", "composition_tiny-llama_final"]
     old_model_jobs = re.findall(r"wildcards: model=tiny-gpt2, checkpoint=final, metric=(\w+)", run.out)
     assert old_model_jobs and set(old_model_jobs) == {"svd_bound"}, old_model_jobs
@@ -474,7 +477,7 @@ def test_scancel_of_a_running_job_then_rerun_completes(cluster: Cluster, work: P
     assert_every_shard_opens(work)
     left = len(model_shards(work, "tiny-llama"))
     run = snakemake(cluster, work, *SLURM_ARGS, targets=ATLAS)
-    assert run.remote == Counter(composition=6 - left), (run.remote, left)
+    assert run.remote == Counter(composition=6 - left, calibrate=1), (run.remote, left)
     assert_all_through_slurm(run, cluster)
     assert len(model_shards(work, "tiny-llama")) == 6
     assert_every_shard_opens(work)

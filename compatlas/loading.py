@@ -185,7 +185,7 @@ def hub_revision(source: dict[str, Any], checkpoint: dict[str, Any] | None) -> s
 
 
 def hub_provenance(name: str, revision: str | None) -> dict[str, Any]:
-    """What pins a hub model: the revision asked for, the commit it resolved to and a sha256 over
+    """What pins a hub model loaded at ``revision``: the commit it resolved to and a sha256 over
     the weight files of that commit's snapshot in the local cache (the same files the model was
     loaded from). The commit comes from the cache's snapshot folder, so this works offline too
     (``HF_HUB_OFFLINE=1``)."""
@@ -193,8 +193,7 @@ def hub_provenance(name: str, revision: str | None) -> dict[str, Any]:
 
     config_path = Path(hf_hub_download(name, "config.json", revision=revision))
     snapshot = config_path.parent  # <cache>/models--org--name/snapshots/<commit>/
-    return {"source_revision": revision or "main", "source_commit": snapshot.name, "source_path": str(snapshot),
-            "source_checksum": dir_checksum(snapshot)}
+    return {"source_commit": snapshot.name, "source_path": str(snapshot), "source_checksum": dir_checksum(snapshot)}
 
 
 def error_chain(e: BaseException) -> list[BaseException]:
@@ -245,7 +244,7 @@ def boot(entry: dict[str, Any], checkpoint: dict[str, Any] | None, workdir: Path
     if kind == "hub":
         name, revision = source["name"], hub_revision(source, checkpoint)
         bridge = TransformerBridge.boot_transformers(name, device=device, revision=revision)
-        prov.update(source_name=name, **hub_provenance(name, revision))
+        prov.update(source_name=name, source_revision=revision or "main")  # commit, checksum: load_and_extract
         for key in ("checkpoint_index", "checkpoint_value"):  # as the config asked for it
             if (checkpoint or {}).get(key) is not None:
                 prov[key] = checkpoint[key]
@@ -357,6 +356,8 @@ def load_and_extract(model_id: str, entry: dict[str, Any], checkpoint: dict[str,
     log.info("loading %s (%s) ...", model_id, (checkpoint or {}).get("label", "final"))
     try:
         bridge, prov = boot(entry, checkpoint, workdir, device)
+        if prov["source_kind"] == "hub":  # pinned here, not in boot: induction boots too, and needs no checksum
+            prov.update(hub_provenance(prov["source_name"], prov["source_revision"]))
     except ModelLoadError:
         raise
     except Exception as e:

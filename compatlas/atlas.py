@@ -2,12 +2,24 @@
 
 Rebuilding is cheap (no data is copied): the views read the shards in place. The file is
 built under a temporary name and renamed, so readers never see a half-built database.
+
+Relocatable: the views name their shards relative to the database's folder, so a copied or
+moved ``results/`` keeps working; DuckDB resolves such paths against ``file_search_path``,
+which ``connect`` sets to that folder (plain ``duckdb.connect`` users: ``SET file_search_path``).
+
+A shard that does not open (truncated, corrupt) is left out of its view with a warning in the
+log and a row in the ``excluded_shards`` table (view, path, error), rather than failing the
+build: one bad shard would otherwise break every query of its view, and a failed atlas job
+loses the previous ``atlas.duckdb`` (Snakemake removes a job's outputs before it runs). Each
+build also leaves a copy of itself (``last_good_path``) that queries fall back on meanwhile.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -18,11 +30,13 @@ from compatlas.calibration import P_SCHEMA
 from compatlas.induction import HEAD_SCHEMA, TOKEN_SCHEMA
 from compatlas.scores import SCHEMA
 from compatlas.training import LOSS_SCHEMA
-from compatlas.storage import atomic_path, check_shards
+from compatlas.storage import atomic_path
+
+log = logging.getLogger(__name__)
 
 MODEL_COLUMNS = ["model", "checkpoint", "checkpoint_step", "checkpoint_tokens", "architecture", "hf_architecture",
                  "n_layers", "n_heads", "n_kv_heads", "d_model", "d_head", "d_vocab", "norm_type", "tied_embeddings",
-                 "has_unembed", "token_condition", "token_norm_condition", "processing", "quantized", "source_kind", "source_name", "source_path",
+                 "has_unembed", "token_condition", "token_norm_condition", "processing", "quantized", "source_kind", "source_name", "source_path", "source_revision", "source_commit",
                  "source_checksum", "weights_sha256", "versions"]
 
 INVARIANCE_SCHEMA = {"model": pl.Utf8, "checkpoint": pl.Utf8, "processing": pl.Utf8, "transform": pl.Utf8,
@@ -121,13 +135,39 @@ def models_frame(meta_paths: list[str | os.PathLike]) -> pl.DataFrame:
     return pl.DataFrame(rows, schema=schema)
 
 
-def _parquet_view(name: str, shards: list[str | os.PathLike], types: dict) -> str:
+def _parquet_view(name: str, shards: list[str | os.PathLike], types: dict, root: Path | None = None) -> str:
     columns = list(types)
     if not shards:  # an empty, typed view keeps queries valid before the first results
         cols = ", ".join(f"NULL::{_DUCK_TYPES[types[c]]} AS {c}" for c in columns)
         return f"CREATE VIEW {name} AS SELECT {cols} WHERE false"
-    files = ", ".join("'" + str(Path(s).resolve()).replace("'", "''") + "'" for s in sorted(map(str, shards)))
+
+    def where(s) -> str:  # relative to the database's folder when the shard is inside it
+        p = Path(s).resolve()
+        return p.relative_to(root).as_posix() if root is not None and p.is_relative_to(root) else str(p)
+
+    files = ", ".join("'" + where(s).replace("'", "''") + "'" for s in sorted(map(str, shards)))
     return f"CREATE VIEW {name} AS SELECT {', '.join(columns)} FROM read_parquet([{files}], union_by_name = true)"
+
+
+def bad_shards(paths: list[str | os.PathLike]) -> dict[str, str]:
+    """path -> error for every shard whose Parquet footer does not open (truncated or corrupt)."""
+    import pyarrow.parquet as pq
+
+    bad = {}
+    for p in paths:
+        try:
+            pq.read_metadata(p)
+        except Exception as e:  # noqa: BLE001 -- pyarrow raises several types for truncated files
+            bad[str(p)] = f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"
+    return bad
+
+
+def connect(db_path: str | os.PathLike, read_only: bool = True) -> duckdb.DuckDBPyConnection:
+    """Open the atlas with its shards' relative paths resolved against its own folder."""
+    con = duckdb.connect(str(db_path), read_only=read_only)
+    folder = str(Path(db_path).resolve().parent).replace("'", "''")
+    con.execute(f"SET file_search_path = '{folder}'")
+    return con
 
 
 def build_atlas(db_path: str | os.PathLike, shards: dict[str, list[str | os.PathLike]],
@@ -140,17 +180,28 @@ def build_atlas(db_path: str | os.PathLike, shards: dict[str, list[str | os.Path
     unknown = set(shards) - set(VIEWS)
     if unknown:
         raise ValueError(f"no view is defined for {sorted(unknown)}")
-    for paths in shards.values():
-        check_shards(paths)
+    root = Path(db_path).resolve().parent
+    excluded = []
+    for view, paths in shards.items():
+        for path, error in bad_shards(paths).items():
+            log.warning("left out of the %s view: result shard %s is corrupt or truncated (%s); delete it and rerun",
+                        view, path, error)
+            excluded.append({"view": view, "path": path, "error": error})
+    dropped = {e["path"] for e in excluded}
     models = models_frame(meta_paths)
     with atomic_path(db_path) as tmp:
         tmp.unlink()  # duckdb wants to create the file itself
         con = duckdb.connect(str(tmp))
+        con.execute(f"SET file_search_path = '{str(root).replace(chr(39), chr(39) * 2)}'")  # views bind here
         try:
             con.register("models_df", models.to_arrow())
             con.execute("CREATE TABLE models AS SELECT * FROM models_df")
+            con.register("excluded_df", pl.DataFrame(excluded, schema={"view": pl.Utf8, "path": pl.Utf8,
+                                                                         "error": pl.Utf8}).to_arrow())
+            con.execute("CREATE TABLE excluded_shards AS SELECT * FROM excluded_df")
             for name, types in VIEWS.items():
-                con.execute(_parquet_view(name, shards.get(name, []), types))
+                kept = [p for p in shards.get(name, []) if str(p) not in dropped]
+                con.execute(_parquet_view(name, kept, types, root))
             con.execute(COMPOSITION_Z)
             con.execute(DISCOVERIES.format(fdr=float(fdr)))
             con.execute(INDUCTION_SUMMARY)
@@ -159,10 +210,20 @@ def build_atlas(db_path: str | os.PathLike, shards: dict[str, list[str | os.Path
             con.execute(COMPOSITION_VS_BEHAVIOUR)
         finally:
             con.close()
+        with atomic_path(last_good_path(db_path)) as keep:  # what queries fall back on (see last_good_path)
+            shutil.copyfile(tmp, keep)
+
+
+def last_good_path(db_path: str | os.PathLike) -> Path:
+    """A copy of the last atlas that was built whole, beside it (so its relative shard paths hold).
+    Snakemake removes a job's outputs before it runs and after it fails, so while a rebuild runs
+    or after it failed there is no ``atlas.duckdb``; ``compatlas query`` then answers from this."""
+    p = Path(db_path)
+    return p.with_name(f".{p.stem}.last-good{p.suffix}")
 
 
 def query(db_path: str | os.PathLike, sql: str) -> pl.DataFrame:
-    con = duckdb.connect(str(db_path), read_only=True)
+    con = connect(db_path)
     try:
         return con.sql(sql).pl()
     finally:

@@ -16,14 +16,56 @@ EXAMPLES = """examples:
 """
 
 
+# What `query --help` lists (tests/test_cli.py checks it against the views a built atlas has).
+TABLES = {
+    "models": "one row per model x checkpoint: shapes, steps, source, revision, commit, checksums",
+    "composition": "every writer/reader head pair's score per metric, space and comp, with its nulls",
+    "composition_null": "the same scores for non-causal pairs (the empirical null)",
+    "composition_z": "composition plus z-scores, p- and q-values",
+    "calibration": "p- and q-values of the causal pairs against the null pairs",
+    "discoveries": "composition_z rows with q_value <= composition.fdr",
+    "invariance": "rank stability of every metric and space under weight transforms",
+    "metric_audit": "every metric and space against the axioms",
+    "induction_tokens": "induction strength per token and role (A/B), with nearby-B and random controls",
+    "induction_summary": "induction strength per model x checkpoint x filler setting x role",
+    "head_scores": "previous-token, duplicate and induction attention, and ablation drop per head",
+    "reader_best_composition": "each reader head's strongest composition with a previous-token head",
+    "composition_vs_behaviour": "how well each metric picks out the induction heads (Spearman, AUROC)",
+    "training_loss": "the loss of the pipeline's own training runs, per step",
+    "excluded_shards": "result shards left out of the views because they do not open (truncated, corrupt)",
+}
+QUERY_HELP = "tables and views:\n" + "\n".join(f"  {k:<26} {v}" for k, v in TABLES.items()) + \
+    "\n\ncolumns: compatlas query \"DESCRIBE composition\"; schema: README, 'The schema'"
+
+
+def render_table(df, max_width: int) -> str:
+    """A table as text: aligned columns when it fits in ``max_width`` characters, else one block
+    per row of ``column | value`` lines (as psql's expanded mode), never columns wrapped to slivers."""
+    cols = df.columns
+    rows = [["" if v is None else str(v) for v in r] for r in df.iter_rows()]
+    widths = [max([len(c)] + [len(r[i]) for r in rows]) for i, c in enumerate(cols)]
+    if sum(widths) + 3 * max(len(cols) - 1, 0) <= max_width:
+        line = lambda vals: " | ".join(v.ljust(w) for v, w in zip(vals, widths)).rstrip()  # noqa: E731
+        sep = "-+-".join("-" * w for w in widths)
+        return "\n".join([line(cols), sep] + [line(r) for r in rows])
+    name_w = max(map(len, cols), default=0)
+    out = []
+    for n, r in enumerate(rows, 1):
+        out.append(f"-[ row {n} ]" + "-" * max(0, name_w - 6))
+        out += [f"{c.ljust(name_w)} | {v}" for c, v in zip(cols, r)]
+    return "\n".join(out)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="compatlas", description=__doc__, epilog=EXAMPLES,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="cmd", required=True)
-    q = sub.add_parser("query", help="run SQL against results/atlas.duckdb")
+    q = sub.add_parser("query", help="run SQL against results/atlas.duckdb", epilog=QUERY_HELP,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
     q.add_argument("sql")
     q.add_argument("--db", default="results/atlas.duckdb")
-    q.add_argument("--format", choices=["table", "csv", "json"], default="table")
+    q.add_argument("--format", choices=["table", "csv", "json"], default="table",
+                   help="table: aligned, or one block per row when too wide for the terminal")
     q.add_argument("--max-rows", type=int, default=100)
     v = sub.add_parser("validate", help="validate a config file against the schema")
     v.add_argument("config", nargs="?", default="config/config.yaml")
@@ -34,23 +76,39 @@ def main(argv: list[str] | None = None) -> int:
     if args.cmd == "query":
         import polars as pl
 
-        from compatlas.atlas import query
+        from compatlas.atlas import last_good_path, query
 
         if not Path(args.db).exists():
-            print(f"compatlas: no atlas at {args.db}; run the pipeline first (see README)", file=sys.stderr)
-            return 2
+            if not last_good_path(args.db).exists():
+                print(f"compatlas: no atlas at {args.db}; run the pipeline first (see README)", file=sys.stderr)
+                return 2
+            # a rebuild is running or failed (Snakemake removed the old atlas): the last whole one
+            print(f"compatlas: warning: no {args.db} (a rebuild running or failed); answering from the last "
+                  f"good atlas {last_good_path(args.db)}", file=sys.stderr)
+            args.db = str(last_good_path(args.db))
         try:
             df = query(args.db, args.sql)
         except Exception as e:
-            print(f"compatlas: query failed: {e}", file=sys.stderr)
+            print(f"compatlas: query failed: {str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__}",
+                  file=sys.stderr)
             return 1
+        try:  # shards the atlas left out (truncated, corrupt): say so beside every answer
+            excluded = query(args.db, "SELECT count(*) AS n FROM excluded_shards")["n"][0]
+        except Exception:  # noqa: BLE001 -- an atlas built before the table existed
+            excluded = 0
+        if excluded:
+            print(f"compatlas: warning: {excluded} result shards are left out of this atlas "
+                  "(SELECT * FROM excluded_shards)", file=sys.stderr)
         if args.format == "csv":
             df.write_csv(sys.stdout)
         elif args.format == "json":
-            sys.stdout.write(df.write_json())
+            sys.stdout.write(df.write_json() + "\n")
         else:
-            with pl.Config(tbl_rows=args.max_rows, tbl_cols=-1, fmt_str_lengths=60, tbl_width_chars=200):
-                print(df)
+            import shutil
+
+            print(render_table(df.head(args.max_rows), shutil.get_terminal_size((120, 24)).columns))
+            if df.height > args.max_rows:
+                print(f"({df.height} rows, {args.max_rows} shown: --max-rows)")
         return 0
     if args.cmd == "validate":
         import yaml
@@ -58,7 +116,20 @@ def main(argv: list[str] | None = None) -> int:
         from compatlas.config import ConfigError, validate_config
 
         try:
-            validate_config(yaml.safe_load(Path(args.config).read_text()) or {})
+            config = yaml.safe_load(Path(args.config).read_text()) or {}
+        except OSError as e:
+            print(f"{args.config}: cannot read it: {e.strerror or e}", file=sys.stderr)
+            return 1
+        except yaml.YAMLError as e:
+            mark = getattr(e, "problem_mark", None)
+            where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+            print(f"{args.config}: not valid YAML{where}: {getattr(e, 'problem', None) or e}", file=sys.stderr)
+            return 1
+        if not isinstance(config, dict):
+            print(f"{args.config}: a config is a mapping of keys, not a {type(config).__name__}", file=sys.stderr)
+            return 1
+        try:
+            validate_config(config)
         except ConfigError as e:
             print(f"{args.config}: {e}", file=sys.stderr)
             return 1
@@ -67,8 +138,15 @@ def main(argv: list[str] | None = None) -> int:
     if args.cmd == "check-shards":
         from compatlas.storage import check_shards
 
+        if not Path(args.folder).is_dir():
+            print(f"compatlas: no folder {args.folder}", file=sys.stderr)
+            return 2
         shards = sorted(Path(args.folder).rglob("*.parquet"))
-        check_shards(shards)
+        try:
+            check_shards(shards)
+        except RuntimeError as e:
+            print(f"compatlas: {e}", file=sys.stderr)
+            return 1
         print(f"{len(shards)} shards open cleanly")
         return 0
     return 2

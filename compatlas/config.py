@@ -7,6 +7,9 @@ Errors name the config key and the problem in one line, e.g.
 from __future__ import annotations
 
 import copy
+import functools
+import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -100,8 +103,42 @@ def validate_config(config: dict[str, Any], schema_path: Path = SCHEMA_PATH, che
     return config
 
 
-# tokens per training step, from the families' papers (Pythia: 1024 sequences x 2048 tokens)
-TOKENS_PER_STEP = {"EleutherAI/pythia": 2_097_152}
+# tokens per training step, from the families' papers (Pythia: 1024 sequences x 2048 tokens;
+# stanford-crfm's Mistral GPT-2 runs: 512 sequences x 1024 tokens)
+TOKENS_PER_STEP = {"EleutherAI/pythia": 2_097_152, "stanford-crfm/": 524_288}
+# families whose published checkpoint schedule transformer_lens knows offline (hub revisions)
+SERIES_PREFIXES = ("EleutherAI/pythia", "pythia-", "stanford-crfm/")
+
+
+@functools.lru_cache(maxsize=None)
+def hub_series(name: str) -> tuple[tuple[int, ...], int | None] | None:
+    """(published steps, tokens per step) of a hub family with a known schedule, else None.
+    Offline: only families whose schedule transformer_lens ships (others would need the hub)."""
+    if not name.startswith(SERIES_PREFIXES):
+        return None
+    if name.startswith("pythia-"):  # transformer_lens's alias of EleutherAI/pythia-*
+        name = f"EleutherAI/{name}"
+    from transformer_lens.tools.model_registry.checkpoints import get_checkpoint_labels
+
+    try:
+        labels, _ = get_checkpoint_labels(name)
+    except ValueError:
+        return None
+    per_step = next((n for prefix, n in TOKENS_PER_STEP.items() if name.startswith(prefix)), None)
+    return tuple(labels), per_step
+
+
+def _checkpoint_step(series: tuple[tuple[int, ...], int | None] | None, ckpt: dict[str, Any]) -> int | None:
+    """The training step a checkpoint is at, wherever it can be known without loading it."""
+    if "value" in ckpt:
+        return ckpt["value"]
+    if series is None:
+        return None
+    labels = series[0]
+    if "index" in ckpt and -len(labels) <= ckpt["index"] < len(labels):
+        return labels[ckpt["index"]]
+    m = re.fullmatch(r"(?:step|checkpoint-)(\d+)", str(ckpt.get("revision", "")))
+    return int(m[1]) if m and int(m[1]) in labels else None
 
 
 def _expand_series(model_id: str, entry: dict[str, Any]) -> None:
@@ -170,6 +207,8 @@ def _check_model(model_id: str, entry: dict[str, Any], check_sources: bool) -> N
         if src["n_heads"] % src.get("n_kv_heads", src["n_heads"]):
             raise ConfigError(f"config error at {key}.source.n_kv_heads: {src['n_heads']} query heads "
                               f"cannot be grouped into {src['n_kv_heads']} KV heads")
+    if src["kind"] == "hub":  # offline: the families' schedules ship with transformer_lens
+        _check_hub_checkpoints(key, src, entry.get("checkpoints", []))
     if not check_sources:
         return
     if src["kind"] == "local":
@@ -181,19 +220,83 @@ def _check_model(model_id: str, entry: dict[str, Any], check_sources: bool) -> N
             raise ConfigError(f"config error at {key}.source.package: {e}") from e
         if not folder.is_dir():
             raise ConfigError(f"config error at {key}.source.path: model directory {str(folder)!r} does not exist")
+        _check_layers(key, layers, _local_n_layers(key, folder))
     if src["kind"] == "gguf":
         from compatlas.loading import ModelLoadError, check_gguf, gguf_file
 
         try:
-            check_gguf(gguf_file(src["package"], src.get("file")))
+            header = check_gguf(gguf_file(src["package"], src.get("file")))
         except ModelLoadError as e:
             raise ConfigError(f"config error at {key}.source: {e}") from e
+        _check_layers(key, layers, header.get("n_layers"))
     labels = [checkpoint_label(c) for c in entry.get("checkpoints", [])]
     if len(set(labels)) != len(labels):
         raise ConfigError(f"config error at {key}.checkpoints: duplicate checkpoint labels {labels}")
     if labels and src["kind"] not in ("hub", "trained"):
         raise ConfigError(f"config error at {key}.checkpoints: checkpoints need a hub source "
                           "(or a training run, which makes its own)")
+
+
+# files that carry a tokenizer's vocabulary (tokenizer_config.json alone does not)
+TOKENIZER_FILES = ("tokenizer.json", "vocab.json", "vocab.txt", "tokenizer.model", "spiece.model",
+                   "sentencepiece.bpe.model")
+LAYER_KEYS = ("num_hidden_layers", "n_layer", "num_layers", "n_layers")
+
+
+def _local_n_layers(key: str, folder: Path) -> int | None:
+    """The layer count of a save_pretrained folder, read from its config.json (no weights loaded);
+    a folder that is not a whole model with its tokenizer is an error here, not in a job."""
+    cfg_file = folder / "config.json"
+    if not cfg_file.is_file():
+        what = "is empty" if not any(folder.iterdir()) else "has no config.json"
+        raise ConfigError(f"config error at {key}.source.path: model directory {str(folder)!r} {what} "
+                          "(expected a save_pretrained folder: config.json, weights, tokenizer)")
+    if not any((folder / f).is_file() for f in TOKENIZER_FILES):
+        raise ConfigError(f"config error at {key}.source.path: model directory {str(folder)!r} has no tokenizer "
+                          f"(none of {', '.join(TOKENIZER_FILES)}); save it there with tokenizer.save_pretrained")
+    try:
+        cfg = json.loads(cfg_file.read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise ConfigError(f"config error at {key}.source.path: cannot read {cfg_file}: {e}") from e
+    for node in (cfg, cfg.get("text_config") or {}):
+        for k in LAYER_KEYS:
+            if isinstance(node.get(k), int):
+                return node[k]
+    return None
+
+
+def _check_layers(key: str, layers: list[int] | None, n_layers: int | None) -> None:
+    if layers and n_layers is not None and layers[1] >= n_layers:
+        raise ConfigError(f"config error at {key}.layers: layer {layers[1]} is outside the model "
+                          f"(it has {n_layers} layers, 0..{n_layers - 1})")
+
+
+def _check_hub_checkpoints(key: str, src: dict[str, Any], checkpoints: list[dict[str, Any]]) -> None:
+    """What the extract job would fail on, said before any job: a revision named twice, a step the
+    family never published, an index past its schedule."""
+    for i, c in enumerate(checkpoints):
+        named = [k for k in ("value", "index", "revision") if k in c]
+        if len(named) > 1:
+            raise ConfigError(f"config error at {key}.checkpoints.{i}: a checkpoint names one of value, index or "
+                              f"revision, not {' and '.join(named)}")
+        if src.get("revision") and named and named[0] in ("value", "index"):
+            raise ConfigError(f"config error at {key}.source.revision: a checkpoint `{named[0]}` selects the revision "
+                              f"itself; drop source.revision (or give the checkpoints as revisions)")
+    series = hub_series(src["name"])
+    for i, c in enumerate(checkpoints):
+        if series is None:
+            if "value" in c or "index" in c:
+                raise ConfigError(f"config error at {key}.checkpoints.{i}: {src['name']} has no known checkpoint "
+                                  "schedule (Pythia, stanford-crfm); name the checkpoint by its `revision`")
+            continue
+        labels = series[0]
+        if "value" in c and c["value"] not in labels:
+            near = sorted(labels, key=lambda s: abs(s - c["value"]))[:2]
+            raise ConfigError(f"config error at {key}.checkpoints.{i}.value: {c['value']} is not a published checkpoint "
+                              f"of {src['name']} (nearest: {sorted(near)})")
+        if "index" in c and not -len(labels) <= c["index"] < len(labels):
+            raise ConfigError(f"config error at {key}.checkpoints.{i}.index: {c['index']} is out of range "
+                              f"({src['name']} has {len(labels)} checkpoints, 0..{len(labels) - 1})")
 
 
 def checkpoint_label(ckpt: dict[str, Any]) -> str:
@@ -207,20 +310,37 @@ def checkpoint_label(ckpt: dict[str, Any]) -> str:
 
 
 def model_checkpoints(entry: dict[str, Any]) -> dict[str, dict[str, Any]]:
-    """label -> checkpoint spec as boot() takes it; a model without checkpoints has one, 'final'."""
-    out = {}
+    """label -> checkpoint spec as boot() takes it, in training order (by step; checkpoints whose
+    step is unknown, such as a named revision, last); a model without checkpoints has one, 'final'.
+
+    The step and the tokens seen are filled wherever the series is known (an index or a
+    ``step1000`` / ``checkpoint-100`` revision of Pythia or stanford-crfm, too)."""
+    src = entry.get("source", {})
+    series = hub_series(src["name"]) if src.get("kind") == "hub" else None
+    specs = []
     for c in entry.get("checkpoints", []):
         spec = {"label": checkpoint_label(c)}
         if "value" in c:
-            spec.update(checkpoint_value=c["value"], step=c["value"])
+            spec["checkpoint_value"] = c["value"]
+        step = _checkpoint_step(series, c)
+        if step is not None:
+            spec["step"] = step
         if "tokens" in c:
             spec["tokens"] = c["tokens"]
+        elif step is not None and series is not None and series[1]:
+            spec["tokens"] = step * series[1]
         if "index" in c:
             spec["checkpoint_index"] = c["index"]
         if "revision" in c:
             spec["revision"] = c["revision"]
-        out[spec["label"]] = spec
-    return out or {"final": {"label": "final"}}
+        specs.append(spec)
+    specs.sort(key=lambda s: (s.get("step") is None, s.get("step") or 0))  # stable: config order otherwise
+    return {s["label"]: s for s in specs} or {"final": {"label": "final"}}
+
+
+def last_checkpoint(entry: dict[str, Any]) -> str:
+    """The label of a model's latest checkpoint (largest step), the one "last" means."""
+    return list(model_checkpoints(entry))[-1]
 
 
 def selected_layers(entry: dict[str, Any], n_layers: int, model_id: str = "?") -> list[int]:

@@ -9,6 +9,7 @@ untransformed scores: Spearman rank correlation, max absolute change, top-k over
 
 from __future__ import annotations
 
+import logging
 from dataclasses import replace
 
 import numpy as np
@@ -16,8 +17,11 @@ import polars as pl
 import torch
 
 from compatlas.composition import COMPS, HeadFactors, head_factors, layer_pair_scores, layer_pairs, stable_seed
+from compatlas.progress import Progress
 from compatlas.token_space import to_space
 from compatlas.weights import AttentionWeights
+
+log = logging.getLogger(__name__)
 
 TRANSFORMS = ("permutation", "orthogonal", "orthogonal_scale", "diagonal", "gl")
 
@@ -123,6 +127,7 @@ def audit(w: AttentionWeights, metrics: list[str], spaces: list[str], *, transfo
     # the untransformed scores once; then one transformed model at a time (memory: two models)
     base = {s: scores_all_metrics(to_space(w64, s, max_condition)[0], metrics) for s in spaces}
     rows = []
+    progress = Progress(log, "invariance audit", total=len(transforms) * len(spaces), unit="transform x space")
     for kind in transforms:
         wt = apply_transform(w64, random_transform(kind, w.d_model, stable_seed(seed, "invariance", kind), log10_range))
         for space in spaces:
@@ -131,6 +136,7 @@ def audit(w: AttentionWeights, metrics: list[str], spaces: list[str], *, transfo
                 for c in COMPS:
                     rows.append({"transform": kind, "metric": metric, "space": space, "comp": c,
                                  **compare(base[space][metric][c].numpy(), moved[metric][c].numpy(), top_k)})
+            progress.advance()
     return pl.DataFrame(rows).with_columns(
         pl.lit(w.meta.get("model", "?")).alias("model"), pl.lit(w.meta.get("checkpoint", "final")).alias("checkpoint"),
         pl.lit(w.meta.get("processing", "none")).alias("processing"), pl.lit(log10_range).alias("log10_scale_range"),

@@ -22,6 +22,7 @@ import importlib.util
 import json
 import logging
 import os
+import time
 from pathlib import Path
 from typing import Any
 
@@ -114,7 +115,10 @@ def check_gguf(path: Path) -> dict[str, Any]:
 
         reader = GGUFReader(str(path))
         arch = reader.fields["general.architecture"]
-        return {"architecture": bytes(arch.parts[arch.data[0]]).decode(), "tensors": len(reader.tensors)}
+        name = bytes(arch.parts[arch.data[0]]).decode()
+        blocks = reader.fields.get(f"{name}.block_count")
+        n_layers = int(blocks.parts[blocks.data[0]][0]) if blocks is not None else None
+        return {"architecture": name, "tensors": len(reader.tensors), "n_layers": n_layers}
     except Exception as e:
         raise ModelLoadError(f"{path} is not a loadable GGUF file: {e}") from e
 
@@ -163,6 +167,73 @@ def dir_checksum(folder: Path) -> str:
     return h.hexdigest()
 
 
+def hub_revision(source: dict[str, Any], checkpoint: dict[str, Any] | None) -> str | None:
+    """The hub revision (branch, tag or commit) a source x checkpoint names: ``checkpoint_value`` /
+    ``checkpoint_index`` through the family's naming (``step1000``, ``checkpoint-100``; offline,
+    transformer_lens's own resolution), else the checkpoint's or the source's ``revision``;
+    None for the default branch."""
+    from transformer_lens.model_bridge.sources.transformers.helpers import _resolve_checkpoint_to_revision
+
+    ckpt = checkpoint or {}
+    if ckpt.get("checkpoint_value") is not None or ckpt.get("checkpoint_index") is not None:
+        try:
+            return _resolve_checkpoint_to_revision(source["name"], ckpt.get("checkpoint_index"),
+                                                   ckpt.get("checkpoint_value"))
+        except ValueError as e:
+            raise ModelLoadError(f"{source['name']}: {e}") from e
+    return ckpt.get("revision") or source.get("revision")
+
+
+def hub_provenance(name: str, revision: str | None) -> dict[str, Any]:
+    """What pins a hub model loaded at ``revision``: the commit it resolved to and a sha256 over
+    the weight files of that commit's snapshot in the local cache (the same files the model was
+    loaded from). The commit comes from the cache's snapshot folder, so this works offline too
+    (``HF_HUB_OFFLINE=1``)."""
+    from huggingface_hub import hf_hub_download
+
+    config_path = Path(hf_hub_download(name, "config.json", revision=revision))
+    snapshot = config_path.parent  # <cache>/models--org--name/snapshots/<commit>/
+    return {"source_commit": snapshot.name, "source_path": str(snapshot), "source_checksum": dir_checksum(snapshot)}
+
+
+def error_chain(e: BaseException) -> list[BaseException]:
+    """The exception and its causes, outermost first (``raise ... from`` or raised while handling)."""
+    chain: list[BaseException] = []
+    while e is not None and e not in chain:
+        chain.append(e)
+        e = e.__cause__ or (None if e.__suppress_context__ else e.__context__)
+    return chain
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {text[0] if text else ''}".rstrip(": ")
+
+
+def load_cause(e: BaseException) -> str:
+    """The real reason a model did not load, in a few words and one line: transformers wraps
+    network failures in advice about local directories, so look down the chain of causes."""
+    chain = error_chain(e)
+    names = {type(c).__name__ for c in chain}
+    texts = " ".join(str(c) for c in chain)
+    root = chain[-1]
+    if "ConnectError" in names or isinstance(root, ConnectionRefusedError) or "Connection refused" in texts:
+        why = "the hub refused the connection (is it down? with a complete cache, set HF_HUB_OFFLINE=1)"
+    elif "RemoteProtocolError" in names or "Consistency check failed" in texts or "incomplete" in texts.lower():
+        why = "incomplete download (the connection dropped mid-file)"
+    elif any(n.endswith("Timeout") or n.startswith("Timeout") for n in names):
+        why = "the hub timed out"
+    elif "RepositoryNotFoundError" in names:
+        why = "no such repository on the hub"
+    elif "RevisionNotFoundError" in names:
+        why = "no such revision on the hub"
+    elif "LocalEntryNotFoundError" in names or "OfflineModeIsEnabled" in names:
+        why = "not in the local cache, and the hub is not used (HF_HUB_OFFLINE=1)"
+    else:
+        return _first_line(root)
+    return f"{why}: {_first_line(root)}"
+
+
 def boot(entry: dict[str, Any], checkpoint: dict[str, Any] | None, workdir: Path, device: str = "cpu"):
     """Boot the bridge for one model entry (and checkpoint). Returns (bridge, source provenance)."""
     from transformer_lens.model_bridge import TransformerBridge
@@ -171,16 +242,12 @@ def boot(entry: dict[str, Any], checkpoint: dict[str, Any] | None, workdir: Path
     kind = source["kind"]
     prov: dict[str, Any] = {"source_kind": kind}
     if kind == "hub":
-        kwargs: dict[str, Any] = {}
-        ckpt = checkpoint or {}
-        for key in ("checkpoint_index", "checkpoint_value", "revision"):
-            value = ckpt.get(key, source.get(key))
-            if value is not None:
-                kwargs[key] = value
-        bridge = TransformerBridge.boot_transformers(source["name"], device=device, **kwargs)
-        prov.update(source_name=source["name"], **kwargs)
-        commit = getattr(getattr(bridge.original_model, "config", None), "_commit_hash", None)
-        prov["source_checksum"] = f"hub:{source['name']}@{commit or kwargs or 'main'}"
+        name, revision = source["name"], hub_revision(source, checkpoint)
+        bridge = TransformerBridge.boot_transformers(name, device=device, revision=revision)
+        prov.update(source_name=name, source_revision=revision or "main")  # commit, checksum: load_and_extract
+        for key in ("checkpoint_index", "checkpoint_value"):  # as the config asked for it
+            if (checkpoint or {}).get(key) is not None:
+                prov[key] = checkpoint[key]
         return bridge, prov
     if kind in ("local", "build", "trained"):
         if kind == "trained":  # a checkpoint the train rule saved (compatlas.training)
@@ -284,12 +351,28 @@ def load_and_extract(model_id: str, entry: dict[str, Any], checkpoint: dict[str,
     """Boot one model (x checkpoint) and extract its weights; metadata carries full provenance."""
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     workdir.mkdir(parents=True, exist_ok=True)
+    t0 = time.perf_counter()
+    # one line per phase: a download or a GGUF dequantisation can take minutes, and this says which
+    log.info("loading %s (%s) ...", model_id, (checkpoint or {}).get("label", "final"))
     try:
         bridge, prov = boot(entry, checkpoint, workdir, device)
+        if prov["source_kind"] == "hub":  # pinned here, not in boot: induction boots too, and needs no checksum
+            prov.update(hub_provenance(prov["source_name"], prov["source_revision"]))
     except ModelLoadError:
         raise
     except Exception as e:
-        raise ModelLoadError(f"model {model_id!r}: loading {entry['source']} failed: {type(e).__name__}: {e}") from e
+        src = entry["source"]
+        what = src.get("name") or src.get("path") or src.get("package") or src["kind"]
+        if src["kind"] == "hub":
+            from huggingface_hub import constants
+
+            rev = (checkpoint or {}).get("revision") or src.get("revision")
+            what = f"{what}@{rev or (checkpoint or {}).get('label', 'main')} from {constants.ENDPOINT}"
+        # one line for the user; the chain of causes, with tracebacks, in the job's log
+        for i, cause in enumerate(error_chain(e)):
+            log.error("cause %d: %s", i, _first_line(cause), exc_info=cause if i == 0 else None)
+        raise ModelLoadError(f"model {model_id!r}: cannot load {what}: {load_cause(e)}") from e
+    log.info("loaded %s in %.1f s; extracting its attention weights", model_id, time.perf_counter() - t0)
     w = extract(bridge, entry.get("processing", "none"))
     w.meta.update(prov)
     w.meta.update(model=model_id, checkpoint=(checkpoint or {}).get("label", "final"),

@@ -1008,7 +1008,9 @@ def build_report(db_path: str | Path, out_dir: str | Path) -> list[Path]:
     out_dir.mkdir(parents=True, exist_ok=True)
     page = _Page(out_dir)
     with alt.data_transformers.disable_max_rows():
-        con = duckdb.connect(str(db_path), read_only=True)
+        from compatlas.atlas import connect as atlas_connect
+
+        con = atlas_connect(db_path)  # resolves the views' shard paths, relative to the atlas's folder
         try:
             models = _load_models(con)
             keys = _load_keys(con)

@@ -29,6 +29,7 @@ import polars as pl
 import torch
 
 from compatlas.composition import stable_seed
+from compatlas.progress import Progress
 
 log = logging.getLogger(__name__)
 
@@ -165,6 +166,7 @@ def train_segment(spec: dict[str, Any], target_step: int, previous: Path | None,
     rows = []
     t0 = time.perf_counter()
     tokens_per_step = spec["batch_size"] * spec["seq_len"]
+    progress = Progress(log, f"training {model_id}", total=target_step - step, unit="steps")
     with one_thread():  # see one_thread: the run must not depend on the cores a job gets
         while step < target_step:
             step += 1
@@ -175,6 +177,7 @@ def train_segment(spec: dict[str, Any], target_step: int, previous: Path | None,
             opt.step()
             value = loss.item()
             rows.append({"model": model_id, "step": step, "tokens": step * tokens_per_step, "loss": value})
+            progress.advance()
             if step % 200 == 0 or step == target_step:
                 log.info("step %d/%d loss %.3f (%.1fs)", step, target_step, value, time.perf_counter() - t0)
             if not math.isfinite(value):

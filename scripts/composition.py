@@ -22,7 +22,8 @@ df, facts = score_block(w, wc.metric, wc.space, pairs + null, baseline_samples=s
                         max_condition=settings["max_condition"])
 causal = pl.col("writer_layer") < pl.col("reader_layer")
 provenance = {k: w.meta.get(k) for k in ("model", "checkpoint", "checkpoint_step", "processing", "source_kind",
-                                         "source_checksum", "weights_sha256", "quantized", "versions")}
+                                         "source_revision", "source_commit", "source_checksum", "weights_sha256", "quantized",
+                                         "versions")}
 provenance.update(metric=wc.metric, space=wc.space, block=int(wc.block), **facts)
 write_shard(df.filter(causal), snakemake.output.causal, provenance | {"layer_pairs": [list(p) for p in pairs]})
 write_shard(df.filter(~causal), snakemake.output.null, provenance | {"layer_pairs": [list(p) for p in null]})

@@ -6,13 +6,12 @@ from __future__ import annotations
 import itertools
 import math
 
-import duckdb
 import numpy as np
 import polars as pl
 import pytest
 from scipy.stats import spearmanr
 
-from compatlas.atlas import build_atlas
+from compatlas.atlas import build_atlas, connect
 from compatlas.induction import HEAD_SCHEMA, TOKEN_SCHEMA
 from compatlas.scores import SCHEMA
 from compatlas.storage import write_shard
@@ -62,7 +61,7 @@ def atlas(tmp_path_factory):
         paths[name] = [tmp / f"{name}.parquet"]
         write_shard(df, paths[name][0], {"test": True})
     build_atlas(tmp / "atlas.duckdb", paths, [], prev_token_threshold=0.4, induction_threshold=0.5)
-    return duckdb.connect(str(tmp / "atlas.duckdb"), read_only=True), heads, comp
+    return connect(tmp / "atlas.duckdb"), heads, comp
 
 
 def test_reader_best_composition_takes_the_max_over_prev_token_heads(atlas):

@@ -9,9 +9,10 @@ import subprocess
 import sys
 from pathlib import Path
 
-import duckdb
 import pytest
 import yaml
+
+from compatlas.atlas import connect
 
 REPO = Path(__file__).resolve().parent.parent
 SNAKEMAKE = [sys.executable, "-m", "snakemake", "-s", str(REPO / "Snakefile"), "--cores", "2", "--nolock"]
@@ -48,7 +49,7 @@ def expected_rows(n_layers: int, n_heads: int) -> int:
 
 
 def test_views_hold_every_score(pipeline_run: Path):
-    con = duckdb.connect(str(pipeline_run / "results" / "atlas.duckdb"), read_only=True)
+    con = connect(pipeline_run / "results" / "atlas.duckdb")
     rows = dict(con.execute("SELECT model, count(*) FROM composition GROUP BY model").fetchall())
     # tiny-gpt2: 3 layers x 2 heads; tiny-llama: 3 layers x 4 heads; 3 metrics x 3 comps x 2 spaces;
     # tiny-trained: 2 layers x 2 heads, 3 checkpoints, residual space only
@@ -84,7 +85,7 @@ def test_calibration_views(pipeline_run: Path):
 
 
 def test_audit_views(pipeline_run: Path):
-    con = duckdb.connect(str(pipeline_run / "results" / "atlas.duckdb"), read_only=True)
+    con = connect(pipeline_run / "results" / "atlas.duckdb")
     inv = con.execute("""SELECT space, transform, min(spearman), max(max_abs_change) FROM invariance
                          WHERE metric = 'frobenius' GROUP BY ALL""").fetchall()
     by = {(s, t): (rho, change) for s, t, rho, change in inv}
@@ -103,7 +104,7 @@ def test_audit_views(pipeline_run: Path):
 
 
 def test_behaviour_views(pipeline_run: Path):
-    con = duckdb.connect(str(pipeline_run / "results" / "atlas.duckdb"), read_only=True)
+    con = connect(pipeline_run / "results" / "atlas.duckdb")
     heads = dict(con.execute("SELECT model, count(*) FROM head_scores GROUP BY model").fetchall())
     assert heads == {"tiny-gpt2": 3 * 2, "tiny-llama": 3 * 4, "tiny-trained": 3 * 2 * 2}  # every head, every checkpoint
     assert con.execute("SELECT count(*) FROM head_scores WHERE ablation_drop IS NULL OR induction_mean IS NULL").fetchone()[0] == 0
@@ -117,7 +118,7 @@ def test_behaviour_views(pipeline_run: Path):
 
 
 def test_training_run_is_a_checkpoint_series(pipeline_run: Path):
-    con = duckdb.connect(str(pipeline_run / "results" / "atlas.duckdb"), read_only=True)
+    con = connect(pipeline_run / "results" / "atlas.duckdb")
     series = con.execute("""SELECT checkpoint, checkpoint_step, checkpoint_tokens, source_kind FROM models
                             WHERE model = 'tiny-trained' ORDER BY checkpoint_step""").fetchall()
     assert series == [("step0", 0, 0, "trained"), ("step10", 10, 1920, "trained"), ("step20", 20, 3840, "trained")]
@@ -175,7 +176,7 @@ def test_adding_a_model_runs_only_its_jobs(pipeline_run: Path, tmp_path: Path):
     assert ran.count("composition") == 6 and ran.count("invariance") == 1 and ran.count("induction") == 1, ran
     assert ran.count("calibrate") == 1, ran
     assert "metric_audit" not in ran, ran
-    con = duckdb.connect(str(work / "results" / "atlas.duckdb"), read_only=True)
+    con = connect(work / "results" / "atlas.duckdb")
     assert con.execute("SELECT count(*) FROM head_scores WHERE model = 'tiny-extra'").fetchone()[0] == 2 * 2
 
 
@@ -195,7 +196,7 @@ def test_adding_a_checkpoint_runs_only_its_jobs(pipeline_run: Path, tmp_path: Pa
     assert sorted(ran) == sorted(["train", "extract", "composition", "composition", "composition", "calibrate",
                                   "induction", "invariance", "atlas", "report", "all"]), ran
     assert all(sha(p) == h for p, h in before.items()), "old shards were rewritten"
-    con = duckdb.connect(str(work / "results" / "atlas.duckdb"), read_only=True)
+    con = connect(work / "results" / "atlas.duckdb")
     assert con.execute("SELECT max(step) FROM training_loss").fetchone()[0] == 30
 
 

@@ -5,9 +5,13 @@ The module-scoped `cluster` fixture brings up munge, slurmctld and slurmd with
 needs root) and takes them down by PID at the end. Snakemake runs with the repository's
 profiles (`profiles/slurm`, `profiles/local`), with resources cut to the one 2-CPU node.
 
-Every wait is bounded: each Snakemake call runs under `timeout -k`, every poll has a limit, and
-the whole module has a budget (COMPATLAS_SLURM_BUDGET, default 600 s) that later calls are
-cut to. Where Slurm cannot be brought up (no root, no apt) the module fails and says why;
+Every wait is bounded by what it waits for, and the bounds scale with the machine: at the
+start the module reads the load average: with `load` runnable processes on `cores` cores each
+gets about cores / load of one, so every limit below is multiplied by the slowdown
+max(1, load / cores). A
+Snakemake call is a hang when it prints nothing for `IDLE_S` (scaled) seconds: it is killed and
+the test fails saying so, while a slow run that keeps printing goes on up to its own limit. The
+module's budget (COMPATLAS_SLURM_BUDGET, default 600 s, scaled too) caps the whole. Where Slurm cannot be brought up (no root, no apt) the module fails and says why;
 COMPATLAS_SKIP_SLURM=1 turns it into a reported skip (see `pytest -ra`). One such cluster runs
 on a machine at a time: while another test run's is up, the fixture waits for it (at most
 COMPATLAS_SLURM_WAIT, 420 s, outside the budget).
@@ -30,16 +34,20 @@ from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import duckdb
 import pyarrow.parquet as pq
 import pytest
 import yaml
+
+from compatlas.atlas import connect
 
 pytestmark = pytest.mark.slurm
 
 REPO = Path(__file__).resolve().parent.parent
 SCRIPT = REPO / ".ci" / "slurm-cluster.sh"
-BUDGET_S = float(os.environ.get("COMPATLAS_SLURM_BUDGET", "600"))
+BASE_BUDGET_S = float(os.environ.get("COMPATLAS_SLURM_BUDGET", "600"))
+# a Snakemake run that prints nothing this long (times the slowdown) is hung: the slowest step
+# here (a Slurm job's start-up, status polls 10 s apart and growing) prints within a minute
+IDLE_S = 150.0
 SNAKEMAKE = [sys.executable, "-m", "snakemake", "-s", str(REPO / "Snakefile")]
 
 # The repository's Slurm profile, with requests the one small node can hold (the profile's are
@@ -56,23 +64,39 @@ SLURM_ARGS = [
     "--cores", "2", "--resources", "mem_mb=4000",
 ]
 LOCAL_ARGS = ["--profile", str(REPO / "profiles" / "local"), "--cores", "2"]
-REMOTE_RULES = {"extract", "composition", "invariance", "induction", "metric_audit"}
+REMOTE_RULES = {"extract", "composition", "calibrate", "invariance", "induction", "metric_audit"}
+GROUPED_RULES = ("composition", "calibrate")  # one Slurm job per model x checkpoint (profiles/slurm)
 LOCAL_RULES = {"atlas", "report", "all"}
 ATLAS = ("results/atlas.duckdb",)
 
-_clock = {"start": time.monotonic()}  # reset when the cluster fixture starts
+_clock = {"start": time.monotonic(), "slowdown": 1.0}  # reset when the cluster fixture starts
+
+
+def measure_slowdown() -> float:
+    """How much slower than an idle machine this one is now: the 1-minute load per core, at least 1."""
+    return max(1.0, os.getloadavg()[0] / (os.cpu_count() or 1))
+
+
+def scaled(seconds: float) -> float:
+    return seconds * _clock["slowdown"]
+
+
+def budget() -> float:
+    return scaled(BASE_BUDGET_S)
 
 
 def remaining() -> float:
-    return BUDGET_S - (time.monotonic() - _clock["start"])
+    return budget() - (time.monotonic() - _clock["start"])
 
 
 def bounded(limit: float) -> float:
-    """`limit` seconds, or what is left of the module's budget if that is less."""
+    """`limit` seconds scaled by the machine's slowdown, or what is left of the module's budget if
+    that is less."""
     left = remaining()
     if left < 15:
-        pytest.fail(f"the Slurm test used up its budget of {BUDGET_S:.0f} s (COMPATLAS_SLURM_BUDGET)", pytrace=False)
-    return min(limit, left)
+        pytest.fail(f"the Slurm test used up its budget of {budget():.0f} s (COMPATLAS_SLURM_BUDGET "
+                    f"{BASE_BUDGET_S:.0f} s x slowdown {_clock['slowdown']:.2f})", pytrace=False)
+    return min(scaled(limit), left)
 
 
 def poll(predicate, limit: float, what: str, interval: float = 0.2):
@@ -92,6 +116,7 @@ class Cluster:
     env: dict[str, str]
 
     def cmd(self, *args: str, limit: float = 20) -> str:
+        limit = scaled(limit)
         proc = subprocess.run(["timeout", "-k", "2", str(int(limit)), *args], capture_output=True, text=True,
                               env=self.env, timeout=limit + 10)
         if proc.returncode != 0:
@@ -145,6 +170,9 @@ def cluster():
     if os.environ.get("COMPATLAS_SKIP_SLURM") == "1":
         pytest.skip("COMPATLAS_SKIP_SLURM=1: the real-Slurm tests were skipped on request")
     _clock["start"] = time.monotonic()
+    _clock["slowdown"] = measure_slowdown()
+    print(f"[slurm test] slowdown {_clock['slowdown']:.2f}: budget {budget():.0f} s, hang after "
+          f"{scaled(IDLE_S):.0f} s without output")
     d = Path(tempfile.mkdtemp(prefix="compatlas-slurm-", dir="/tmp"))
     d.chmod(0o755)  # munge and slurm walk into it
     env = {**os.environ, "SLURM_CONF": str(d / "etc" / "slurm.conf")}
@@ -222,22 +250,53 @@ def snakemake(cluster: Cluster, work: Path, *args: str, targets: tuple[str, ...]
     limit = bounded(limit)
     offset = cluster.ctl_log_size()
     t0 = time.monotonic()
-    try:
-        proc = subprocess.run(command(work, limit, args, targets), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                              text=True, env=cluster.env, timeout=limit + 30)
-        rc, out = proc.returncode, proc.stdout
-    except subprocess.TimeoutExpired as e:
-        rc, out = 124, e.output if isinstance(e.output, str) else (e.output or b"").decode(errors="replace")
+    rc, out, hung = watched(command(work, limit, args, targets), cluster.env, limit + 30, scaled(IDLE_S))
     run = parse(rc, out, time.monotonic() - t0)
     print(f"[slurm test] snakemake {' '.join(targets)} {'--dry-run' if '--dry-run' in args else ''}: rc {rc}, "
-          f"{run.seconds:.1f} s, {len(run.submitted)} Slurm jobs; {BUDGET_S - remaining():.0f} s into the module")
+          f"{run.seconds:.1f} s, {len(run.submitted)} Slurm jobs; {time.monotonic() - _clock['start']:.0f} s into "
+          f"the module")
     run.submitted_in_ctl = cluster.submitted_since(offset)
+    if hung:
+        cluster.cancel_all()
+        pytest.fail(f"snakemake {' '.join(args[-3:])} hung: no output for {scaled(IDLE_S):.0f} s:\n{out[-4000:]}",
+                    pytrace=False)
     if rc in (124, 137):
         cluster.cancel_all()
         pytest.fail(f"snakemake {' '.join(args[-3:])} ran past {limit:.0f} s:\n{out[-4000:]}", pytrace=False)
     if check and rc != 0:
         pytest.fail(f"snakemake failed ({rc}):\n{out[-6000:]}", pytrace=False)
     return run
+
+
+def watched(cmd: list[str], env: dict[str, str], limit: float, idle: float) -> tuple[int, str, bool]:
+    """Run `cmd`, collecting its output; kill its process group when it prints nothing for `idle`
+    seconds (a hang) or runs past `limit`. Returns (exit code, output, hung)."""
+    import threading
+
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+                            start_new_session=True)
+    lines: list[str] = []
+    last = [time.monotonic()]
+
+    def read():
+        for line in proc.stdout:
+            lines.append(line)
+            last[0] = time.monotonic()
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    t0, hung = time.monotonic(), False
+    while proc.poll() is None:
+        now = time.monotonic()
+        if now - last[0] > idle or now - t0 > limit:
+            hung = now - last[0] > idle
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=30)
+            break
+        time.sleep(0.2)
+    reader.join(timeout=10)
+    rc = proc.returncode if not hung and time.monotonic() - t0 <= limit else 124
+    return rc, "".join(lines), hung
 
 
 def start(cluster: Cluster, work: Path, log: Path, *args: str, targets: tuple[str, ...] = (),
@@ -278,7 +337,7 @@ def expected_rows(n_layers: int, n_heads: int) -> int:
 
 
 def composition_counts(work: Path) -> dict[tuple[str, str], int]:
-    con = duckdb.connect(str(work / "results" / "atlas.duckdb"), read_only=True)
+    con = connect(work / "results" / "atlas.duckdb")
     try:
         return {(m, k): n for m, k, n in con.execute("SELECT model, metric, count(*) FROM composition GROUP BY ALL").fetchall()}
     finally:
@@ -307,7 +366,7 @@ def assert_all_through_slurm(run: Run, cluster: Cluster, planned: Run | None = N
     assert run.finished == run.remote + run.local, (run.finished, run.remote, run.local)
     # grouped composition jobs travel together: one submission per group, one per other job
     assert all(g.startswith("composition_") for g in run.groups), run.groups
-    n_submissions = sum(run.remote.values()) - run.remote["composition"] + len(run.groups)
+    n_submissions = sum(run.remote.values()) - sum(run.remote[r] for r in GROUPED_RULES) + len(run.groups)
     assert len(run.submitted) == n_submissions, (run.submitted, run.remote, run.groups)
     assert set(run.submitted) == run.submitted_in_ctl, (run.submitted, run.submitted_in_ctl)
     states = cluster.final_states(set(run.submitted))
@@ -362,7 +421,9 @@ def test_incremental_rerun_submits_only_new_jobs(cluster: Cluster, work: Path, i
     run, before = incremental
     # new model: extract, 3 metrics x 2 spaces, invariance, induction; old model: the new metric
     # in 2 spaces; invariance and the metric audit cover every metric, so they rerun too
-    assert run.remote == Counter(extract=1, composition=6 + 2, invariance=2, induction=1, metric_audit=1), run.remote
+    # (calibrate: one per model x checkpoint whose composition shards changed, in its group)
+    assert run.remote == Counter(extract=1, composition=6 + 2, calibrate=2, invariance=2, induction=1,
+                                 metric_audit=1), run.remote
     assert sorted(run.groups) == ["composition_tiny-gpt2_final", "composition_tiny-llama_final"]
     old_model_jobs = re.findall(r"wildcards: model=tiny-gpt2, checkpoint=final, metric=(\w+)", run.out)
     assert old_model_jobs and set(old_model_jobs) == {"svd_bound"}, old_model_jobs
@@ -373,7 +434,7 @@ def test_incremental_rerun_submits_only_new_jobs(cluster: Cluster, work: Path, i
     counts = composition_counts(work)
     assert counts == {**{("tiny-gpt2", m): 2 * 3 * expected_rows(3, 2) for m in ("frobenius", "subspace", "svd_bound")},
                       **{("tiny-llama", m): 2 * 3 * expected_rows(3, 4) for m in ("frobenius", "subspace", "svd_bound")}}
-    con = duckdb.connect(str(work / "results" / "atlas.duckdb"), read_only=True)
+    con = connect(work / "results" / "atlas.duckdb")
     assert con.execute("SELECT count(*) FROM head_scores WHERE model = 'tiny-llama'").fetchone()[0] == 3 * 4
     assert con.execute("SELECT count(DISTINCT metric) FROM invariance WHERE model = 'tiny-gpt2'").fetchone()[0] == 3
 
@@ -416,7 +477,7 @@ def test_scancel_of_a_running_job_then_rerun_completes(cluster: Cluster, work: P
     assert_every_shard_opens(work)
     left = len(model_shards(work, "tiny-llama"))
     run = snakemake(cluster, work, *SLURM_ARGS, targets=ATLAS)
-    assert run.remote == Counter(composition=6 - left), (run.remote, left)
+    assert run.remote == Counter(composition=6 - left, calibrate=1), (run.remote, left)
     assert_all_through_slurm(run, cluster)
     assert len(model_shards(work, "tiny-llama")) == 6
     assert_every_shard_opens(work)

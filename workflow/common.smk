@@ -1,15 +1,20 @@
 # Helpers shared by the rules: config validation, the grid, and what each rule reads.
+import os
+import sys
+
 from snakemake.exceptions import WorkflowError
 
 from compatlas.composition import METRICS
-from compatlas.config import ConfigError, induction_settings, model_checkpoints, trained_run, validate_config
+from compatlas.config import ConfigError, induction_settings, last_checkpoint, model_checkpoints, trained_run, validate_config
 from compatlas.token_space import SPACES
 
-# Validate (and fill defaults) before any job is scheduled: one line naming key and problem.
+# Validate (and fill defaults) before any job is scheduled: one line naming the config file, the
+# key and the problem (not this file's line, which a WorkflowError would point at).
 try:
     validate_config(config)
 except ConfigError as e:
-    raise WorkflowError(str(e))
+    print(f"{', '.join(map(str, workflow.configfiles)) or 'config'}: {e}", file=sys.stderr)
+    raise SystemExit(1)
 
 RESULTS = config["results"]
 LOGS = f"{RESULTS}/logs"
@@ -94,7 +99,7 @@ def invariance_shards(wildcards):
     checkpoint only."""
     if not config["invariance"]["enabled"]:
         return []
-    return [INVARIANCE.format(model=m, checkpoint=list(model_checkpoints(e))[-1]) for m, e in config["models"].items()]
+    return [INVARIANCE.format(model=m, checkpoint=last_checkpoint(e)) for m, e in config["models"].items()]
 
 
 def previous_train_state(wildcards):
@@ -127,3 +132,30 @@ def induction_enabled(model):
 def induction_shards(path):
     """The induction rule's output `path` for every (model, checkpoint) with induction enabled."""
     return [path.format(model=m, checkpoint=c) for m, c in model_checkpoint_pairs() if induction_enabled(m)]
+
+
+# One run at a time on a results folder (compatlas/runlock.py): Snakemake's own lock covers
+# only its working directory. Taken when jobs are about to run (onstart: never for dry runs nor
+# inside jobs), given back when the run ends; --nolock skips it, as it skips Snakemake's.
+_RUN_LOCK = {}
+
+
+onstart:
+    if workflow.is_main_process and workflow.execution_settings.lock:
+        from compatlas import runlock
+
+        try:
+            _RUN_LOCK["lock"] = runlock.acquire(RESULTS, os.getcwd())
+        except runlock.RunLockError as e:
+            print(f"compatlas: {e}", file=sys.stderr)
+            raise SystemExit(1)
+
+
+onsuccess:
+    if "lock" in _RUN_LOCK:
+        _RUN_LOCK.pop("lock").release()
+
+
+onerror:
+    if "lock" in _RUN_LOCK:
+        _RUN_LOCK.pop("lock").release()

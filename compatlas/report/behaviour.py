@@ -1,0 +1,143 @@
+"""Induction behaviour of one model (forward passes, seed 004): the A and B power histograms,
+B against the nearby-B token and a random token, the head scores and ablation (a checkpoint
+slider where the model has several), and how well composition picks out induction heads."""
+
+from __future__ import annotations
+
+import altair as alt
+import polars as pl
+
+from compatlas.report.page import METRIC_ORDER, SPACE_ORDER, note, order, table
+
+MIN_READERS = 10  # no Spearman from fewer reader heads than this
+MIN_CLASS = 3     # no AUROC unless both classes (induction heads and the other readers) have this many
+HEAD_SCORE_TEXT = {"prev_token_mean": "previous-token score", "duplicate_mean": "duplicate-token score",
+                   "induction_mean": "induction score", "ablation_drop": "drop in induction strength when ablated"}
+NEAR_COLUMNS = ("near_b_mean", "near_b_stderr", "random_mean", "random_stderr")
+
+
+def _fillers(toks: pl.DataFrame) -> pl.DataFrame:
+    return toks.with_columns(fillers=pl.format("{} before, {} between", "filler_before", "filler_between"))
+
+
+def powers_chart(toks: pl.DataFrame, model: str, checkpoint: str) -> alt.Chart:
+    """Histograms of A power and B power over tokens (seed 004, result 1)."""
+    t = _fillers(toks).filter(pl.col("mean").is_finite()).select("fillers", "role", "mean")
+    n_f = t["fillers"].n_unique()
+    return alt.Chart(t).mark_bar(opacity=0.75, binSpacing=0).encode(
+        x=alt.X("mean:Q", bin=alt.Bin(maxbins=30), title="power (mean induction strength of the token, log-odds)"),
+        y=alt.Y("count():Q", title="tokens"),
+        color=alt.Color("role:N", sort=["A", "B"], title="power of the token as",
+                        scale=alt.Scale(domain=["A", "B"], range=["#4c78a8", "#f58518"])),
+        row=alt.Row("role:N", sort=["A", "B"], title=None, header=alt.Header(labelExpr="datum.value + ' power'")),
+        column=alt.Column("fillers:N", title="filler tokens"),
+    ).properties(width=min(480, 900 // max(n_f, 1)), height=120, title=alt.TitleParams(
+        f"{model} @ {checkpoint}: A power and B power", anchor="start", subtitleColor="#444", subtitle=[
+            "Strength = logodds p(B | r.. A B r.. A) - logodds p(B | the same tokens shuffled, last A kept); "
+            "A power: its mean over sequences with the token as A, B power: as B."]))
+
+
+def near_b_chart(toks: pl.DataFrame, model: str, checkpoint: str) -> alt.LayerChart:
+    """B against the nearby-B token B* and a random token R on the same sequences (result 2),
+    mean over tokens with +-2 standard errors."""
+    t = _fillers(toks).filter(pl.col("role") == "B")
+    long = pl.concat([t.select("fillers", pl.lit(label).alias("target"), pl.col(m).alias("mean"), pl.col(se).alias("se"))
+                      for label, m, se in (("B", "mean", "stderr"), ("nearby B*", "near_b_mean", "near_b_stderr"),
+                                           ("random R", "random_mean", "random_stderr"))])
+    s = long.group_by("fillers", "target").agg(pl.col("mean").mean(), (pl.col("se").pow(2).sum().sqrt() / pl.len()).alias("se"),
+                                               pl.len().alias("tokens"))
+    s = s.with_columns(lo=pl.col("mean") - 2 * pl.col("se"), hi=pl.col("mean") + 2 * pl.col("se"))
+    targets = ["B", "nearby B*", "random R"]
+    base = alt.Chart(s).encode(y=alt.Y("target:N", sort=targets, title=None))
+    bars = base.mark_bar().encode(x=alt.X("mean:Q", title="mean induction strength (± 2 s.e.)"),
+                                  color=alt.Color("target:N", sort=targets, legend=None),
+                                  tooltip=["target", alt.Tooltip("mean:Q", format=".3g"), alt.Tooltip("se:Q", format=".2g"),
+                                           "tokens"])
+    err = base.mark_errorbar(ticks=True).encode(x="lo:Q", x2="hi:Q")
+    return alt.layer(bars, err).properties(width=420, height=90).facet(row=alt.Row("fillers:N", title=None)).properties(
+        title=alt.TitleParams(f"{model} @ {checkpoint}: is B's neighbourhood copied too?", anchor="start",
+                              subtitleColor="#444", subtitle=[
+                                  "Sequences with B fixed, scored for B, for B* (nearest to B by cosine in W_U, W_E "
+                                  "when tied) and for a random token R."]))
+
+
+def head_scores_chart(heads: pl.DataFrame, model: str) -> alt.TopLevelMixin:
+    """Layer x head maps of each behavioural score; with several checkpoints a slider over the
+    step picks one (the maps' colours keep one scale over training)."""
+    cols = [c for c in HEAD_SCORE_TEXT if c in heads.columns and heads[c].is_not_null().any()]
+    steps = sorted(heads["step"].unique().to_list()) if "step" in heads.columns else []
+    h = heads.select("layer", "head", *cols, *(["step"] if steps else []))
+    n_heads, n_layers = int(h["head"].max()) + 1, int(h["layer"].max()) + 1
+    cell = max(4, min(22, (1180 // max(len(cols), 1) - 90) // n_heads))
+    params, filt = [], None
+    if len(steps) > 1:
+        h = h.with_columns(i=pl.col("step").rank("dense").cast(pl.Int64) - 1)
+        pick = alt.param(name="ckpt", value=len(steps) - 1,
+                         bind=alt.binding_range(min=0, max=len(steps) - 1, step=1, name="checkpoint (index by step): "))
+        params, filt = [pick], "datum.i == ckpt"
+    charts = []
+    for col in cols:
+        diverging = col == "ablation_drop"
+        c = alt.Chart(h).mark_rect()
+        if filt:
+            c = c.transform_filter(filt)
+        tip = ["layer:O", "head:O", alt.Tooltip(f"{col}:Q", format=".3f")] + (["step:Q"] if steps else [])
+        charts.append(c.encode(
+            x=alt.X("head:O", title="head"), y=alt.Y("layer:O", title="layer"),
+            color=alt.Color(f"{col}:Q", title=None, scale=alt.Scale(
+                scheme="redblue" if diverging else "viridis", reverse=diverging,
+                **({"domainMid": 0} if diverging else {"domain": [0, 1]})),
+                legend=alt.Legend(orient="bottom", gradientLength=min(140, cell * n_heads))),
+            tooltip=tip).properties(width=cell * n_heads, height=min(420, max(80, 14 * n_layers)),
+                                    title=HEAD_SCORE_TEXT[col]))
+    chart = alt.hconcat(*charts).resolve_scale(color="independent")
+    if params:
+        chart = chart.add_params(*params)
+    return chart.properties(title=alt.TitleParams(
+        f"{model}: what each head does" + (" (slide through the checkpoints)" if params else ""), anchor="start",
+        subtitleColor="#444", subtitle=["Attention on random tokens repeated twice: i -> i-1 (previous token), i -> i-T "
+                                        "(duplicate), i -> i-T+1 (induction); scores in [0, 1]. Ablation: the head's "
+                                        "output zeroed (or its mean), paired over the same sequences."]))
+
+
+def payoff_rows(cvb: pl.DataFrame) -> list[list]:
+    """composition_vs_behaviour rows for reading: Spearman only from MIN_READERS readers, AUROC only
+    with MIN_CLASS heads in each class."""
+    out = []
+    for r in cvb.sort(["comp", "metric", "space"]).iter_rows(named=True):
+        n, k = r["n_readers"], r["n_induction_heads"]
+        au = r["auroc"] if k is not None and k >= MIN_CLASS and n - k >= MIN_CLASS else None
+        sp = (r["spearman_induction"], r["spearman_ablation"]) if n >= MIN_READERS else (None, None)
+        out.append([r["metric"], r["space"], r["comp"], n, k, r.get("n_discoveries"), r.get("discovery_precision"),
+                    r.get("discovery_recall"), au, *sp])
+    return out
+
+
+PAYOFF_HEADER = ["metric", "space", "comp", "reader heads", "induction heads", "discoveries",
+                 "discovery precision", "discovery recall", "AUROC", "Spearman vs induction", "Spearman vs ablation"]
+STATS_NOTE = (f"Spearman is shown from {MIN_READERS} reader heads up, AUROC with at least {MIN_CLASS} induction heads "
+              f"and {MIN_CLASS} other readers; '–' otherwise. Discovery precision / recall: of the readers with a "
+              "discovery from a previous-token head, the share that are induction heads / of the induction heads, "
+              "the share with such a discovery.")
+
+
+def payoff_table(cvb: pl.DataFrame) -> str:
+    if cvb.is_empty():
+        return ""
+    rows = payoff_rows(cvb)
+    rows.sort(key=lambda r: (r[2] != "K", METRIC_ORDER.index(r[0]) if r[0] in METRIC_ORDER else 9,
+                             SPACE_ORDER.index(r[1]) if r[1] in SPACE_ORDER else 9))
+    return note(STATS_NOTE) + table(PAYOFF_HEADER, rows)
+
+
+def top_tokens(toks: pl.DataFrame, n: int = 8) -> str:
+    """Top and bottom tokens (decoded) by A and B power, first filler setting."""
+    first = toks.sort("filler_before", "filler_between").row(0, named=True)
+    t = toks.filter((pl.col("filler_before") == first["filler_before"]) & (pl.col("filler_between") == first["filler_between"]))
+    parts = []
+    for role in order(t["role"].unique(), ("A", "B")):
+        g = t.filter(pl.col("role") == role)
+        for label, f in (("top", g.sort("mean", descending=True).head(n)), ("bottom", g.sort("mean").head(n))):
+            rows = [[r["token_id"], repr(r.get("token_text")), r["mean"], r["stderr"]] for r in f.iter_rows(named=True)]
+            parts.append(f"<div><b>{label} {n} by {role} power</b>" + table(["id", "token", "power", "s.e."], rows) + "</div>")
+    return "<div class='side'>" + "".join(parts) + "</div>"

@@ -49,11 +49,12 @@ def near_b_chart(toks: pl.DataFrame, model: str, checkpoint: str) -> alt.LayerCh
     s = s.with_columns(lo=pl.col("mean") - 2 * pl.col("se"), hi=pl.col("mean") + 2 * pl.col("se"))
     targets = ["B", "nearby B*", "random R"]
     base = alt.Chart(s).encode(y=alt.Y("target:N", sort=targets, title=None))
-    bars = base.mark_bar().encode(x=alt.X("mean:Q", title="mean induction strength (± 2 s.e.)"),
+    xt = "mean induction strength over tokens (± 2 s.e.)"
+    bars = base.mark_bar().encode(x=alt.X("mean:Q", title=xt),
                                   color=alt.Color("target:N", sort=targets, legend=None),
                                   tooltip=["target", alt.Tooltip("mean:Q", format=".3g"), alt.Tooltip("se:Q", format=".2g"),
                                            "tokens"])
-    err = base.mark_errorbar(ticks=True).encode(x="lo:Q", x2="hi:Q")
+    err = base.mark_errorbar(ticks=True).encode(x=alt.X("lo:Q", title=xt), x2="hi:Q")
     return alt.layer(bars, err).properties(width=420, height=90).facet(row=alt.Row("fillers:N", title=None)).properties(
         title=alt.TitleParams(f"{model} @ {checkpoint}: is B's neighbourhood copied too?", anchor="start",
                               subtitleColor="#444", subtitle=[
@@ -68,13 +69,12 @@ def head_scores_chart(heads: pl.DataFrame, model: str) -> alt.TopLevelMixin:
     steps = sorted(heads["step"].unique().to_list()) if "step" in heads.columns else []
     h = heads.select("layer", "head", *cols, *(["step"] if steps else []))
     n_heads, n_layers = int(h["head"].max()) + 1, int(h["layer"].max()) + 1
-    cell = max(4, min(22, (1180 // max(len(cols), 1) - 90) // n_heads))
+    cell = max(4, min(28, (1180 // max(len(cols), 1) - 90) // n_heads))
     params, filt = [], None
     if len(steps) > 1:
-        h = h.with_columns(i=pl.col("step").rank("dense").cast(pl.Int64) - 1)
-        pick = alt.param(name="ckpt", value=len(steps) - 1,
-                         bind=alt.binding_range(min=0, max=len(steps) - 1, step=1, name="checkpoint (index by step): "))
-        params, filt = [pick], "datum.i == ckpt"
+        pick = alt.param(name="ckpt", value=steps[-1], bind=alt.binding_select(
+            options=steps, labels=[f"step {s:,}" for s in steps], name="checkpoint: "))
+        params, filt = [pick], "datum.step == ckpt"
     charts = []
     for col in cols:
         diverging = col == "ablation_drop"
@@ -87,8 +87,8 @@ def head_scores_chart(heads: pl.DataFrame, model: str) -> alt.TopLevelMixin:
             color=alt.Color(f"{col}:Q", title=None, scale=alt.Scale(
                 scheme="redblue" if diverging else "viridis", reverse=diverging,
                 **({"domainMid": 0} if diverging else {"domain": [0, 1]})),
-                legend=alt.Legend(orient="bottom", gradientLength=min(140, cell * n_heads))),
-            tooltip=tip).properties(width=cell * n_heads, height=min(420, max(80, 14 * n_layers)),
+                legend=alt.Legend(orient="bottom", gradientLength=max(100, min(160, cell * n_heads)))),
+            tooltip=tip).properties(width=max(110, cell * n_heads), height=min(420, max(80, 14 * n_layers)),
                                     title=HEAD_SCORE_TEXT[col]))
     chart = alt.hconcat(*charts).resolve_scale(color="independent")
     if params:
@@ -100,33 +100,34 @@ def head_scores_chart(heads: pl.DataFrame, model: str) -> alt.TopLevelMixin:
                                         "output zeroed (or its mean), paired over the same sequences."]))
 
 
-def payoff_rows(cvb: pl.DataFrame) -> list[list]:
-    """composition_vs_behaviour rows for reading: Spearman only from MIN_READERS readers, AUROC only
-    with MIN_CLASS heads in each class."""
-    out = []
-    for r in cvb.sort(["comp", "metric", "space"]).iter_rows(named=True):
-        n, k = r["n_readers"], r["n_induction_heads"]
-        au = r["auroc"] if k is not None and k >= MIN_CLASS and n - k >= MIN_CLASS else None
-        sp = (r["spearman_induction"], r["spearman_ablation"]) if n >= MIN_READERS else (None, None)
-        out.append([r["metric"], r["space"], r["comp"], n, k, r.get("n_discoveries"), r.get("discovery_precision"),
-                    r.get("discovery_recall"), au, *sp])
-    return out
+def _stats(r: dict) -> tuple:
+    """AUROC only with MIN_CLASS heads in each class, Spearman only from MIN_READERS readers."""
+    n, k = r["n_readers"] or 0, r["n_induction_heads"] or 0
+    au = r["auroc"] if k >= MIN_CLASS and n - k >= MIN_CLASS else None
+    return au, *((r["spearman_induction"], r["spearman_ablation"]) if n >= MIN_READERS else (None, None))
 
 
-PAYOFF_HEADER = ["metric", "space", "comp", "reader heads", "induction heads", "discoveries",
-                 "discovery precision", "discovery recall", "AUROC", "Spearman vs induction", "Spearman vs ablation"]
+PAYOFF_HEADER = ["metric", "space", "reader heads", "induction heads", "K discoveries", "K precision", "K recall",
+                 "K AUROC", "K Spearman vs induction", "K Spearman vs ablation", "Q recall", "V recall"]
 STATS_NOTE = (f"Spearman is shown from {MIN_READERS} reader heads up, AUROC with at least {MIN_CLASS} induction heads "
-              f"and {MIN_CLASS} other readers; '–' otherwise. Discovery precision / recall: of the readers with a "
-              "discovery from a previous-token head, the share that are induction heads / of the induction heads, "
-              "the share with such a discovery.")
+              f"and {MIN_CLASS} other readers; '–' otherwise. Precision / recall of the discoveries: of the readers "
+              "with a discovery from a previous-token head, the share that are induction heads / of the induction "
+              "heads, the share with such a discovery. Every comp: <code>SELECT * FROM composition_vs_behaviour</code>.")
 
 
 def payoff_table(cvb: pl.DataFrame) -> str:
+    """One row per metric x space: K-composition in full, Q and V by their recall."""
     if cvb.is_empty():
         return ""
-    rows = payoff_rows(cvb)
-    rows.sort(key=lambda r: (r[2] != "K", METRIC_ORDER.index(r[0]) if r[0] in METRIC_ORDER else 9,
-                             SPACE_ORDER.index(r[1]) if r[1] in SPACE_ORDER else 9))
+    rows = []
+    for metric in order(cvb["metric"].unique(), METRIC_ORDER):
+        for space in order(cvb.filter(pl.col("metric") == metric)["space"].unique(), SPACE_ORDER):
+            g = {r["comp"]: r for r in cvb.filter((pl.col("metric") == metric) & (pl.col("space") == space)).iter_rows(named=True)}
+            k = g.get("K") or next(iter(g.values()))
+            rows.append([metric, space, k["n_readers"], k["n_induction_heads"],
+                         *((k.get("n_discoveries"), k.get("discovery_precision"), k.get("discovery_recall"), *_stats(k))
+                           if "K" in g else (None,) * 6),
+                         *(g[c].get("discovery_recall") if c in g else None for c in ("Q", "V"))])
     return note(STATS_NOTE) + table(PAYOFF_HEADER, rows)
 
 

@@ -45,9 +45,10 @@ def circuit_chart(edges: pl.DataFrame, nodes: pl.DataFrame, model: str, checkpoi
     xs = alt.Scale(domain=[-0.5, n_heads - 0.5], nice=False)
     ys = alt.Scale(domain=[n_layers - 0.5, -0.5], nice=False)
     x = alt.X("head:Q", scale=xs,
-              axis=alt.Axis(title="head", tickMinStep=1, format="d", grid=False))
+              axis=alt.Axis(title="head", values=list(range(n_heads)), format="d", grid=False))
     y = alt.Y("layer:Q", scale=ys,
-              axis=alt.Axis(title="layer", tickMinStep=1, format="d", grid=True, gridOpacity=0.3))
+              axis=alt.Axis(title="layer", values=list(range(n_layers)), format="d", grid=True, gridOpacity=0.3,
+                                   labelOverlap=True))
     comps = order(e["comp"].unique().to_list(), COMPS) or list(COMPS)
     links = alt.Chart(e).add_params(pick, comp_sel).transform_filter("datum.combo == combo").mark_rule(
         strokeCap="round").encode(

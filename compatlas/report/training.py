@@ -17,10 +17,12 @@ from compatlas.report.page import COMP_COLOURS, COMPS, METRIC_ORDER, SPACE_ORDER
 PANEL_W = 1060
 
 
-def step_x(title: str | None = "training step") -> alt.X:
-    # symlog: step 0 (the initialisation) and the log-spaced early checkpoints both visible
-    return alt.X("step:Q", scale=alt.Scale(type="symlog", constant=1, nice=False),
-                 axis=alt.Axis(title=title, format="~s", labelOverlap=True))
+def step_x(top: float, title: str | None = "training step") -> alt.X:
+    """The step axis every panel shares: symlog (step 0, the initialisation, and the log-spaced
+    early checkpoints both visible) over [0, top], ticks at 0 and the powers of ten."""
+    ticks = sorted({0, int(top)} | {10 ** k for k in range(len(str(int(max(top, 1))))) if 10 ** k < top / 1.5})
+    return alt.X("step:Q", scale=alt.Scale(type="symlog", constant=1, domain=[0, top], nice=False),
+                 axis=alt.Axis(title=title, values=ticks, format=",d", grid=True))
 
 
 def _rule(chart: alt.Chart, marker: float | None) -> alt.TopLevelMixin:
@@ -40,22 +42,23 @@ def trajectory_chart(t: TrainingOutcome, strength: pl.DataFrame, model: str) -> 
     beh = pl.concat([ind.select("step", pl.lit(f"induction score of {il}.{ih}").alias("series"), pl.col("induction_mean").alias("value")),
                      prev.select("step", pl.lit(f"previous-token score of {pl_}.{ph}").alias("series"),
                                  pl.col("prev_token_mean").alias("value"))]).cast({"step": pl.Float64})
+    top = float(heads["step"].max())
     panels = []
     if t.loss.height:
         w = max(1, t.loss.height // 300)  # bin to about 300 points
         loss = t.loss.with_columns(b=(pl.col("step") - 1) // w).group_by("b").agg(pl.col("step").max(), pl.col("loss").mean()).sort("step")
         panels.append(_rule(alt.Chart(loss).mark_line(color="#555").encode(
-            x=step_x(None), y=alt.Y("loss:Q", title="training loss", scale=alt.Scale(zero=False)),
+            x=step_x(top, None), y=alt.Y("loss:Q", title="training loss", scale=alt.Scale(zero=False)),
             tooltip=[alt.Tooltip("step:Q", format=","), alt.Tooltip("loss:Q", format=".3f")]).properties(
             width=PANEL_W, height=110), t.marker))
     panels.append(_rule(alt.Chart(beh).mark_line(point=True).encode(
-        x=step_x(None), y=alt.Y("value:Q", title="attention score", scale=alt.Scale(domain=[0, 1])),
+        x=step_x(top, None), y=alt.Y("value:Q", title="attention score", scale=alt.Scale(domain=[0, 1])),
         color=alt.Color("series:N", title=None, legend=alt.Legend(orient="top-left")),
         tooltip=["series:N", alt.Tooltip("step:Q", format=","), alt.Tooltip("value:Q", format=".3f")]).properties(
         width=PANEL_W, height=130), t.marker))
     if not strength.is_empty():
         panels.append(_rule(alt.Chart(strength).mark_line(point=True, color="#c44e52").encode(
-            x=step_x(None), y=alt.Y("strength:Q", title="induction strength"),
+            x=step_x(top, None), y=alt.Y("strength:Q", title="induction strength"),
             tooltip=[alt.Tooltip("step:Q", format=","), alt.Tooltip("strength:Q", format=".3f")]).properties(
             width=PANEL_W, height=90), t.marker))
     if not t.curves.is_empty():
@@ -63,7 +66,7 @@ def trajectory_chart(t: TrainingOutcome, strength: pl.DataFrame, model: str) -> 
         w = (PANEL_W - 30 * (len(comps) - 1) - 120) // max(len(comps), 1)
         c = t.curves.with_columns(marker=pl.lit(t.marker)).cast({"step": pl.Float64})
         layers = [alt.Chart().mark_line(point=alt.OverlayMarkDef(size=18)).encode(
-            x=step_x(), y=alt.Y("score:Q", title=f"score of {pl_}.{ph} → {il}.{ih}"),
+            x=step_x(top), y=alt.Y("score:Q", title=f"score of {pl_}.{ph} → {il}.{ih}"),
             color=alt.Color("metric:N", sort=list(METRIC_ORDER)),
             strokeDash=alt.StrokeDash("space:N", sort=list(SPACE_ORDER)),
             tooltip=["metric", "space", "comp", alt.Tooltip("step:Q", format=","), alt.Tooltip("score:Q", format=".3f"),

@@ -69,7 +69,8 @@ def _composition(s: Spec, ck: str, step: int | None, metrics, spaces, rng) -> tu
     ind_layers = set(range(max(1, (2 * s.n_layers) // 3), s.n_layers))
     planted = (wl == 0) & (wh == 1) & np.isin(rl, list(ind_layers)) & (rh == 0)
     f = _formed(step, s)
-    comp, pvals = [], []
+    comps, cals = [], []
+    heads = {"writer_layer": wl, "writer_head": wh, "reader_layer": rl, "reader_head": rh}
     for metric in metrics:
         for space in spaces:
             for c in COMPS:
@@ -78,22 +79,14 @@ def _composition(s: Spec, ck: str, step: int | None, metrics, spaces, rng) -> tu
                 if c == "K":
                     score = np.where(planted, 0.3 + 0.6 * f, score)
                     p = np.where(planted, 10 ** (-1 - 5 * f), p)
-                comp.append({"metric": metric, "space": space, "comp": c, "score": score,
-                             "sm": rng.uniform(0.1, 0.15, n), "p": p, "q": _bh(p)})
-    k = len(comp)
-    cols = {
-        "model": np.full(n * k, s.name), "checkpoint": np.full(n * k, ck), "processing": np.full(n * k, "none"),
-        "space": np.repeat([x["space"] for x in comp], n), "metric": np.repeat([x["metric"] for x in comp], n),
-        "comp": np.repeat([x["comp"] for x in comp], n), "writer_layer": np.tile(wl, k), "writer_head": np.tile(wh, k),
-        "reader_layer": np.tile(rl, k), "reader_head": np.tile(rh, k),
-    }
-    df = pl.DataFrame({**cols, "score": np.concatenate([x["score"] for x in comp]),
-                       "baseline_gaussian_mean": np.full(n * k, 0.1), "baseline_gaussian_std": np.full(n * k, 0.02),
-                       "baseline_spectrum_mean": np.concatenate([x["sm"] for x in comp]),
-                       "baseline_spectrum_std": np.full(n * k, 0.03)}, schema=SCHEMA)
-    cal = pl.DataFrame({**cols, "n_null": np.full(n * k, 2 * n), "p_value": np.concatenate([x["p"] for x in comp]),
-                        "q_value": np.concatenate([x["q"] for x in comp])}, schema=P_SCHEMA)
-    return df, cal
+                keys = [pl.lit(v).alias(k) for k, v in (("model", s.name), ("checkpoint", ck), ("processing", "none"),
+                                                        ("space", space), ("metric", metric), ("comp", c))]
+                comps.append(pl.DataFrame({**heads, "score": score, "baseline_gaussian_mean": 0.1, "baseline_gaussian_std": 0.02,
+                                           "baseline_spectrum_mean": rng.uniform(0.1, 0.15, n),
+                                           "baseline_spectrum_std": 0.03}).with_columns(keys))
+                cals.append(pl.DataFrame({**heads, "n_null": 2 * n, "p_value": p, "q_value": _bh(p)}).with_columns(keys))
+    return (pl.concat(comps).select(list(SCHEMA)).cast(SCHEMA),  # type: ignore[arg-type]
+            pl.concat(cals).select(list(P_SCHEMA)).cast(P_SCHEMA))  # type: ignore[arg-type]
 
 
 def _heads(s: Spec, ck: str, step: int | None, rng) -> pl.DataFrame:

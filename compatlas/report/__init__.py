@@ -9,6 +9,7 @@ shell, one module per section draws its figures. Model names outside ``[A-Za-z0-
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any
 
@@ -19,9 +20,12 @@ from compatlas.report import overview, queries as q
 from compatlas.report.audits import metric_audit_table
 from compatlas.report.model import ModelData, build_page, load
 from compatlas.report.page import Page, note, safe_name
+from compatlas.report.png import PngPool
 from compatlas.report.training import runs_table
 
 __all__ = ["build_report", "safe_name"]
+
+PNG_WORKERS = max(1, min(2, os.cpu_count() or 1))
 
 INTRO = ("How strongly each attention head (the <i>writer</i>) writes into what a head of a later layer (the "
          "<i>reader</i>) reads, through its queries (Q-composition), keys (K) or values (V). The answer leads with "
@@ -38,17 +42,23 @@ def build_report(db_path: str | Path, out_dir: str | Path, config: dict[str, Any
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     con = duckdb.connect(str(db_path), read_only=True)
+    pool = PngPool(PNG_WORKERS) if png else None  # PNGs drawn by worker processes while the pages are built
     try:
-        written = _build(con, out_dir, config, png)
+        written = _build(con, out_dir, config, png, pool)
+        if pool is not None:
+            pool.wait()
     finally:
         con.close()
+        if pool is not None:
+            pool.close()
     for stale in [*out_dir.glob("*.png"), *out_dir.glob("model-*.html")]:
         if stale not in written:
             stale.unlink()
     return written
 
 
-def _build(con: duckdb.DuckDBPyConnection, out_dir: Path, config: dict[str, Any] | None, png: bool) -> list[Path]:
+def _build(con: duckdb.DuckDBPyConnection, out_dir: Path, config: dict[str, Any] | None, png: bool,
+           pool: PngPool | None) -> list[Path]:
     ckpts = q.checkpoints(con)
     q_cut = q.fdr(con)
     cuts = (q.threshold(con, "prev_token_mean", 0.4), q.threshold(con, "induction_mean", 0.4))
@@ -57,9 +67,9 @@ def _build(con: duckdb.DuckDBPyConnection, out_dir: Path, config: dict[str, Any]
     data: list[ModelData] = [load(con, m, ckpts, q_cut) for m in ckpts["model"].unique(maintain_order=True)]
     written: list[Path] = []
     for d in data:
-        written += build_page(con, d, out_dir, q_cut, cuts, foot, png).written
+        written += build_page(con, d, out_dir, q_cut, cuts, foot, png, pool).written
 
-    page = Page(out_dir, "index.html", "compatlas: attention-head composition atlas", png)
+    page = Page(out_dir, "index.html", "compatlas: attention-head composition atlas", png, pool)
     page.add("<h1>compatlas: attention-head composition atlas</h1>", note(INTRO))
     if not data:
         page.add("<p><b>No results:</b> the atlas has no models and no composition scores yet.</p>")

@@ -14,6 +14,9 @@ import polars as pl
 from compatlas.report.page import COMPS, METRIC_ORDER, SPACE_ORDER, fmt, order, table
 
 HEATMAP_DATA = "heatmap"  # name of the heatmap's dataset in the spec's top-level "datasets"
+# Above this many cells a heatmap gets no PNG file (drawing it takes vl-convert about 13 s per
+# 200k cells); the page's figure menu exports one on request.
+PNG_MAX_CELLS = 60_000
 PANEL_MAX, PANEL_MIN, CELL_PX = 900, 260, 12  # px: the panel's side, and a cell's where the model is small
 
 METRIC_TEXT = {

@@ -106,8 +106,8 @@ def top_discoveries(d: ModelData) -> str:
 
 
 def build_page(con: duckdb.DuckDBPyConnection, d: ModelData, out_dir: Path, q_cut: float | None,
-               cuts: tuple[float, float], footer: str, png: bool) -> Page:
-    page = Page(out_dir, d.page, f"compatlas: {d.model}", png)
+               cuts: tuple[float, float], footer: str, png: bool, pool: Any = None) -> Page:
+    page = Page(out_dir, d.page, f"compatlas: {d.model}", png, pool)
     s = d.stem
     page.add(f"<nav><a href='index.html'>← all models</a> <a href='#circuit'>circuit</a> <a href='#heatmap'>heatmap</a>"
              + (" <a href='#training'>training</a>" if d.outcome else "")
@@ -135,7 +135,7 @@ def build_page(con: duckdb.DuckDBPyConnection, d: ModelData, out_dir: Path, q_cu
                       "discoveries of every metric x space. Any other: <code>SELECT * FROM composition_z WHERE "
                       f"model = '{html.escape(d.model)}' AND latest AND metric = ... AND space = ...</code>."))
         page.figure(heatmaps.heatmap_chart(df, d.model, d.latest, metric, space, H, q_cut), f"{s}__heatmap",
-                    datasets={heatmaps.HEATMAP_DATA: heatmaps.heatmap_rows(df, H)})
+                    datasets={heatmaps.HEATMAP_DATA: heatmaps.heatmap_rows(df, H)}, png=df.height <= heatmaps.PNG_MAX_CELLS)
         page.add(heatmaps.calibration_table(d.summary))
     if d.outcome is not None:
         page.add("<h2 id='training'>Over training</h2>")

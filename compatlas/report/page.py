@@ -134,18 +134,28 @@ def spec_json(chart: alt.TopLevelMixin, datasets: dict[str, Any] | None = None) 
     """The Vega-Lite spec as JSON, with ``datasets`` added to its top-level datasets (so that
     Altair never walks large data)."""
     with alt.data_transformers.disable_max_rows():
-        spec = chart.to_dict()
+        spec = chart.to_dict(validate=False)  # validation costs more than drawing; the browser test draws every spec
     if datasets:
         spec.setdefault("datasets", {}).update(datasets)
     # '<' escaped so no spec text can close the <script> element it sits in.
     return json.dumps(spec, separators=(",", ":"), allow_nan=False, default=float).replace("<", "\\u003c")
 
 
-class Page:
-    """One HTML page: its parts in order, its figures' PNGs (when ``png``) beside it."""
+def render_png(spec: str, path: Path) -> Path:
+    """Draw a spec to a PNG (runs in a worker process: vl-convert draws one figure at a time per process)."""
+    import vl_convert as vlc
 
-    def __init__(self, out_dir: Path, name: str, title: str, png: bool = True):
-        self.out_dir, self.name, self.title, self.png = out_dir, name, title, png
+    with atomic_path(path) as tmp:
+        tmp.write_bytes(vlc.vegalite_to_png(spec, scale=1))
+    return path
+
+
+class Page:
+    """One HTML page: its parts in order, and its figures' PNGs (drawn by ``pool``, a
+    ``png.PngPool``, when given, else here; none when ``png`` is false)."""
+
+    def __init__(self, out_dir: Path, name: str, title: str, png: bool = True, pool: Any = None):
+        self.out_dir, self.name, self.title, self.png, self.pool = out_dir, name, title, png, pool
         self.parts: list[str] = []
         self.written: list[Path] = []
         self.n_specs = 0
@@ -153,17 +163,20 @@ class Page:
     def add(self, *s: str) -> None:
         self.parts.extend(x for x in s if x)
 
-    def figure(self, chart: alt.TopLevelMixin, stem: str, datasets: dict[str, Any] | None = None) -> None:
+    def figure(self, chart: alt.TopLevelMixin, stem: str, datasets: dict[str, Any] | None = None,
+               png: bool = True) -> None:
+        """Add a figure; ``png=False`` for one too large to draw to a file quickly (its menu exports it)."""
         spec = spec_json(chart, datasets)
-        link = ""
-        if self.png:
-            import vl_convert as vlc
-
+        if self.png and png:
             path = self.out_dir / f"{safe_name(stem)}.png"
-            with atomic_path(path) as tmp:
-                tmp.write_bytes(vlc.vegalite_to_png(spec, scale=1))
+            if self.pool is not None:
+                self.pool.submit(spec, path)
+            else:
+                render_png(spec, path)
             self.written.append(path)
             link = f'<div class="png"><a href="{html.escape(path.name)}">PNG</a></div>'
+        else:
+            link = '<div class="png">PNG: the figure\'s ⋯ menu</div>'
         sid = f"spec{self.n_specs}"
         self.n_specs += 1
         self.add(f'<script type="application/json" id="{sid}">{spec}</script>'

@@ -24,7 +24,7 @@ def _link(d: ModelData) -> str:
 def _heads(df: pl.DataFrame, col: str, n: int = 3) -> str:
     if df.is_empty():
         return "none"
-    s = ", ".join(f"{r['layer']}.{r['head']} ({r[col]:.2f})" for r in df.head(n).iter_rows(named=True))
+    s = ", ".join(f"{head(r['layer'], r['head'])} ({r[col]:.2f})" for r in df.head(n).iter_rows(named=True))
     return s + (f" +{df.height - n} more" if df.height > n else "")
 
 

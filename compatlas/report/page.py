@@ -7,9 +7,11 @@ from __future__ import annotations
 import html
 import json
 import math
+import os
 import re
 from collections.abc import Iterable
 from functools import lru_cache
+from importlib import metadata
 from pathlib import Path
 from typing import Any
 
@@ -120,14 +122,28 @@ if ("IntersectionObserver" in window && !location.hash.includes("drawall")) {
 
 @lru_cache(maxsize=1)
 def js_bundle() -> str:
+    """Vega, Vega-Lite and vega-embed as one script. vl-convert takes seconds to bundle them, so
+    the bundle is kept in ``$COMPATLAS_CACHE`` (default ``~/.cache/compatlas``) per version."""
     import vl_convert as vlc
 
     try:
         from altair.utils._importers import vl_version_for_vl_convert
 
-        return vlc.javascript_bundle(vl_version=vl_version_for_vl_convert())
+        vl = vl_version_for_vl_convert()
     except ImportError:  # pragma: no cover - altair internals moved
-        return vlc.javascript_bundle()
+        vl = None
+    cache = Path(os.environ.get("COMPATLAS_CACHE", Path.home() / ".cache" / "compatlas"))
+    path = cache / f"vega-bundle-{safe_name(metadata.version('vl-convert-python'))}-{safe_name(vl)}.js"
+    if path.is_file():
+        return path.read_text(encoding="utf-8")
+    js = vlc.javascript_bundle(vl_version=vl) if vl else vlc.javascript_bundle()
+    try:
+        cache.mkdir(parents=True, exist_ok=True)
+        with atomic_path(path) as tmp:
+            tmp.write_text(js, encoding="utf-8")
+    except OSError:  # a read-only home: bundle again next time
+        pass
+    return js
 
 
 def spec_json(chart: alt.TopLevelMixin, datasets: dict[str, Any] | None = None) -> str:

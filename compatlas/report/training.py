@@ -12,7 +12,7 @@ import polars as pl
 
 from compatlas import formation as fm
 from compatlas.formation import TrainingOutcome
-from compatlas.report.page import COMP_COLOURS, COMPS, METRIC_ORDER, SPACE_ORDER, note, step, table
+from compatlas.report.page import COMPS, METRIC_ORDER, SPACE_ORDER, head, note, step, table
 
 PANEL_W = 1060
 
@@ -39,8 +39,8 @@ def trajectory_chart(t: TrainingOutcome, strength: pl.DataFrame, model: str) -> 
     heads = t.heads
     ind = heads.filter((pl.col("layer") == il) & (pl.col("head") == ih))
     prev = heads.filter((pl.col("layer") == pl_) & (pl.col("head") == ph))
-    beh = pl.concat([ind.select("step", pl.lit(f"induction score of {il}.{ih}").alias("series"), pl.col("induction_mean").alias("value")),
-                     prev.select("step", pl.lit(f"previous-token score of {pl_}.{ph}").alias("series"),
+    beh = pl.concat([ind.select("step", pl.lit(f"induction score of {head(il, ih)}").alias("series"), pl.col("induction_mean").alias("value")),
+                     prev.select("step", pl.lit(f"previous-token score of {head(pl_, ph)}").alias("series"),
                                  pl.col("prev_token_mean").alias("value"))]).cast({"step": pl.Float64})
     top = float(heads["step"].max())
     panels = []
@@ -66,7 +66,7 @@ def trajectory_chart(t: TrainingOutcome, strength: pl.DataFrame, model: str) -> 
         w = (PANEL_W - 30 * (len(comps) - 1) - 120) // max(len(comps), 1)
         c = t.curves.with_columns(marker=pl.lit(t.marker)).cast({"step": pl.Float64})
         layers = [alt.Chart().mark_line(point=alt.OverlayMarkDef(size=18)).encode(
-            x=step_x(top), y=alt.Y("score:Q", title=f"score of {pl_}.{ph} → {il}.{ih}"),
+            x=step_x(top), y=alt.Y("score:Q", title=f"score of {head(pl_, ph)} → {head(il, ih)}"),
             color=alt.Color("metric:N", sort=list(METRIC_ORDER)),
             strokeDash=alt.StrokeDash("space:N", sort=list(SPACE_ORDER)),
             tooltip=["metric", "space", "comp", alt.Tooltip("step:Q", format=","), alt.Tooltip("score:Q", format=".3f"),
@@ -84,15 +84,15 @@ def trajectory_chart(t: TrainingOutcome, strength: pl.DataFrame, model: str) -> 
 
 def describe(t: TrainingOutcome) -> str:
     (il, ih), (pl_, ph) = t.pair
-    s = (f"Eventual induction head <b>{il}.{ih}</b> (highest induction score at the last checkpoint), eventual "
-         f"previous-token head <b>{pl_}.{ph}</b> (highest previous-token score in an earlier layer). ")
+    s = (f"Eventual induction head <b>{head(il, ih)}</b> (highest induction score at the last checkpoint), eventual "
+         f"previous-token head <b>{head(pl_, ph)}</b> (highest previous-token score in an earlier layer). ")
     if t.formation is not None:
-        s += (f"Formation step <b>{step(t.formation)}</b>: where {il}.{ih}'s induction score crosses the midpoint of "
+        s += (f"Formation step <b>{step(t.formation)}</b>: where {head(il, ih)}'s induction score crosses the midpoint of "
               "its first and final values.")
         if t.drop is not None:
             s += f" The training loss falls fastest at step <b>{step(t.drop)}</b>."
     else:
-        s += (f"<b>No canonical induction head forms</b>: {il}.{ih}'s induction score rises by less than "
+        s += (f"<b>No canonical induction head forms</b>: {head(il, ih)}'s induction score rises by less than "
               f"{fm.MIN_RISE}." + (f" The curves are judged against the loss-drop step <b>{step(t.drop)}</b>."
                                    if t.drop is not None else ""))
     return f"<p>{s}</p>"
@@ -125,8 +125,8 @@ def runs_table(outcomes: dict[str, TrainingOutcome], link) -> str:
         score = {(r["layer"], r["head"]): r for r in last.iter_rows(named=True)}
         tracks = "" if t.verdicts is None else ", ".join(
             f"{r['comp']} {r['metric']} ({r['space']})" for r in fm.tracking(t.verdicts).iter_rows(named=True))
-        rows.append([name, f"{il}.{ih} ({score[(il, ih)]['induction_mean']:.2f})",
-                     f"{pl_}.{ph} ({score[(pl_, ph)]['prev_token_mean']:.2f})", step(t.formation), step(t.drop),
+        rows.append([name, f"{head(il, ih)} ({score[(il, ih)]['induction_mean']:.2f})",
+                     f"{head(pl_, ph)} ({score[(pl_, ph)]['prev_token_mean']:.2f})", step(t.formation), step(t.drop),
                      html.escape(tracks or "none")])
     return ("<h2 id='training'>Composition over training</h2>"
             + note("Per model with a checkpoint series: the eventual induction and previous-token heads (final "

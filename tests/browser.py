@@ -157,3 +157,29 @@ class Browser:
         except subprocess.TimeoutExpired:
             self.proc.kill()
         shutil.rmtree(self.profile, ignore_errors=True)
+
+
+def check_report(report_dir: Path, shots: Path) -> list[str]:
+    """Open every page of a report at 1280 px; screenshots into ``shots``; return the problems
+    found (external requests, console errors, figures not drawn, a page wider than 1280 px)."""
+    binary = chromium()
+    if binary is None:
+        raise RuntimeError("Chromium is not installed: `apt-get install -y chromium` (Debian's package; "
+                           "envs/setup.sh installs it where apt-get is available)")
+    shots.mkdir(parents=True, exist_ok=True)
+    problems = []
+    b = Browser(binary)
+    try:
+        for page in sorted(report_dir.glob("*.html")):
+            v = b.visit(page, shots / f"{page.stem}.png")
+            name = page.name
+            problems += [f"{name}: request leaves the file: {u}" for u in v.external]
+            problems += [f"{name}: console error: {e}" for e in v.errors]
+            problems += [f"{name}: {f}" for f in v.failed]
+            if v.drawn != v.figures:
+                problems.append(f"{name}: {v.drawn} of {v.figures} figures drawn")
+            if v.width > WIDTH:
+                problems.append(f"{name}: {v.width} px wide")
+    finally:
+        b.close()
+    return problems

@@ -9,6 +9,7 @@ shell, one module per section draws its figures. Model names outside ``[A-Za-z0-
 
 from __future__ import annotations
 
+import html
 import os
 from pathlib import Path
 from typing import Any
@@ -74,7 +75,7 @@ def _build(con: duckdb.DuckDBPyConnection, out_dir: Path, config: dict[str, Any]
     if not data:
         page.add("<p><b>No results:</b> the atlas has no models and no composition scores yet.</p>")
     else:
-        page.add("<nav>" + " ".join(f"<a href='{d.page}'>{d.model}</a>" for d in data) + "</nav>",
+        page.add("<nav>" + " ".join(f"<a href='{html.escape(d.page)}'>{html.escape(d.model)}</a>" for d in data) + "</nav>",
                  "<h2 id='models'>Models</h2>", overview.models_table(data, cuts),
                  "<h2 id='finds'>How each metric x space finds the induction heads</h2>",
                  note("K-composition with previous-token heads, last checkpoint: <b>recall</b> = share of the induction "
@@ -99,7 +100,7 @@ def _build(con: duckdb.DuckDBPyConnection, out_dir: Path, config: dict[str, Any]
             page.add(note("No model has induction heads with calibrated discoveries: no induction-circuit figure."))
         outcomes = {d.model: d.outcome for d in data if d.outcome is not None}
         if outcomes:
-            page.add(runs_table(outcomes, lambda m: f"<a href='model-{safe_name(m)}.html#training'>{m}</a>"))
+            page.add(runs_table(outcomes, lambda m: f"<a href='model-{safe_name(m)}.html#training'>{html.escape(m)}</a>"))
         page.add(metric_audit_table(q.metric_audit(con)))
     page.write(foot)
     return [*written, *page.written]

@@ -42,8 +42,8 @@ def _strongest(d: ModelData) -> str:
         g = e.filter(pl.col("comp") == comp).sort(["q_value", "score"], descending=[False, True]) if e.height else e
         best = "" if g.is_empty() else (f": {head(g['writer_layer'][0], g['writer_head'][0])} → "
                                         f"{head(g['reader_layer'][0], g['reader_head'][0])} (q {fmt(g['q_value'][0])})")
-        out.append(f"{comp} {fmt(n[comp])}{best}")
-    return html.escape("; ".join(out)) + f"<br><small>{html.escape(d.lead[0])}, {html.escape(d.lead[1])}</small>"
+        out.append(html.escape(f"{comp} {fmt(n[comp])}{best}"))
+    return "<br>".join(out) + f"<br><small>({html.escape(d.lead[0])}, {html.escape(d.lead[1])} space)</small>"
 
 
 def models_table(data: list[ModelData], cuts: tuple[float, float]) -> str:
@@ -88,7 +88,7 @@ def finds_table(data: list[ModelData]) -> str:
             cells.append(f"recall {fmt(r.get('discovery_recall'))}<br>precision {fmt(r.get('discovery_precision'))}"
                          f"<br><small>AUROC {au} ({n_ind} of {n})</small>")
         rows.append(cells)
-    return table(["model", *[f"{m} · {s}" for m, s in combos]], rows, raw=True)
+    return table(["model", *[f"{m} · {s}" for m, s in combos]], rows, cls="finds", raw=True)
 
 
 def depth_chart(profile: pl.DataFrame) -> alt.FacetChart:

@@ -87,7 +87,8 @@ CSS = """
 * { box-sizing: border-box; }
 body { font-family: system-ui, -apple-system, "Segoe UI", Roboto, sans-serif; margin: 1em 2em; color: #222;
        max-width: 1240px; }
-td, th { overflow-wrap: break-word; } td.t, th.t { text-align: left; }
+td, th { overflow-wrap: break-word; }
+table.models td, table.models th, table.finds td, table.finds th { text-align: left; }
 h1 { margin-bottom: 0.2em; font-size: 1.6em; } h2 { border-top: 2px solid #ccc; padding-top: 0.5em; margin-top: 1.6em; }
 h3 { margin: 1.2em 0 0.3em; }
 table { border-collapse: collapse; font-size: 0.82em; margin: 0.4em 0; max-width: 100%; }

@@ -55,7 +55,8 @@ def load(con: duckdb.DuckDBPyConnection, model: str, ckpts: pl.DataFrame, q_cut:
     mine = ckpts.filter(pl.col("model") == model)
     info = mine.filter(pl.col("latest")).row(0, named=True)
     latest = info["checkpoint"]
-    combos = [(r["metric"], r["space"]) for r in q.combos(con, model, latest).iter_rows(named=True)]
+    summary = q.calibration_summary(con, model, latest, q_cut)
+    combos = [] if summary.is_empty() else [tuple(r) for r in summary.select("metric", "space").unique().sort("metric", "space").iter_rows()]
     outcome = None
     stepped = mine.filter(pl.col("checkpoint_step").is_not_null())
     if stepped.height >= 2:
@@ -64,8 +65,7 @@ def load(con: duckdb.DuckDBPyConnection, model: str, ckpts: pl.DataFrame, q_cut:
         curves = q.pair_curves(con, model, pair, stepped) if pair is not None else pl.DataFrame()
         outcome = fm.training_outcome(hs, q.loss(con, model), curves)
     return ModelData(model, info, mine, latest, combos, heatmaps.lead_combo(combos) if combos else None,
-                     q.calibration_summary(con, model, latest, q_cut) if combos else pl.DataFrame(),
-                     q.discoveries(con, model, latest), q.rows(con, "head_scores", model, latest),
+                     summary, q.discoveries(con, model, latest, q_cut), q.rows(con, "head_scores", model, latest),
                      q.rows(con, "composition_vs_behaviour", model, latest), outcome)
 
 

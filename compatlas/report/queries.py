@@ -57,14 +57,6 @@ def checkpoints(con: Con) -> pl.DataFrame:
                            n_checkpoints=pl.len().over("model"))
 
 
-def combos(con: Con, model: str, checkpoint: str) -> pl.DataFrame:
-    """The (metric, space) pairs scored for one model x checkpoint."""
-    if not has(con, "composition", "metric"):
-        return pl.DataFrame(schema={"metric": pl.Utf8, "space": pl.Utf8})
-    return _pl(con, "SELECT DISTINCT metric, space FROM composition WHERE model = ? AND checkpoint = ?",
-               [model, checkpoint])
-
-
 def _calibrated(con: Con) -> tuple[str, str]:
     """The view to read scores from and its p/q columns (null where the atlas has no calibration)."""
     if has(con, "composition_z", "p_value", "q_value", "n_null"):
@@ -82,35 +74,45 @@ def pairs(con: Con, model: str, checkpoint: str, metric: str, space: str) -> pl.
 
 
 def calibration_summary(con: Con, model: str, checkpoint: str, q_cut: float | None) -> pl.DataFrame:
-    """Per metric x space x comp: pairs, discoveries, mean score and nulls, null pairs."""
-    view, _ = _calibrated(con)
-    disc = f"count_if(q_value <= {q_cut})::BIGINT" if q_cut is not None and view == "composition_z" else "NULL::BIGINT"
-    nn = "max(n_null)" if view == "composition_z" else "NULL::BIGINT"
-    return _pl(con, f"""SELECT metric, space, comp, count(*) AS pairs, {disc} AS discoveries, avg(score) AS mean_score,
-                               avg(baseline_gaussian_mean) AS gaussian_null, avg(baseline_spectrum_mean) AS spectrum_null,
-                               {nn} AS n_null
-                        FROM {view} WHERE model = ? AND checkpoint = ? GROUP BY ALL""", [model, checkpoint])
-
-
-def discoveries(con: Con, model: str, checkpoint: str, limit: int = EDGE_MAX) -> pl.DataFrame:
-    """The discoveries of one model x checkpoint, at most ``limit`` per metric x space (smallest
-    q, then largest score), with ``n_total`` (how many there are in that metric x space)."""
-    if not has(con, "discoveries", "q_value"):
+    """Per metric x space x comp: pairs, discoveries, mean score and nulls, null pairs. Two
+    aggregations (scores, p-values) joined when small: joining the pairs first costs seconds."""
+    if not has(con, "composition", "score"):
         return pl.DataFrame()
-    return _pl(con, f"""SELECT * FROM (
-        SELECT metric, space, comp, writer_layer, writer_head, reader_layer, reader_head, score,
-               baseline_spectrum_mean, baseline_spectrum_std, z_spectrum, n_null, p_value, q_value,
-               count(*) OVER (PARTITION BY metric, space) AS n_total,
-               row_number() OVER (PARTITION BY metric, space ORDER BY q_value, p_value, score DESC) AS rank
-        FROM discoveries WHERE model = ? AND checkpoint = ?) WHERE rank <= {int(limit)}""", [model, checkpoint])
+    keys = ["metric", "space", "comp"]
+    scores = _pl(con, """SELECT metric, space, comp, count(*) AS pairs, avg(score) AS mean_score,
+                                avg(baseline_gaussian_mean) AS gaussian_null, avg(baseline_spectrum_mean) AS spectrum_null
+                         FROM composition WHERE model = ? AND checkpoint = ? GROUP BY ALL""", [model, checkpoint])
+    if q_cut is None or not has(con, "calibration", "q_value", "n_null"):
+        return scores.with_columns(discoveries=pl.lit(None, pl.Int64), n_null=pl.lit(None, pl.Int64))
+    cal = _pl(con, f"""SELECT metric, space, comp, count_if(q_value <= {float(q_cut)})::BIGINT AS discoveries,
+                              max(n_null)::BIGINT AS n_null
+                       FROM calibration WHERE model = ? AND checkpoint = ? GROUP BY ALL""", [model, checkpoint])
+    return scores.join(cal, on=keys, how="left")
+
+
+def discoveries(con: Con, model: str, checkpoint: str, q_cut: float | None, limit: int = EDGE_MAX) -> pl.DataFrame:
+    """The discoveries of one model x checkpoint, at most ``limit`` per metric x space (smallest
+    q, then largest score), with ``n_total`` (how many there are in that metric x space). The
+    p-values are filtered first, then joined to their scores."""
+    if q_cut is None or not has(con, "calibration", "q_value") or not has(con, "composition", "score"):
+        return pl.DataFrame()
+    k = "metric, space, comp, writer_layer, writer_head, reader_layer, reader_head"
+    return _pl(con, f"""WITH d AS (SELECT {k}, n_null, p_value, q_value FROM calibration
+                                   WHERE model = ? AND checkpoint = ? AND q_value <= {float(q_cut)}),
+        s AS (SELECT d.*, c.score, c.baseline_spectrum_mean, c.baseline_spectrum_std,
+                     (c.score - c.baseline_spectrum_mean) / NULLIF(c.baseline_spectrum_std, 0) AS z_spectrum
+              FROM d JOIN (SELECT * FROM composition WHERE model = ? AND checkpoint = ?) c USING ({k}))
+        SELECT * FROM (SELECT *, count(*) OVER (PARTITION BY metric, space) AS n_total,
+                              row_number() OVER (PARTITION BY metric, space ORDER BY q_value, p_value, score DESC) AS rank
+                       FROM s) WHERE rank <= {int(limit)}""", [model, checkpoint, model, checkpoint])
 
 
 def depth_profile(con: Con, model: str, checkpoint: str, metric: str, space: str, q_cut: float) -> pl.DataFrame:
     """Per comp and reader layer: head pairs writing into it and how many are discoveries."""
-    if not has(con, "composition_z", "q_value"):
+    if not has(con, "calibration", "q_value"):
         return pl.DataFrame()
     return _pl(con, f"""SELECT comp, reader_layer, count(*) AS pairs, count_if(q_value <= {float(q_cut)})::BIGINT AS n
-                        FROM composition_z WHERE model = ? AND checkpoint = ? AND metric = ? AND space = ?
+                        FROM calibration WHERE model = ? AND checkpoint = ? AND metric = ? AND space = ?
                         GROUP BY ALL ORDER BY reader_layer""", [model, checkpoint, metric, space])
 
 

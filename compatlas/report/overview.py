@@ -14,7 +14,7 @@ import polars as pl
 
 from compatlas.report.behaviour import MIN_CLASS
 from compatlas.report.model import ModelData
-from compatlas.report.page import COMP_COLOURS, COMPS, METRIC_ORDER, SPACE_ORDER, fmt, head, note, table
+from compatlas.report.page import COMPS, METRIC_ORDER, SPACE_ORDER, fmt, head, table
 
 
 def _link(d: ModelData) -> str:

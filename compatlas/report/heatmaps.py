@@ -11,7 +11,7 @@ import altair as alt
 import numpy as np
 import polars as pl
 
-from compatlas.report.page import COMPS, METRIC_ORDER, SPACE_ORDER, fmt, order, table
+from compatlas.report.page import COMPS, METRIC_ORDER, SPACE_ORDER, finite, fmt, order, table
 
 HEATMAP_DATA = "heatmap"  # name of the heatmap's dataset in the spec's top-level "datasets"
 # Above this many cells a heatmap gets no PNG file (drawing it takes vl-convert about 13 s per
@@ -52,7 +52,9 @@ def heatmap_rows(df: pl.DataFrame, H: int) -> list[dict[str, Any]]:
     for (comp, w), g in d.sort(["comp", "w", "r"]).group_by(["comp", "w"], maintain_order=True):
         r = g["r"].to_numpy()
         r0, n = int(r[0]), int(r[-1] - r[0] + 1)
-        row: dict[str, Any] = {"c": comp, "w": int(w), "r0": r0, "nn": nn}
+        gm = g["baseline_gaussian_mean"].mean() if "baseline_gaussian_mean" in g.columns else None
+        # the Gaussian null depends only on the heads' shapes: one value per row (their mean)
+        row: dict[str, Any] = {"c": comp, "w": int(w), "r0": r0, "nn": nn, "gm": round(gm, 4) if finite(gm) else None}
         for key, col in (("s", "s"), ("m", "m"), ("z", "zz"), ("lp", "lpp"), ("lq", "lqq")):
             arr: list[Any] = [None] * n
             for ri, v in zip((r - r0).tolist(), g[col].to_list()):
@@ -123,6 +125,7 @@ def heatmap_chart(df: pl.DataFrame, model: str, checkpoint: str, metric: str, sp
                      alt.Tooltip("score:Q", format=".3f"),
                      alt.Tooltip("null_mean:Q", title="spectrum-kept null mean", format=".3f"),
                      alt.Tooltip("null_sd:Q", title="spectrum-kept null sd", format=".3g"),
+                     alt.Tooltip("gm:Q", title="Gaussian null mean", format=".3f"),
                      alt.Tooltip("zval:Q", title="z", format=".1f"),
                      alt.Tooltip("nn:Q", title="non-causal null pairs", format=","),
                      alt.Tooltip("p:Q", format=".2e"), alt.Tooltip("q:Q", format=".2e")])

@@ -166,3 +166,18 @@ def test_empty_atlas(tmp_path):
     text = written[0].read_text(encoding="utf-8")
     assert "No results" in text
     assert_offline(text)
+
+
+def test_induction_tokens_without_near_b_columns(tmp_path):
+    """An atlas whose induction_tokens predates the nearby-B columns: the powers are drawn, the
+    B vs nearby-B figure is replaced by a note naming the missing columns."""
+    db = write_suite(tmp_path, [Spec("m", 2, 2)], metrics=("frobenius",), spaces=("residual",))
+    con = duckdb.connect(str(db))
+    shard = tmp_path / "induction_tokens" / "m__final.parquet"
+    con.execute("CREATE OR REPLACE VIEW induction_tokens AS SELECT * EXCLUDE (near_b_mean, near_b_stderr) "
+                f"FROM read_parquet('{shard}')")
+    con.close()
+    build_report(db, tmp_path / "report", png=False)
+    page = (tmp_path / "report" / "model-m.html").read_text(encoding="utf-8")
+    assert "A power and B power" in page and "is B's neighbourhood copied too?" not in page
+    assert "induction_tokens lacks near_b_mean, near_b_stderr" in page

@@ -13,6 +13,7 @@ MIN_READERS = 10  # no Spearman from fewer reader heads than this
 MIN_CLASS = 3     # no AUROC unless both classes (induction heads and the other readers) have this many
 HEAD_SCORE_TEXT = {"prev_token_mean": "previous-token score", "duplicate_mean": "duplicate-token score",
                    "induction_mean": "induction score", "ablation_drop": "drop in induction strength when ablated"}
+POWER_COLUMNS = ("filler_before", "filler_between", "role", "mean", "stderr")
 NEAR_COLUMNS = ("near_b_mean", "near_b_stderr", "random_mean", "random_stderr")
 
 

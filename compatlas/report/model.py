@@ -174,14 +174,16 @@ def behaviour_part(page: Page, con: duckdb.DuckDBPyConnection, d: ModelData) -> 
     s = d.stem
     if toks.is_empty():
         page.add(note("No induction sweep for this model (induction disabled, or an encoder without logits)."))
-    else:
-        page.figure(behaviour.powers_chart(toks, d.model, d.latest), f"{s}__induction_powers")
-        missing = [c for c in behaviour.NEAR_COLUMNS if c not in toks.columns]
-        if missing:
-            page.add(note(f"B vs nearby B vs random: this atlas's induction_tokens lacks {', '.join(missing)}."))
-        else:
-            page.figure(behaviour.near_b_chart(toks, d.model, d.latest), f"{s}__induction_near_b")
-        page.add(behaviour.top_tokens(toks))
+    else:  # each figure needs its columns of induction_tokens; an older atlas may lack some
+        for need, draw, stem in ((behaviour.POWER_COLUMNS, behaviour.powers_chart, "induction_powers"),
+                                 (behaviour.POWER_COLUMNS + behaviour.NEAR_COLUMNS, behaviour.near_b_chart, "induction_near_b")):
+            missing = [c for c in need if c not in toks.columns]
+            if missing:
+                page.add(note(f"No {stem.replace('_', ' ')} figure: this atlas's induction_tokens lacks {', '.join(missing)}."))
+            else:
+                page.figure(draw(toks, d.model, d.latest), f"{s}__{stem}")
+        if not [c for c in behaviour.POWER_COLUMNS + ("token_id", "token_text") if c not in toks.columns]:
+            page.add(behaviour.top_tokens(toks))
     heads = d.outcome.heads if d.outcome is not None else d.heads
     if not heads.is_empty():
         page.add("<h3>Head scores and ablation</h3>")

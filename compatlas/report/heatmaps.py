@@ -17,7 +17,7 @@ HEATMAP_DATA = "heatmap"  # name of the heatmap's dataset in the spec's top-leve
 # Above this many cells a heatmap gets no PNG file (drawing it takes vl-convert about 13 s per
 # 200k cells); the page's figure menu exports one on request.
 PNG_MAX_CELLS = 60_000
-PANEL_MAX, PANEL_MIN, CELL_PX = 900, 260, 12  # px: the panel's side, and a cell's where the model is small
+PANEL_MAX, PANEL_MIN, CELL_PX = 720, 260, 12  # px: the panel's side, and a cell's where the model is small
 
 METRIC_TEXT = {
     "frobenius": "||L R||_F / (||L||_F ||R||_F) (Elhage et al. 2021)",
@@ -88,7 +88,7 @@ def heatmap_chart(df: pl.DataFrame, model: str, checkpoint: str, metric: str, sp
     if calibrated:
         top = float(np.nanmax(-np.log10(df["q_value"].drop_nulls().to_numpy().clip(1e-300)))) if df.height else 1.0
         cmax = max(2.0, math.ceil(min(top, 10.0)))
-        colour = alt.Color("col:Q", title=["-log10 q", f"(discovery: q <= {fmt(q_cut)})" if q_cut else ""],
+        colour = alt.Color("col:Q", title=["-log10 q", f"(discovery: q <= {q_cut:g})" if q_cut else ""],
                            scale=alt.Scale(scheme="inferno", reverse=True, domain=[0, cmax], clamp=True),
                            legend=alt.Legend(gradientLength=min(height, 220), titleFontSize=11))
         what = (f"Colour: -log10 q, the Benjamini-Hochberg q-value of the pair's p-value against this model's own "

@@ -11,7 +11,7 @@ import altair as alt
 import numpy as np
 import polars as pl
 
-from compatlas.report.page import COMPS, METRIC_ORDER, SPACE_ORDER, finite, fmt, order, table
+from compatlas.report.page import COMPS, METRIC_ORDER, SPACE_ORDER, finite, order, table
 
 HEATMAP_DATA = "heatmap"  # name of the heatmap's dataset in the spec's top-level "datasets"
 # Above this many cells a heatmap gets no PNG file (drawing it takes vl-convert about 13 s per

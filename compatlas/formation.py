@@ -63,7 +63,8 @@ def loss_drop_step(steps: np.ndarray, loss: np.ndarray, window: float = 0.05) ->
     w = max(1, int(len(loss) * window))
     if len(loss) < 3 * w:
         return None
-    smooth = np.convolve(loss, np.ones(w) / w, mode="valid")  # smooth[i]: mean of loss[i : i + w]
+    c = np.concatenate([[0.0], np.cumsum(loss)])
+    smooth = (c[w:] - c[:-w]) / w  # smooth[i]: mean of loss[i : i + w] (O(n), not O(n w))
     drops = smooth[:-w] - smooth[w:]
     i = int(np.argmax(drops))
     return float(steps[i + w]) if drops[i] >= MIN_RISE else None

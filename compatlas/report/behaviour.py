@@ -68,7 +68,7 @@ def head_scores_chart(heads: pl.DataFrame, model: str) -> alt.TopLevelMixin:
     step picks one (the maps' colours keep one scale over training)."""
     cols = [c for c in HEAD_SCORE_TEXT if c in heads.columns and heads[c].is_not_null().any()]
     steps = sorted(heads["step"].unique().to_list()) if "step" in heads.columns else []
-    h = heads.select("layer", "head", *cols, *(["step"] if steps else []))
+    h = heads.select("layer", "head", *(pl.col(c).round(3) for c in cols), *(["step"] if steps else []))
     n_heads, n_layers = int(h["head"].max()) + 1, int(h["layer"].max()) + 1
     cell = max(4, min(28, (1180 // max(len(cols), 1) - 90) // n_heads))
     params, filt = [], None

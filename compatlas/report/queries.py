@@ -19,7 +19,13 @@ EDGE_MAX = 150  # the circuit view draws at most this many discoveries per metri
 
 
 def columns(con: Con, view: str) -> set[str]:
+    """A view's or table's columns, from the catalog (binding a view over a thousand shards to
+    ask costs a quarter of a second)."""
     try:
+        cols = {r[0] for r in con.execute("SELECT column_name FROM duckdb_columns() WHERE table_name = ?",
+                                          [view]).fetchall()}
+        if cols:
+            return cols
         return {d[0] for d in con.execute(f"SELECT * FROM {view} LIMIT 0").description}
     except duckdb.Error:
         return set()
@@ -155,15 +161,20 @@ def pair_curves(con: Con, model: str, pair: tuple[tuple[int, int], tuple[int, in
     """The composition of the previous-token head into the induction head of ``pair`` at every
     checkpoint: metric, space, comp, step, score (and p, q where calibrated)."""
     (il, ih), (pl_, ph) = pair
-    view, pq = _calibrated(con)
-    if not has(con, view, "score"):
+    if not has(con, "composition", "score"):
         return pl.DataFrame()
-    pq = "p_value, q_value" if view == "composition_z" else "NULL::DOUBLE AS p_value, NULL::DOUBLE AS q_value"
-    df = _pl(con, f"""SELECT checkpoint, metric, space, comp, score, {pq} FROM {view}
-                      WHERE model = ? AND writer_layer = ? AND writer_head = ? AND reader_layer = ? AND reader_head = ?""",
-             [model, pl_, ph, il, ih])
+    where = "model = ? AND writer_layer = ? AND writer_head = ? AND reader_layer = ? AND reader_head = ?"
+    args = [model, pl_, ph, il, ih]
+    keys = [k for k in ("checkpoint", "processing", "metric", "space", "comp") if k in columns(con, "composition")]
+    # scores and p-values fetched apart and joined here: a join of the views scans every checkpoint twice over
+    df = _pl(con, f"SELECT {', '.join(keys)}, score FROM composition WHERE {where}", args)
+    if has(con, "calibration", "p_value", "q_value", *keys):
+        pq = _pl(con, f"SELECT {', '.join(keys)}, p_value, q_value FROM calibration WHERE {where}", args)
+        df = df.join(pq, on=keys, how="left")
+    else:
+        df = df.with_columns(p_value=pl.lit(None, pl.Float64), q_value=pl.lit(None, pl.Float64))
     st = steps.select("checkpoint", pl.col("checkpoint_step").alias("step"))
-    return df.join(st, on="checkpoint").drop("checkpoint").sort("step")
+    return df.join(st, on="checkpoint").drop("checkpoint", "processing", strict=False).sort("step")
 
 
 def metric_audit(con: Con) -> pl.DataFrame:

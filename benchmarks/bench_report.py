@@ -10,7 +10,7 @@ in the same run: the report's cost should follow the models, not the checkpoints
 Targets (issue 13, 2 cores): the report in under 2 minutes, the overview under 5 MB, each model
 page under 10 MB.
 
-    python benchmarks/bench_report.py [--checkpoints 30] [--dir /tmp/bench-report] [--no-png]
+    python benchmarks/bench_report.py [--checkpoints 30] [--dir /tmp/bench-report] [--no-png] [--reuse]
 """
 
 from __future__ import annotations
@@ -39,10 +39,13 @@ def steps(n: int) -> list[int]:
     return early[:n] if n <= len(early) else early + [round(143000 * (i + 1) / (n - len(early))) for i in range(n - len(early))]
 
 
-def run(root: Path, specs: list[Spec], png: bool) -> dict:
-    shutil.rmtree(root, ignore_errors=True)
+def run(root: Path, specs: list[Spec], png: bool, reuse: bool = False) -> dict:
     t0 = time.perf_counter()
-    db = write_suite(root, specs, METRICS, SPACES)
+    if reuse and (root / "atlas.duckdb").exists():
+        db = root / "atlas.duckdb"
+    else:
+        shutil.rmtree(root, ignore_errors=True)
+        db = write_suite(root, specs, METRICS, SPACES)
     t1 = time.perf_counter()
     files = build_report(db, root / "report", png=png)
     t2 = time.perf_counter()
@@ -65,16 +68,17 @@ def main() -> None:
     ap.add_argument("--checkpoints", type=int, default=30)
     ap.add_argument("--dir", type=Path, default=Path("/tmp/bench-report"))
     ap.add_argument("--no-png", action="store_true")
+    ap.add_argument("--reuse", action="store_true", help="keep the suites already in --dir (same --checkpoints)")
     a = ap.parse_args()
     png = not a.no_png
     t = time.perf_counter()
     js_bundle()  # once per process (cached): paid by whichever report comes first, so paid here
     print(f"Vega JavaScript bundle (once per report process): {time.perf_counter() - t:.1f} s")
-    full = run(a.dir / "full", [Spec(n, L, H, steps(a.checkpoints)) for n, L, H in SHAPES], png)
+    full = run(a.dir / "full", [Spec(n, L, H, steps(a.checkpoints)) for n, L, H in SHAPES], png, a.reuse)
     show(f"4 models x {a.checkpoints} checkpoints", full)
-    few = run(a.dir / "few", [Spec(n, L, H, steps(3)) for n, L, H in SHAPES], png)
+    few = run(a.dir / "few", [Spec(n, L, H, steps(3)) for n, L, H in SHAPES], png, a.reuse)
     show("4 models x 3 checkpoints", few)
-    one = run(a.dir / "one", [Spec(*SHAPES[-1], steps(a.checkpoints))], png)
+    one = run(a.dir / "one", [Spec(*SHAPES[-1], steps(a.checkpoints))], png, a.reuse)
     show(f"1 model (24 x 16) x {a.checkpoints} checkpoints", one)
     print(f"ratio report time, {a.checkpoints} vs 3 checkpoints: {full['report_s'] / few['report_s']:.2f} "
           f"(checkpoints x{a.checkpoints / 3:.0f})")

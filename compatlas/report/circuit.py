@@ -28,8 +28,9 @@ def node_frame(n_layers: int, n_heads: int, heads: pl.DataFrame, prev_cut: float
 
 
 def circuit_chart(edges: pl.DataFrame, nodes: pl.DataFrame, model: str, checkpoint: str, lead: tuple[str, str],
-                  q_cut: float | None) -> alt.LayerChart:
-    """``edges``: queries.discoveries of the model x checkpoint (any metric x space)."""
+                  q_cut: float | None, candidates: bool = False) -> alt.LayerChart:
+    """``edges``: queries.discoveries of the model x checkpoint (any metric x space), or with
+    ``candidates`` queries.strongest (there are no discoveries): drawn dashed, said so."""
     n_layers, n_heads = int(nodes["layer"].max()) + 1, int(nodes["head"].max()) + 1
     width = min(CONTENT - 260, max(260, 46 * n_heads))
     height = min(900, max(200, 30 * n_layers))
@@ -51,7 +52,7 @@ def circuit_chart(edges: pl.DataFrame, nodes: pl.DataFrame, model: str, checkpoi
                                    labelOverlap=True))
     comps = order(e["comp"].unique().to_list(), COMPS) or list(COMPS)
     links = alt.Chart(e).add_params(pick, comp_sel).transform_filter("datum.combo == combo").mark_rule(
-        strokeCap="round").encode(
+        strokeCap="round", strokeDash=[4, 3] if candidates else [1, 0]).encode(
         x=alt.X("writer_head:Q", scale=xs), y=alt.Y("writer_layer:Q", scale=ys),
         x2="reader_head:Q", y2="reader_layer:Q",
         color=alt.Color("comp:N", scale=alt.Scale(domain=comps, range=[COMP_COLOURS.get(c, "#888") for c in comps]),
@@ -76,8 +77,10 @@ def circuit_chart(edges: pl.DataFrame, nodes: pl.DataFrame, model: str, checkpoi
     return alt.layer(links, points).resolve_scale(color="independent").properties(
         width=width, height=height, title=alt.TitleParams(
             f"{model} @ {checkpoint}: the circuit its weights show", anchor="start", fontSize=14, subtitleColor="#444",
-            subtitle=[f"Edges: the discoveries (q <= {q_cut if q_cut is not None else 'fdr'}) from a writer head to a reader "
-                      "head in a later layer, coloured by comp, thicker for a higher score"
-                      + (f"; of the {cap:,} discoveries, the {EDGE_MAX} with the smallest q" if cap > EDGE_MAX else "")
-                      + ".",
+            subtitle=([f"No pair is a discovery (q <= {q_cut if q_cut is not None else 'fdr'}): dashed edges are the pairs with "
+                       "the smallest p per metric · space, NOT a circuit."] if candidates else
+                      [f"Edges: the discoveries (q <= {q_cut if q_cut is not None else 'fdr'}) from a writer head to a reader "
+                       "head in a later layer, coloured by comp, thicker for a higher score"
+                       + (f"; of the {cap:,} discoveries, the {EDGE_MAX} with the smallest q" if cap > EDGE_MAX else "")
+                       + "."]) + [
                       "Nodes: every head, coloured by what it does on repeated random tokens (head scores)."]))

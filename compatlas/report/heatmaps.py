@@ -1,6 +1,6 @@
 """The head x head heatmap of one model x checkpoint x metric x space, coloured by the
-calibrated answer (-log10 q against the model's own non-causal pairs, so the discoveries stand
-out), and the calibration summary table of every metric x space x comp."""
+calibrated answer (-log10 p against the model's own non-causal pairs, so the pairs that stand
+out of that null stand out), and the calibration summary table of every metric x space x comp."""
 
 from __future__ import annotations
 
@@ -75,7 +75,7 @@ def _layer_axis(title: str, lo: int, hi: int, H: int, x: bool, side: int) -> alt
 def heatmap_chart(df: pl.DataFrame, model: str, checkpoint: str, metric: str, space: str, H: int,
                   q_cut: float | None) -> alt.Chart:
     """One writer x reader panel, the comp chosen by radio buttons (K first: induction circuits
-    compose through keys). Colour: -log10 q where calibrated, else the z against the spectrum-kept
+    compose through keys). Colour: -log10 p where calibrated, else the z against the spectrum-kept
     null. The chart reads the named dataset HEATMAP_DATA (``heatmap_rows``)."""
     calibrated = df["q_value"].is_not_null().any()
     w_lo, w_hi = int(df["writer_layer"].min()), int(df["writer_layer"].max()) + 1
@@ -85,15 +85,16 @@ def heatmap_chart(df: pl.DataFrame, model: str, checkpoint: str, metric: str, sp
     width, height = max(120, round(side * n_r / max(n_w, n_r))), max(120, round(side * n_w / max(n_w, n_r)))
     comps = order(df["comp"].unique().to_list(), ("K", "Q", "V"))
     pick = alt.param(name="comp", value=comps[0], bind=alt.binding_radio(options=comps, name="composition: "))
-    if calibrated:
-        top = float(np.nanmax(-np.log10(df["q_value"].drop_nulls().to_numpy().clip(1e-300)))) if df.height else 1.0
+    if calibrated:  # p rather than q: BH's step-up flattens q over most pairs, p keeps their order
+        top = float(np.nanmax(-np.log10(df["p_value"].drop_nulls().to_numpy().clip(1e-300)))) if df.height else 1.0
         cmax = max(2.0, math.ceil(min(top, 10.0)))
-        colour = alt.Color("col:Q", title=["-log10 q", f"(discovery: q <= {q_cut:g})" if q_cut else ""],
+        colour = alt.Color("col:Q", title=["-log10 p", "(vs non-causal pairs)"],
                            scale=alt.Scale(scheme="inferno", reverse=True, domain=[0, cmax], clamp=True),
                            legend=alt.Legend(gradientLength=min(height, 220), titleFontSize=11))
-        what = (f"Colour: -log10 q, the Benjamini-Hochberg q-value of the pair's p-value against this model's own "
-                f"non-causal pairs (a reader at or below its writer's layer); dark cells are the discoveries.")
-        col_expr = "datum.lq / 100"
+        what = ("Colour: -log10 p of the pair's score against this model's own non-causal pairs (a reader at or "
+                "below its writer's layer); q (Benjamini-Hochberg) in the tooltip"
+                + (f", discoveries: q <= {q_cut:g}." if q_cut is not None else "."))
+        col_expr = "datum.lp / 100"
     else:
         colour = alt.Color("col:Q", title="z (spectrum-kept null)",
                            scale=alt.Scale(scheme="redblue", reverse=True, domainMid=0), legend=alt.Legend(titleFontSize=11))

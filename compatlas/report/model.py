@@ -33,6 +33,7 @@ class ModelData:
     heads: pl.DataFrame            # head_scores of the last checkpoint
     cvb: pl.DataFrame              # composition_vs_behaviour of the last checkpoint
     outcome: fm.TrainingOutcome | None
+    candidates: bool = False       # edges are the smallest-p pairs, not discoveries (there are none)
 
     @property
     def stem(self) -> str:
@@ -64,9 +65,13 @@ def load(con: duckdb.DuckDBPyConnection, model: str, ckpts: pl.DataFrame, q_cut:
         pair = fm.eventual_pair(hs)
         curves = q.pair_curves(con, model, pair, stepped) if pair is not None else pl.DataFrame()
         outcome = fm.training_outcome(hs, q.loss(con, model), curves)
+    edges = q.discoveries(con, model, latest, q_cut)
+    candidates = edges.is_empty() and bool(combos)
+    if candidates:  # nothing passes the FDR: show where the model comes closest, said as such
+        edges = q.strongest(con, model, latest)
     return ModelData(model, info, mine, latest, combos, heatmaps.lead_combo(combos) if combos else None,
-                     summary, q.discoveries(con, model, latest, q_cut), q.rows(con, "head_scores", model, latest),
-                     q.rows(con, "composition_vs_behaviour", model, latest), outcome)
+                     summary, edges, q.rows(con, "head_scores", model, latest),
+                     q.rows(con, "composition_vs_behaviour", model, latest), outcome, candidates)
 
 
 def describe(d: ModelData) -> str:
@@ -99,8 +104,9 @@ def top_discoveries(d: ModelData) -> str:
                  r["baseline_spectrum_mean"], r["z_spectrum"], r["p_value"], r["q_value"]] for r in top.iter_rows(named=True)]
         parts.append(f"<div><b>{comp}-composition</b>"
                      + table(["writer", "reader", "score", "spectrum null", "z", "p", "q"], rows) + "</div>")
-    return (f"<h3>Top discoveries: {html.escape(d.lead[0])}, {html.escape(d.lead[1])} space</h3>"
-            + note("Smallest q first (ties: smaller p, then larger score). All of them: <code>SELECT * FROM discoveries "
+    what = "Pairs with the smallest p (no discoveries)" if d.candidates else "Top discoveries"
+    return (f"<h3>{what}: {html.escape(d.lead[0])}, {html.escape(d.lead[1])} space</h3>"
+            + note("Smallest q first (ties: smaller p, then larger z). All discoveries: <code>SELECT * FROM discoveries "
                    f"WHERE model = '{html.escape(d.model)}' AND latest</code>.")
             + "<div class='side'>" + "".join(parts) + "</div>")
 
@@ -118,12 +124,15 @@ def build_page(con: duckdb.DuckDBPyConnection, d: ModelData, out_dir: Path, q_cu
         page.add(note("No composition scores: a one-layer model has no writer head in an earlier layer than a reader."
                       if (d.info.get("n_layers") or 2) < 2 else "No composition scores for this model yet."))
     elif d.edges.is_empty():
-        page.add(note("No discoveries: no head pair composes beyond this model's own non-causal pairs at the "
-                      "configured false discovery rate" if q_cut is not None else
-                      "This atlas has no calibration (no discoveries view): rebuild it to see the circuit."))
+        page.add(note("This atlas has no calibration (no p-values): rebuild it to see the circuit."))
     else:
+        if d.candidates:
+            why = (f"no head pair of this model composes beyond its own non-causal pairs at q <= {q_cut:g}"
+                   if q_cut is not None else "this atlas has no discoveries view")
+            page.add(note(f"<b>No discoveries</b>: {why}. Drawn instead, and not to be read as a circuit: the pairs "
+                          "with the smallest p."))
         nodes = circuit.node_frame(int(d.info["n_layers"]), int(d.info["n_heads"]), d.heads, *cuts)
-        page.figure(circuit.circuit_chart(d.edges, nodes, d.model, d.latest, d.lead, q_cut), f"{s}__circuit")
+        page.figure(circuit.circuit_chart(d.edges, nodes, d.model, d.latest, d.lead, q_cut, d.candidates), f"{s}__circuit")
         page.add(top_discoveries(d))
     if d.combos:
         metric, space = d.lead

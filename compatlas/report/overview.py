@@ -40,7 +40,7 @@ def _strongest(d: ModelData) -> str:
         if comp not in n:
             continue
         g = e.filter(pl.col("comp") == comp).sort(["q_value", "score"], descending=[False, True]) if e.height else e
-        best = "" if g.is_empty() else (f": {head(g['writer_layer'][0], g['writer_head'][0])} → "
+        best = "" if g.is_empty() or d.candidates else (f": {head(g['writer_layer'][0], g['writer_head'][0])} → "
                                         f"{head(g['reader_layer'][0], g['reader_head'][0])} (q {fmt(g['q_value'][0])})")
         out.append(html.escape(f"{comp} {fmt(n[comp])}{best}"))
     return "<br>".join(out) + f"<br><small>({html.escape(d.lead[0])}, {html.escape(d.lead[1])} space)</small>"

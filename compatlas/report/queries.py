@@ -96,21 +96,35 @@ def calibration_summary(con: Con, model: str, checkpoint: str, q_cut: float | No
     return scores.join(cal, on=keys, how="left")
 
 
+def strongest(con: Con, model: str, checkpoint: str, limit: int = 30) -> pl.DataFrame:
+    """Where nothing is a discovery: the ``limit`` pairs per metric x space with the smallest p
+    (ties, as at the null's floor: the largest z), in the columns of ``discoveries``."""
+    if not has(con, "calibration", "p_value") or not has(con, "composition", "score"):
+        return pl.DataFrame()
+    return _ranked(con, model, checkpoint, f"""SELECT * FROM calibration WHERE model = ? AND checkpoint = ?
+                   QUALIFY rank() OVER (PARTITION BY metric, space ORDER BY p_value) <= {int(limit)}""", limit)
+
+
+def _ranked(con: Con, model: str, checkpoint: str, cal_sql: str, limit: int) -> pl.DataFrame:
+    """The p-values chosen by ``cal_sql`` joined to their scores, at most ``limit`` per metric x space."""
+    k = "metric, space, comp, writer_layer, writer_head, reader_layer, reader_head"
+    return _pl(con, f"""WITH d AS (SELECT {k}, n_null, p_value, q_value FROM ({cal_sql})),
+        s AS (SELECT d.*, c.score, c.baseline_spectrum_mean, c.baseline_spectrum_std,
+                     (c.score - c.baseline_spectrum_mean) / NULLIF(c.baseline_spectrum_std, 0) AS z_spectrum
+              FROM d JOIN (SELECT * FROM composition WHERE model = ? AND checkpoint = ?) c USING ({k}))
+        SELECT * FROM (SELECT *, count(*) OVER (PARTITION BY metric, space) AS n_total,
+                              row_number() OVER (PARTITION BY metric, space ORDER BY q_value, p_value, z_spectrum DESC) AS rank
+                       FROM s) WHERE rank <= {int(limit)}""", [model, checkpoint, model, checkpoint])
+
+
 def discoveries(con: Con, model: str, checkpoint: str, q_cut: float | None, limit: int = EDGE_MAX) -> pl.DataFrame:
     """The discoveries of one model x checkpoint, at most ``limit`` per metric x space (smallest
     q, then largest score), with ``n_total`` (how many there are in that metric x space). The
     p-values are filtered first, then joined to their scores."""
     if q_cut is None or not has(con, "calibration", "q_value") or not has(con, "composition", "score"):
         return pl.DataFrame()
-    k = "metric, space, comp, writer_layer, writer_head, reader_layer, reader_head"
-    return _pl(con, f"""WITH d AS (SELECT {k}, n_null, p_value, q_value FROM calibration
-                                   WHERE model = ? AND checkpoint = ? AND q_value <= {float(q_cut)}),
-        s AS (SELECT d.*, c.score, c.baseline_spectrum_mean, c.baseline_spectrum_std,
-                     (c.score - c.baseline_spectrum_mean) / NULLIF(c.baseline_spectrum_std, 0) AS z_spectrum
-              FROM d JOIN (SELECT * FROM composition WHERE model = ? AND checkpoint = ?) c USING ({k}))
-        SELECT * FROM (SELECT *, count(*) OVER (PARTITION BY metric, space) AS n_total,
-                              row_number() OVER (PARTITION BY metric, space ORDER BY q_value, p_value, score DESC) AS rank
-                       FROM s) WHERE rank <= {int(limit)}""", [model, checkpoint, model, checkpoint])
+    return _ranked(con, model, checkpoint, f"""SELECT * FROM calibration WHERE model = ? AND checkpoint = ?
+                   AND q_value <= {float(q_cut)}""", limit)
 
 
 def depth_profile(con: Con, model: str, checkpoint: str, metric: str, space: str, q_cut: float) -> pl.DataFrame:

@@ -92,8 +92,10 @@ def _build(con: duckdb.DuckDBPyConnection, out_dir: Path, config: dict[str, Any]
                              and not (p := q.depth_profile(con, d.model, d.latest, *d.lead, q_cut)).is_empty()], how="diagonal_relaxed") \
             if q_cut is not None and any(d.lead for d in data) else pl.DataFrame()
         page.add("<h2 id='across'>Across models</h2>")
-        if not profile.is_empty():
+        if not profile.is_empty() and profile["n"].sum() > 0:
             page.figure(overview.depth_chart(profile), "overview__depth")
+        elif not profile.is_empty():
+            page.add(note("No model has a discovery in its lead metric x space: no depth profile to draw."))
         if "recall" in recall.columns and recall["recall"].is_not_null().any():
             page.figure(overview.circuit_chart(recall), "overview__induction_circuit")
         else:

@@ -57,7 +57,7 @@ def circuit_chart(edges: pl.DataFrame, nodes: pl.DataFrame, model: str, checkpoi
         x2="reader_head:Q", y2="reader_layer:Q",
         color=alt.Color("comp:N", scale=alt.Scale(domain=comps, range=[COMP_COLOURS.get(c, "#888") for c in comps]),
                         legend=alt.Legend(title="comp (click to pick)", orient="right")),
-        strokeWidth=alt.StrokeWidth("score:Q", scale=alt.Scale(range=[0.6, 4.5]), legend=alt.Legend(title="score", format=".2f")),
+        strokeWidth=alt.StrokeWidth("score:Q", scale=alt.Scale(range=[0.6, 4.5]), legend=alt.Legend(title="score", format=".3f")),
         opacity=alt.condition(comp_sel, alt.value(0.7), alt.value(0.04)),
         tooltip=[alt.Tooltip("writer:N"), alt.Tooltip("reader:N"), "comp:N", alt.Tooltip("score:Q", format=".3f"),
                  alt.Tooltip("baseline_spectrum_mean:Q", title="spectrum-kept null mean", format=".3f"),

@@ -53,9 +53,17 @@ COMPOSITION_Z = """CREATE VIEW composition_z AS SELECT c.*,
     c.score - c.baseline_gaussian_mean AS score_minus_gaussian,
     (c.score - c.baseline_spectrum_mean) / NULLIF(c.baseline_spectrum_std, 0) AS z_spectrum,
     (c.score - c.baseline_gaussian_mean) / NULLIF(c.baseline_gaussian_std, 0) AS z_gaussian,
-    p.n_null, p.p_value, p.q_value
+    p.n_null, p.p_value, p.q_value, k.checkpoint_step, k.latest
     FROM composition c LEFT JOIN calibration p
-    USING (model, checkpoint, processing, metric, space, comp, writer_layer, writer_head, reader_layer, reader_head)"""
+    USING (model, checkpoint, processing, metric, space, comp, writer_layer, writer_head, reader_layer, reader_head)
+    LEFT JOIN checkpoints k USING (model, checkpoint)"""
+
+# Checkpoints in training order: the step (null for a model without a series) and `latest`, each
+# model's last checkpoint (highest step; a model without steps has one), so "the last checkpoint
+# of each model" is `WHERE latest` in checkpoints, composition_z and discoveries.
+CHECKPOINTS = """CREATE VIEW checkpoints AS SELECT model, checkpoint, checkpoint_step,
+    row_number() OVER (PARTITION BY model ORDER BY checkpoint_step DESC NULLS LAST, checkpoint DESC) = 1 AS latest
+    FROM models"""
 
 # The calibrated answer: causal pairs whose q-value (Benjamini-Hochberg over the pairs of one
 # model x checkpoint x metric x space x comp) is at most the configured false discovery rate.
@@ -202,6 +210,7 @@ def build_atlas(db_path: str | os.PathLike, shards: dict[str, list[str | os.Path
             for name, types in VIEWS.items():
                 kept = [p for p in shards.get(name, []) if str(p) not in dropped]
                 con.execute(_parquet_view(name, kept, types, root))
+            con.execute(CHECKPOINTS)
             con.execute(COMPOSITION_Z)
             con.execute(DISCOVERIES.format(fdr=float(fdr)))
             con.execute(INDUCTION_SUMMARY)

@@ -19,6 +19,9 @@ Definitions (the report states them):
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from functools import cached_property
+
 import numpy as np
 import polars as pl
 
@@ -60,7 +63,8 @@ def loss_drop_step(steps: np.ndarray, loss: np.ndarray, window: float = 0.05) ->
     w = max(1, int(len(loss) * window))
     if len(loss) < 3 * w:
         return None
-    smooth = np.convolve(loss, np.ones(w) / w, mode="valid")  # smooth[i]: mean of loss[i : i + w]
+    c = np.concatenate([[0.0], np.cumsum(loss)])
+    smooth = (c[w:] - c[:-w]) / w  # smooth[i]: mean of loss[i : i + w] (O(n), not O(n w))
     drops = smooth[:-w] - smooth[w:]
     i = int(np.argmax(drops))
     return float(steps[i + w]) if drops[i] >= MIN_RISE else None
@@ -105,3 +109,47 @@ def statement(v: pl.DataFrame) -> str:
     early = v.filter(pl.col("rises_early"))
     return (f"Tracks the formation: {names(clean)}. Rises early (before half the marked step) to its final "
             f"value or above: {names(early)}.")
+
+
+@dataclass
+class TrainingOutcome:
+    """What the seed-000 analysis finds for one model with a checkpoint series."""
+    heads: pl.DataFrame                 # head_scores at every checkpoint, with its step
+    pair: tuple[tuple[int, int], tuple[int, int]] | None  # (induction head, previous-token head)
+    formation: float | None             # formation step (formation_step)
+    drop: float | None                  # loss-drop step (loss_drop_step)
+    loss: pl.DataFrame                  # training loss per step (step, loss); empty without a training run
+    curves: pl.DataFrame                # the pair's composition over training (metric, space, comp, step, score)
+
+    @property
+    def marker(self) -> float | None:
+        """The step the curves are judged against: the formation, else the loss drop."""
+        return self.formation if self.formation is not None else self.drop
+
+    @cached_property
+    def verdicts(self) -> pl.DataFrame | None:
+        """verdicts of the curves against the marker (computed once: the overview and the
+        model's page both show them)."""
+        return None if self.marker is None or self.curves.is_empty() else verdicts(self.curves, self.marker)
+
+
+def eventual_pair(heads: pl.DataFrame) -> tuple[tuple[int, int], tuple[int, int]] | None:
+    """``eventual_heads`` of the last checkpoint of ``heads`` (head scores with a ``step`` column)."""
+    return None if heads.is_empty() else eventual_heads(heads.filter(pl.col("step") == heads["step"].max()))
+
+
+def training_outcome(heads: pl.DataFrame, loss: pl.DataFrame, curves: pl.DataFrame) -> TrainingOutcome | None:
+    """The seed-000 analysis of one run from data frames: ``heads`` (head scores at every
+    checkpoint, with ``step``), ``loss`` (step, loss; may be empty) and ``curves`` (the
+    ``eventual_pair``'s composition: metric, space, comp, step, score). None with fewer than
+    two checkpoints."""
+    if heads.is_empty() or heads["step"].n_unique() < 2:
+        return None
+    drop = loss_drop_step(loss["step"].to_numpy(), loss["loss"].to_numpy()) if loss.height else None
+    pair = eventual_pair(heads)
+    if pair is None:
+        return TrainingOutcome(heads, None, None, drop, loss, pl.DataFrame())
+    (il, ih), _ = pair
+    ind = heads.filter((pl.col("layer") == il) & (pl.col("head") == ih)).sort("step")
+    formation = formation_step(ind["step"].to_numpy(), ind["induction_mean"].to_numpy())
+    return TrainingOutcome(heads, pair, formation, drop, loss, curves)

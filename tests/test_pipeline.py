@@ -4,6 +4,7 @@ reruns, bad input. Runs real Snakemake subprocesses (about a minute on 2 cores).
 from __future__ import annotations
 
 import hashlib
+import os
 import shutil
 import subprocess
 import sys
@@ -69,7 +70,7 @@ def test_views_hold_every_score(pipeline_run: Path):
 
 def test_calibration_views(pipeline_run: Path):
     """Every causal pair has a p and q; the null holds exactly the non-causal pairs of distinct heads."""
-    con = duckdb.connect(str(pipeline_run / "results" / "atlas.duckdb"), read_only=True)
+    con = connect(pipeline_run / "results" / "atlas.duckdb")
     n_causal = con.execute("SELECT count(*) FROM composition").fetchone()[0]
     assert con.execute("SELECT count(*) FROM composition_z WHERE p_value IS NOT NULL AND q_value >= p_value").fetchone()[0] == n_causal
     assert con.execute("SELECT count(*) FROM composition_null WHERE writer_layer < reader_layer "
@@ -126,10 +127,10 @@ def test_training_run_is_a_checkpoint_series(pipeline_run: Path):
     assert loss == (20, 1, 20)  # every step logged once, across the three segments
     # the invariance audit runs on each model's last checkpoint only
     assert con.execute("SELECT DISTINCT checkpoint FROM invariance WHERE model = 'tiny-trained'").fetchall() == [("step20",)]
-    html = (pipeline_run / "results" / "report" / "index.html").read_text()
-    assert "tiny-trained: composition over training" in html
-    front = html.split("<h2 id='training'>")[1].split("</table>")[0]  # the front page's one line per run
-    assert "<td>tiny-trained</td>" in front
+    report = pipeline_run / "results" / "report"
+    assert "tiny-trained: the circuit forming over training" in (report / "model-tiny-trained.html").read_text()
+    front = (report / "index.html").read_text().split("<h2 id='training'>")[1].split("</table>")[0]  # one line per run
+    assert "<td><a href='model-tiny-trained.html#training'>tiny-trained</a></td>" in front
 
 
 def test_shards_are_hive_partitioned_with_provenance(pipeline_run: Path):
@@ -146,15 +147,29 @@ def test_shards_are_hive_partitioned_with_provenance(pipeline_run: Path):
 
 
 def test_report_is_written(pipeline_run: Path):
-    html = (pipeline_run / "results" / "report" / "index.html").read_text()
-    assert "tiny-llama" in html and "src=\"http" not in html
-    assert "Which metric satisfies which axiom?" in html and "FAIL" in html and "PASS" in html
     report = pipeline_run / "results" / "report"
-    assert (report / "tiny-llama__final__invariance.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    assert (report / "tiny-llama__final__frobenius__token__heatmap.png").exists()
-    for fig in ("induction_powers", "induction_near_b", "head_scores", "composition_vs_behaviour"):
-        assert (report / f"tiny-llama__final__{fig}.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", fig
-    assert "Induction behaviour" in html and "Which metric finds the induction heads?" in html
+    html = (report / "index.html").read_text()
+    assert "model-tiny-llama.html" in html and "src=\"http" not in html
+    assert "Which metric satisfies which axiom?" in html and "FAIL" in html and "PASS" in html
+    assert "How each metric x space finds the induction heads" in html
+    page = (report / "model-tiny-llama.html").read_text()
+    assert "The circuit" in page and "Induction behaviour" in page
+    for fig in ("invariance", "heatmap", "induction_powers", "induction_near_b", "head_scores"):
+        assert (report / f"tiny-llama__{fig}.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", fig
+
+
+def test_report_in_chromium(pipeline_run: Path, tmp_path: Path):
+    """The run's pages in headless Chromium (tests/browser.py): nothing fetched, no console error,
+    every chart drawn, none wider than 1280 px. Screenshots: $COMPATLAS_SCREENSHOTS or tmp_path."""
+    from browser import check_report
+
+    shots = Path(os.environ.get("COMPATLAS_SCREENSHOTS") or tmp_path) / "pipeline"
+    try:
+        problems = check_report(pipeline_run / "results" / "report", shots)
+    except RuntimeError as e:  # no Chromium: fail, saying how to install it
+        pytest.fail(str(e))
+    print(f"screenshots: {shots}")
+    assert not problems, "\n".join(problems)
 
 
 def test_adding_a_model_runs_only_its_jobs(pipeline_run: Path, tmp_path: Path):

@@ -1,4 +1,5 @@
-"""The report: a self-contained index.html and one PNG per figure, from synthetic views."""
+"""The report: an overview page and a page per model from a synthetic atlas with a planted
+circuit (tests/synthetic_atlas.py), and from a bare atlas without calibration or behaviour."""
 
 from __future__ import annotations
 
@@ -10,132 +11,174 @@ import numpy as np
 import polars as pl
 import pytest
 
-from compatlas.report import build_report, figure_stem
+from compatlas.atlas import connect as atlas_connect
+from compatlas.report import build_report
+from compatlas.report.behaviour import MIN_CLASS, MIN_READERS, _stats
+from compatlas.report.heatmaps import heatmap_rows
+from compatlas.report.page import fmt, step
+from synthetic_atlas import Spec, write_suite
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
-METRICS = ("frobenius", "svd_bound", "subspace")
-COMPS = ("Q", "K", "V")
-
-
-def model_row(model, checkpoint, n_layers, n_heads, quantized=None) -> dict:
-    return {
-        "model": model, "checkpoint": checkpoint, "architecture": "gpt2", "n_layers": n_layers,
-        "n_heads": n_heads, "n_kv_heads": n_heads, "d_model": 16 * n_heads, "d_head": 16, "d_vocab": 100,
-        "norm_type": "LN", "processing": "compat", "quantized": quantized, "source_kind": "build",
-        "source_checksum": "0" * 64,
-    }  # fmt: skip
-
-
-def composition_rows(model, checkpoint, n_layers, n_heads, spaces=("residual",), seed=0) -> list[dict]:
-    rng = np.random.default_rng(seed)
-    rows = []
-    for space in spaces:
-        for metric in METRICS:
-            for comp in COMPS:
-                for wl in range(n_layers):
-                    for rl in range(wl + 1, n_layers):
-                        for wh in range(n_heads):
-                            for rh in range(n_heads):
-                                rows.append({
-                                    "model": model, "checkpoint": checkpoint, "processing": "compat",
-                                    "space": space, "metric": metric, "comp": comp,
-                                    "writer_layer": wl, "writer_head": wh, "reader_layer": rl, "reader_head": rh,
-                                    "score": float(rng.uniform(0.0, 0.4)),
-                                    "baseline_gaussian_mean": 0.1, "baseline_gaussian_std": 0.02,
-                                    "baseline_spectrum_mean": float(rng.uniform(0.1, 0.15)),
-                                    "baseline_spectrum_std": 0.03,
-                                })  # fmt: skip
-    return rows
-
-
-COMPOSITION_SCHEMA = {
-    "model": pl.Utf8, "checkpoint": pl.Utf8, "processing": pl.Utf8, "space": pl.Utf8, "metric": pl.Utf8,
-    "comp": pl.Utf8, "writer_layer": pl.Int32, "writer_head": pl.Int32, "reader_layer": pl.Int32,
-    "reader_head": pl.Int32, "score": pl.Float64, "baseline_gaussian_mean": pl.Float64,
-    "baseline_gaussian_std": pl.Float64, "baseline_spectrum_mean": pl.Float64, "baseline_spectrum_std": pl.Float64,
-}  # fmt: skip
-MODELS_SCHEMA = {
-    "model": pl.Utf8, "checkpoint": pl.Utf8, "architecture": pl.Utf8, "n_layers": pl.Int32, "n_heads": pl.Int32,
-    "n_kv_heads": pl.Int32, "d_model": pl.Int32, "d_head": pl.Int32, "d_vocab": pl.Int32, "norm_type": pl.Utf8,
-    "processing": pl.Utf8, "quantized": pl.Boolean, "source_kind": pl.Utf8, "source_checksum": pl.Utf8,
-}  # fmt: skip
-
-
-def make_db(path: Path, models: list[dict], composition: list[dict]) -> Path:
-    comp_df = pl.DataFrame(composition, schema=COMPOSITION_SCHEMA)  # noqa: F841 (scanned by duckdb)
-    models_df = pl.DataFrame(models, schema=MODELS_SCHEMA)  # noqa: F841
-    con = duckdb.connect(str(path))
-    con.execute("CREATE TABLE composition AS SELECT * FROM comp_df")
-    con.execute("CREATE TABLE models AS SELECT * FROM models_df")
-    con.close()
-    return path
-
-
-def heatmaps(out: Path) -> list[Path]:
-    return sorted(out.glob("*__heatmap.png"))
+SUITE = [Spec("toy-a", 4, 4), Spec("org/run", 3, 3, steps=[0, 1, 4, 16, 64, 100, 200]), Spec("solo", 1, 2)]
 
 
 def assert_offline(text: str) -> None:
     assert "https://cdn" not in text
     assert not re.search(r"<script[^>]*\ssrc\s*=", text, flags=re.I), "external script found"
-    assert 'src="http' not in text and "src='http" not in text
+    assert not re.search(r"""(src|href)\s*=\s*["']https?:""", text), "link to the network found"
 
 
 @pytest.fixture(scope="module")
-def two_models(tmp_path_factory) -> tuple[Path, list[Path]]:
-    tmp = tmp_path_factory.mktemp("report")
-    models = [
-        model_row("tiny-a", "final", 3, 2),
-        model_row("tiny-b", "final", 2, 3, quantized=True),
-        model_row("solo", "final", 1, 2),  # single layer: no pairs, no figures
-    ]
-    comp = composition_rows("tiny-a", "final", 3, 2, seed=1) + composition_rows("tiny-b", "final", 2, 3, seed=2)
-    db = make_db(tmp / "atlas.duckdb", models, comp)
-    out = tmp / "report"
-    return out, build_report(db, out)
+def suite(tmp_path_factory) -> tuple[Path, Path, list[Path]]:
+    root = tmp_path_factory.mktemp("suite")
+    db = write_suite(root, SUITE)
+    out = root / "report"
+    return db, out, build_report(db, out, config={"metrics": ["frobenius"], "models": {"toy-a": {}}}, png=False)
 
 
-def test_index_html(two_models):
-    out, written = two_models
-    index = out / "index.html"
-    assert index.exists() and index in written
-    text = index.read_text(encoding="utf-8")
-    for name in ("tiny-a", "tiny-b", "solo", *METRICS, "Q-composition", "Gaussian null (random factors)",
-                 "spectrum-kept null (same singular values, random singular vectors)", "quantization noise"):
-        assert name in text, name
-    assert "vegaEmbed" in text  # the JavaScript is inlined
-    assert_offline(text)
+def test_overview_and_a_page_per_model(suite):
+    _, out, written = suite
+    assert {p.name for p in written} == {"index.html", "model-toy-a.html", "model-org-run.html", "model-solo.html"}
+    index = (out / "index.html").read_text(encoding="utf-8")
+    for page in ("model-toy-a.html", "model-org-run.html", "model-solo.html"):
+        assert f"href='{page}'" in index
+        assert_offline((out / page).read_text(encoding="utf-8"))
+    assert_offline(index)
+    assert "vegaEmbed" in index
+    # one row per model (not per checkpoint): the series is "7 (steps 0–200)"
+    models = index.split("<h2 id='models'>")[1].split("</table>")[0]
+    assert models.count("<a href='model-org-run.html'>") == 1 and "7 (steps 0–200)" in models
+    # the planted circuit leads: toy-a's strongest K discovery is previous-token head L0.H1 into L2.H0 or L3.H0
+    row = models.split("<a href='model-toy-a.html'>")[1].split("</tr>")[0]
+    assert re.search(r"K \d+: L0\.H1 → L[23]\.H0", row), row
+    assert "L0.H1 (0.90)" in row  # its previous-token head
+    assert "Report drawn" in index and "frobenius" in index.split("<footer>")[1]
 
 
-def test_pngs(two_models):
-    out, written = two_models
-    n_models, n_checkpoints, n_spaces = 2, 1, 1  # "solo" has no pairs, hence no figures
-    assert len(heatmaps(out)) == n_models * n_checkpoints * len(METRICS) * n_spaces
-    assert len(list(out.glob("*__distribution.png"))) == n_models * n_checkpoints * len(METRICS) * n_spaces
-    for model in ("tiny-a", "tiny-b"):
-        for metric in METRICS:
-            for kind in ("heatmap", "distribution"):
-                p = out / f"{figure_stem(model, 'final', metric, 'residual')}__{kind}.png"
-                assert p in written
-                assert p.read_bytes()[:8] == PNG_MAGIC
-    assert set(written) == set(out.iterdir())
+def test_model_page_sections(suite):
+    _, out, _ = suite
+    run = (out / "model-org-run.html").read_text(encoding="utf-8")
+    for section in ("The circuit", "Every head pair", "Over training", "Induction behaviour", "Head scores and ablation",
+                    "Audits", "the circuit forming over training"):
+        assert section in run, section
+    assert "Formation step <b>" in run
+    toy = (out / "model-toy-a.html").read_text(encoding="utf-8")
+    assert "Over training" not in toy  # one checkpoint: no trajectory
+    solo = (out / "model-solo.html").read_text(encoding="utf-8")
+    assert "one-layer model" in solo
 
 
-def test_several_spaces_and_odd_names(tmp_path):
-    models = [model_row("org/tiny-c", "step 10", 2, 2)]
-    comp = composition_rows("org/tiny-c", "step 10", 2, 2, spaces=("residual", "token"))
-    db = make_db(tmp_path / "atlas.duckdb", models, comp)
-    out = tmp_path / "report"
-    build_report(db, out)
-    names = {p.name for p in heatmaps(out)}
-    assert names == {f"org-tiny-c__step-10__{m}__{s}__heatmap.png" for m in METRICS for s in ("residual", "token")}
-    assert "org/tiny-c" in (out / "index.html").read_text(encoding="utf-8")
+def test_checkpoints_order_by_step_and_latest_is_one_where(suite):
+    db, _, _ = suite
+    con = atlas_connect(db)
+    order = [r[0] for r in con.execute("SELECT checkpoint FROM checkpoints WHERE model = 'org/run' "
+                                       "ORDER BY checkpoint_step").fetchall()]
+    assert order == ["step0", "step1", "step4", "step16", "step64", "step100", "step200"]
+    assert sorted(con.execute("SELECT model, checkpoint FROM checkpoints WHERE latest").fetchall()) == [
+        ("org/run", "step200"), ("solo", "final"), ("toy-a", "final")]
+    n_last = con.execute("SELECT count(*) FROM composition WHERE model = 'org/run' AND checkpoint = 'step200'").fetchone()
+    assert con.execute("SELECT count(*) FROM composition_z WHERE model = 'org/run' AND latest").fetchone() == n_last
+    assert con.execute("SELECT DISTINCT checkpoint_step FROM discoveries WHERE model = 'org/run' AND latest").fetchall() == [(200,)]
 
 
-def test_empty_views(tmp_path):
-    db = make_db(tmp_path / "atlas.duckdb", [], [])
+def test_no_statistics_from_too_few_heads():
+    row = {"n_readers": MIN_CLASS + MIN_CLASS - 1, "n_induction_heads": MIN_CLASS, "auroc": 1.0, "spearman_induction": 1.0,
+           "spearman_ablation": -1.0}
+    assert _stats(row) == (None, None, None)  # too few other readers for AUROC, too few readers for Spearman
+    row |= {"n_readers": MIN_READERS + MIN_CLASS}
+    assert _stats(row) == (1.0, 1.0, -1.0)
+
+
+def test_the_small_run_shows_no_spearman(suite):
+    _, out, _ = suite
+    run = (out / "model-org-run.html").read_text(encoding="utf-8")
+    table = run.split("Does composition find the induction heads?")[1].split("</table>")[0]
+    cells = re.findall(r"<tr><td>frobenius</td><td>residual</td>(.*?)</tr>", table)[0]
+    values = re.findall(r"<td>(.*?)</td>", cells)
+    assert values[0] == "6" and values[5:8] == ["–", "–", "–"]  # 6 readers: AUROC and Spearman withheld
+
+
+def test_heatmap_rows_decode_to_the_pairs():
+    """Each compact row decodes (reader = r0 + index) back to the pair's score, null, z, p and q."""
+    rng = np.random.default_rng(0)
+    rows = [(c, wl, wh, rl, rh) for c in "QK" for wl in range(3) for rl in range(wl + 1, 3) for wh in range(2) for rh in range(2)]
+    df = pl.DataFrame(rows, schema=["comp", "writer_layer", "writer_head", "reader_layer", "reader_head"], orient="row")
+    df = df.with_columns(score=pl.Series(rng.uniform(0, 1, df.height)), baseline_spectrum_mean=0.2,
+                         baseline_spectrum_std=0.05, p_value=pl.Series(10 ** -rng.uniform(0, 6, df.height)),
+                         q_value=pl.Series(10 ** -rng.uniform(0, 4, df.height)), n_null=50)
+    H = 2
+    decoded = {}
+    for r in heatmap_rows(df, H):
+        for i, s in enumerate(r["s"]):
+            if s is not None:
+                decoded[(r["c"], r["w"], r["r0"] + i)] = (s / 1e3, r["m"][i] / 1e3, r["z"][i] / 10, 10 ** (-r["lp"][i] / 100),
+                                                          10 ** (-r["lq"][i] / 100))
+    assert len(decoded) == df.height
+    for x in df.iter_rows(named=True):
+        s, m, z, p, q = decoded[(x["comp"], x["writer_layer"] * H + x["writer_head"], x["reader_layer"] * H + x["reader_head"])]
+        assert abs(s - x["score"]) <= 5e-4 and abs(m - 0.2) < 1e-9
+        assert abs(z - (x["score"] - 0.2) / 0.05) <= 0.05
+        assert abs(np.log10(p / x["p_value"])) <= 0.005 and abs(np.log10(q / x["q_value"])) <= 0.005
+
+
+def test_numbers_for_reading():
+    assert fmt(0.123456) == "0.123" and fmt(12.3456) == "12.3" and fmt(1234567) == "1,234,567"
+    assert fmt(0.000123) == "1.23e-04" and fmt(None) == "–" and fmt(True) == "yes"
+    assert step(349.6) == "350" and step(None) == "–"
+
+
+def test_pngs_only_for_the_figures_on_the_pages(tmp_path):
+    db = write_suite(tmp_path, [Spec("small", 2, 2)], metrics=("frobenius",), spaces=("residual",))
     written = build_report(db, tmp_path / "report")
-    assert written == [tmp_path / "report" / "index.html"]
+    pngs = {p.name for p in written if p.suffix == ".png"}
+    page = (tmp_path / "report" / "model-small.html").read_text(encoding="utf-8")
+    linked = set(re.findall(r'<a href="([^"]+\.png)">PNG</a>', page))
+    index = (tmp_path / "report" / "index.html").read_text(encoding="utf-8")
+    linked |= set(re.findall(r'<a href="([^"]+\.png)">PNG</a>', index))
+    assert pngs == linked and page.count('class="fig"') + index.count('class="fig"') == len(pngs)
+    assert {"small__circuit.png", "small__heatmap.png", "small__head_scores.png"} <= pngs
+    for p in pngs:
+        assert (tmp_path / "report" / p).read_bytes()[:8] == PNG_MAGIC
+    assert set(written) == set((tmp_path / "report").iterdir())
+
+
+def test_bare_atlas_without_calibration_or_behaviour(tmp_path):
+    """An atlas with only models and composition: the pages say what is missing and still draw."""
+    con = duckdb.connect(str(tmp_path / "atlas.duckdb"))
+    con.execute("""CREATE TABLE models AS SELECT 'bare' AS model, 'final' AS checkpoint, 'gpt2' AS architecture,
+                   3 AS n_layers, 2 AS n_heads, 2 AS n_kv_heads, 32 AS d_model, 16 AS d_head, 100 AS d_vocab""")
+    con.execute("""CREATE TABLE composition AS SELECT 'bare' AS model, 'final' AS checkpoint, 'none' AS processing,
+                   'residual' AS space, 'frobenius' AS metric, c AS comp, wl AS writer_layer, wh AS writer_head,
+                   rl AS reader_layer, rh AS reader_head, (0.2 + 0.01 * wh)::DOUBLE AS score, 0.1::DOUBLE AS baseline_gaussian_mean,
+                   0.02::DOUBLE AS baseline_gaussian_std, 0.15::DOUBLE AS baseline_spectrum_mean, 0.03::DOUBLE AS baseline_spectrum_std
+                   FROM (VALUES ('Q'), ('K'), ('V')) t(c), range(3) a(wl), range(3) b(rl), range(2) x(wh), range(2) y(rh)
+                   WHERE wl < rl""")
+    con.close()
+    written = build_report(tmp_path / "atlas.duckdb", tmp_path / "report", png=False)
+    page = (tmp_path / "report" / "model-bare.html").read_text(encoding="utf-8")
+    assert "no calibration" in page and "No induction sweep" in page and "No invariance audit" in page
+    assert len(written) == 2
+
+
+def test_empty_atlas(tmp_path):
+    duckdb.connect(str(tmp_path / "atlas.duckdb")).close()
+    written = build_report(tmp_path / "atlas.duckdb", tmp_path / "report", png=False)
+    assert [p.name for p in written] == ["index.html"]
     text = written[0].read_text(encoding="utf-8")
     assert "No results" in text
     assert_offline(text)
+
+
+def test_induction_tokens_without_near_b_columns(tmp_path):
+    """An atlas whose induction_tokens predates the nearby-B columns: the powers are drawn, the
+    B vs nearby-B figure is replaced by a note naming the missing columns."""
+    db = write_suite(tmp_path, [Spec("m", 2, 2)], metrics=("frobenius",), spaces=("residual",))
+    con = duckdb.connect(str(db))
+    shard = tmp_path / "induction_tokens" / "m__final.parquet"
+    con.execute("CREATE OR REPLACE VIEW induction_tokens AS SELECT * EXCLUDE (near_b_mean, near_b_stderr) "
+                f"FROM read_parquet('{shard}')")
+    con.close()
+    build_report(db, tmp_path / "report", png=False)
+    page = (tmp_path / "report" / "model-m.html").read_text(encoding="utf-8")
+    assert "A power and B power" in page and "is B's neighbourhood copied too?" not in page
+    assert "induction_tokens lacks near_b_mean, near_b_stderr" in page

@@ -214,12 +214,20 @@ def test_loss_drop_step_finds_the_steepest_fall():
 
 
 def test_training_outcome_from_the_views():
-    """The report's per-run analysis on hand-made views: head 1.1 forms at step 500 (sigmoid),
+    """The per-run analysis (formation.training_outcome on the report's queries) on hand-made views: head 1.1 forms at step 500 (sigmoid),
     0.0 is the previous-token head, the loss falls at the same step, and the pair's svd_bound K
     curve tracks the formation while the frobenius one is high early."""
     import duckdb
 
-    from compatlas.report import training_outcome, training_runs_table
+    from compatlas.report import queries as q
+    from compatlas.report.training import runs_table
+
+    def training_outcome(con, model):  # what the report does: frames from the views, the analysis in formation
+        steps = q.checkpoints(con).filter(pl.col("model") == model)
+        heads = q.head_scores_over_training(con, model, steps)
+        pair = fm.eventual_pair(heads)
+        curves = q.pair_curves(con, model, pair, steps) if pair is not None else pl.DataFrame()
+        return fm.training_outcome(heads, q.loss(con, model), curves)
 
     con = duckdb.connect()
     ckpts = [(f"step{s}", int(s)) for s in STEPS]
@@ -247,8 +255,8 @@ def test_training_outcome_from_the_views():
     assert t.pair == ((1, 1), (0, 0))
     assert 450 < t.formation < 550 and abs(t.drop - 500) < 60 and t.marker == t.formation
     assert set(t.curves["metric"]) == {"svd_bound", "frobenius"} and t.curves.height == 2 * len(STEPS)
-    html = training_runs_table({"run": t})
-    assert "<td>1.1 (0.90)</td>" in html and "<td>0.0 (0.80)</td>" in html
+    html = runs_table({"run": t}, lambda m: m)
+    assert "<td>L1.H1 (0.90)</td>" in html and "<td>L0.H0 (0.80)</td>" in html
     assert "K svd_bound (residual)" in html and "frobenius" not in html.split("</tr>")[-2]
     assert training_outcome(con, "absent") is None
 

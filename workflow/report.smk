@@ -1,4 +1,4 @@
-# Altair report: self-contained HTML (inline Vega) plus a PNG per figure.
+# Altair report: an overview page and a page per model (self-contained HTML, inline Vega), a PNG per figure on them.
 
 
 rule report:

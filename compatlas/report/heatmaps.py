@@ -1,0 +1,164 @@
+"""The head x head heatmap of one model x checkpoint x metric x space, coloured by the
+calibrated answer (-log10 p against the model's own non-causal pairs, so the pairs that stand
+out of that null stand out), and the calibration summary table of every metric x space x comp."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import altair as alt
+import numpy as np
+import polars as pl
+
+from compatlas.report.page import COMPS, METRIC_ORDER, SPACE_ORDER, finite, order, table
+
+HEATMAP_DATA = "heatmap"  # name of the heatmap's dataset in the spec's top-level "datasets"
+# Above this many cells a heatmap gets no PNG file (drawing it takes vl-convert about 13 s per
+# 200k cells); the page's figure menu exports one on request.
+PNG_MAX_CELLS = 60_000
+PANEL_MAX, PANEL_MIN, CELL_PX = 720, 260, 12  # px: the panel's side, and a cell's where the model is small
+
+METRIC_TEXT = {
+    "frobenius": "||L R||_F / (||L||_F ||R||_F) (Elhage et al. 2021)",
+    "svd_bound": "||L R||_F / sqrt(sum_i s_i(L)^2 s_i(R)^2): 1 = singular vectors aligned",
+    "subspace": "mean cos^2 of the principal angles between write and read subspaces",
+}
+SPACE_TEXT = {
+    "residual": "weights acting on the residual stream",
+    "token": "exact token space (invariant under every change of residual basis)",
+    "token_norm": "token space of W_E's rows normalised as the first norm would",
+}
+
+
+def _scaled(col: str, k: float) -> pl.Expr:
+    """A float column as integers of 1/k (compact JSON), null where not finite."""
+    c = pl.col(col)
+    return pl.when(c.is_finite()).then((c * k).round(0).cast(pl.Int64)).otherwise(None)
+
+
+def heatmap_rows(df: pl.DataFrame, H: int) -> list[dict[str, Any]]:
+    """The heatmap's data, compact: one row per (comp, writer head index w = layer * H + head) with
+    arrays over reader heads r0, r0 + 1, ...: score (s, 1e-3), spectrum-kept null mean (m, 1e-3),
+    z (1e-1), -log10 p (lp, 1e-2), -log10 q (lq, 1e-2); null where missing."""
+    d = df.with_columns(
+        w=pl.col("writer_layer") * H + pl.col("writer_head"), r=pl.col("reader_layer") * H + pl.col("reader_head"),
+        z=(pl.col("score") - pl.col("baseline_spectrum_mean")) / pl.col("baseline_spectrum_std"),
+        lp=-pl.col("p_value").cast(pl.Float64).log10(), lq=-pl.col("q_value").cast(pl.Float64).log10(),
+    ).with_columns(s=_scaled("score", 1e3), m=_scaled("baseline_spectrum_mean", 1e3), zz=_scaled("z", 10),
+                   lpp=_scaled("lp", 100), lqq=_scaled("lq", 100))
+    out: list[dict[str, Any]] = []
+    nn = df["n_null"].max() if "n_null" in df.columns else None
+    for (comp, w), g in d.sort(["comp", "w", "r"]).group_by(["comp", "w"], maintain_order=True):
+        r = g["r"].to_numpy()
+        r0, n = int(r[0]), int(r[-1] - r[0] + 1)
+        gm = g["baseline_gaussian_mean"].mean() if "baseline_gaussian_mean" in g.columns else None
+        # the Gaussian null depends only on the heads' shapes: one value per row (their mean)
+        row: dict[str, Any] = {"c": comp, "w": int(w), "r0": r0, "nn": nn, "gm": round(gm, 4) if finite(gm) else None}
+        for key, col in (("s", "s"), ("m", "m"), ("z", "zz"), ("lp", "lpp"), ("lq", "lqq")):
+            arr: list[Any] = [None] * n
+            for ri, v in zip((r - r0).tolist(), g[col].to_list()):
+                arr[ri] = v
+            row[key] = arr
+        out.append(row)
+    return out
+
+
+def _layer_axis(title: str, lo: int, hi: int, H: int, x: bool, side: int) -> alt.Axis:
+    every = max(1, math.ceil((hi - lo) * 18 / side))  # a label at most every 18 px
+    return alt.Axis(title=title, values=[layer * H for layer in range(lo, hi, every)],
+                    labelExpr=f"'L' + round(datum.value / {H})", grid=True, gridColor="white", gridWidth=0.5,
+                    ticks=False, labelFontSize=10, labelAngle=0, labelAlign="left" if x else "right",
+                    labelBaseline="middle" if x else "top", labelOverlap=True, labelFlush=False, zindex=1)
+
+
+def heatmap_chart(df: pl.DataFrame, model: str, checkpoint: str, metric: str, space: str, H: int,
+                  q_cut: float | None) -> alt.Chart:
+    """One writer x reader panel, the comp chosen by radio buttons (K first: induction circuits
+    compose through keys). Colour: -log10 p where calibrated, else the z against the spectrum-kept
+    null. The chart reads the named dataset HEATMAP_DATA (``heatmap_rows``)."""
+    calibrated = df["q_value"].is_not_null().any()
+    w_lo, w_hi = int(df["writer_layer"].min()), int(df["writer_layer"].max()) + 1
+    r_lo, r_hi = int(df["reader_layer"].min()), int(df["reader_layer"].max()) + 1
+    n_w, n_r = (w_hi - w_lo) * H, (r_hi - r_lo) * H
+    side = max(PANEL_MIN, min(PANEL_MAX, CELL_PX * max(n_w, n_r)))
+    width, height = max(120, round(side * n_r / max(n_w, n_r))), max(120, round(side * n_w / max(n_w, n_r)))
+    comps = order(df["comp"].unique().to_list(), ("K", "Q", "V"))
+    pick = alt.param(name="comp", value=comps[0], bind=alt.binding_radio(options=comps, name="composition: "))
+    if calibrated:  # p rather than q: BH's step-up flattens q over most pairs, p keeps their order
+        top = float(np.nanmax(-np.log10(df["p_value"].drop_nulls().to_numpy().clip(1e-300)))) if df.height else 1.0
+        cmax = max(2.0, math.ceil(min(top, 10.0)))
+        colour = alt.Color("col:Q", title=["-log10 p", "(vs non-causal pairs)"],
+                           scale=alt.Scale(scheme="inferno", reverse=True, domain=[0, cmax], clamp=True),
+                           legend=alt.Legend(gradientLength=min(height, 220), titleFontSize=11))
+        what = ("Colour: -log10 p of the pair's score against this model's own non-causal pairs (a reader at or "
+                "below its writer's layer); q (Benjamini-Hochberg) in the tooltip"
+                + (f", discoveries: q <= {q_cut:g}." if q_cut is not None else "."))
+        col_expr = "datum.lp / 100"
+    else:
+        colour = alt.Color("col:Q", title="z (spectrum-kept null)",
+                           scale=alt.Scale(scheme="redblue", reverse=True, domainMid=0), legend=alt.Legend(titleFontSize=11))
+        what = "Colour: z against the pair's spectrum-kept null (this atlas has no calibration)."
+        col_expr = "datum.z / 10"
+    chart = (
+        alt.Chart(alt.Data(name=HEATMAP_DATA)).add_params(pick)
+        .transform_filter("datum.c == comp")
+        .transform_flatten(["s", "m", "z", "lp", "lq"])
+        .transform_window(i="row_number()", groupby=["c", "w"])
+        .transform_filter("isValid(datum.s)")
+        .transform_calculate(r="datum.r0 + datum.i - 1", col=col_expr, score="datum.s / 1000",
+                             null_mean="datum.m / 1000", zval="datum.z / 10",
+                             p="isValid(datum.lp) ? pow(10, -datum.lp / 100) : null",
+                             q="isValid(datum.lq) ? pow(10, -datum.lq / 100) : null")
+        .transform_calculate(w1="datum.w + 1", r1="datum.r + 1",
+                             writer=f"'L' + floor(datum.w / {H}) + '.H' + (datum.w % {H})",
+                             reader=f"'L' + floor(datum.r / {H}) + '.H' + (datum.r % {H})",
+                             null_sd="datum.zval ? (datum.score - datum.null_mean) / datum.zval : null")
+        .mark_rect(strokeWidth=0)
+        .encode(
+            x=alt.X("r:Q", scale=alt.Scale(domain=[r_lo * H, r_hi * H], nice=False, zero=False),
+                    axis=_layer_axis("reader head (layer, then head)", r_lo, r_hi, H, True, width)),
+            x2="r1:Q",
+            y=alt.Y("w:Q", scale=alt.Scale(domain=[w_lo * H, w_hi * H], nice=False, zero=False, reverse=True),
+                    axis=_layer_axis("writer head (layer, then head)", w_lo, w_hi, H, False, height)),
+            y2="w1:Q", color=colour,
+            tooltip=[alt.Tooltip("writer:N"), alt.Tooltip("reader:N"), alt.Tooltip("c:N", title="comp"),
+                     alt.Tooltip("score:Q", format=".3f"),
+                     alt.Tooltip("null_mean:Q", title="spectrum-kept null mean", format=".3f"),
+                     alt.Tooltip("null_sd:Q", title="spectrum-kept null sd", format=".3g"),
+                     alt.Tooltip("gm:Q", title="Gaussian null mean", format=".3f"),
+                     alt.Tooltip("zval:Q", title="z", format=".1f"),
+                     alt.Tooltip("nn:Q", title="non-causal null pairs", format=","),
+                     alt.Tooltip("p:Q", format=".2e"), alt.Tooltip("q:Q", format=".2e")])
+        .properties(width=width, height=height, title=alt.TitleParams(
+            f"{model} @ {checkpoint}: {metric}, {space} space",
+            subtitle=[f"score = {METRIC_TEXT.get(metric, metric)}; space: {SPACE_TEXT.get(space, space)}.",
+                      "Rows: writer head; columns: reader head in a later layer. " + what,
+                      "Pick Q, K or V below; hover a cell for score, nulls, z, p and q."],
+            anchor="start", fontSize=14, subtitleFontSize=11, subtitleColor="#444"))
+    )
+    return chart.configure_view(stroke="#999", fill="#f4f4f4")
+
+
+def lead_combo(available: list[tuple[str, str]]) -> tuple[str, str]:
+    """The metric x space the pages lead with: token-space subspace (the one metric x space that
+    passes all four of Lieberum's axioms in the metric audit), else the first in the usual order."""
+    prefer = [(m, s) for m in ("subspace", "svd_bound", "frobenius") for s in ("token", "token_norm", "residual")]
+    return next((c for c in prefer if c in available), sorted(available)[0])
+
+
+def calibration_table(summary: pl.DataFrame) -> str:
+    """One row per metric x space: discoveries per comp beside the mean score and nulls."""
+    if summary.is_empty():
+        return ""
+    rows = []
+    for metric in order(summary["metric"].unique(), METRIC_ORDER):
+        for space in order(summary.filter(pl.col("metric") == metric)["space"].unique(), SPACE_ORDER):
+            g = summary.filter((pl.col("metric") == metric) & (pl.col("space") == space))
+            by = {r["comp"]: r for r in g.iter_rows(named=True)}
+            rows.append([metric, space, int(g["pairs"].max()), *(by[c]["discoveries"] if c in by else None for c in COMPS),
+                         *(by[c]["mean_score"] if c in by else None for c in COMPS),
+                         g["gaussian_null"].mean(), g["spectrum_null"].mean(), g["n_null"].max()])
+    return table(["metric", "space", "head pairs per comp", "Q discoveries", "K discoveries", "V discoveries",
+                  "Q mean score", "K mean score", "V mean score", "mean Gaussian null", "mean spectrum-kept null",
+                  "non-causal null pairs"], rows)

@@ -1,0 +1,203 @@
+"""A model's page: the circuit view, the heatmap, training trajectories, induction behaviour,
+head scores and ablation, and the invariance audit; plus ``ModelData``, what the overview and
+the page read of one model."""
+
+from __future__ import annotations
+
+import html
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import duckdb
+import polars as pl
+
+from compatlas import formation as fm
+from compatlas.report import behaviour, circuit, heatmaps, queries as q, training
+from compatlas.report.audits import invariance_chart
+from compatlas.report.page import COMPS, Page, esc, fmt, head, note, safe_name, step, table
+
+TOP_N = 10
+
+
+@dataclass
+class ModelData:
+    model: str
+    info: dict[str, Any]           # the models row of the last checkpoint
+    checkpoints: pl.DataFrame      # this model's rows of queries.checkpoints, in step order
+    latest: str
+    combos: list[tuple[str, str]]  # (metric, space) scored at the last checkpoint
+    lead: tuple[str, str] | None
+    summary: pl.DataFrame          # queries.calibration_summary of the last checkpoint
+    edges: pl.DataFrame            # queries.discoveries of the last checkpoint
+    heads: pl.DataFrame            # head_scores of the last checkpoint
+    cvb: pl.DataFrame              # composition_vs_behaviour of the last checkpoint
+    outcome: fm.TrainingOutcome | None
+    candidates: bool = False       # edges are the smallest-p pairs, not discoveries (there are none)
+
+    @property
+    def stem(self) -> str:
+        return safe_name(self.model)
+
+    @property
+    def page(self) -> str:
+        return f"model-{self.stem}.html"
+
+    def roles(self, prev_cut: float, ind_cut: float) -> tuple[pl.DataFrame, pl.DataFrame]:
+        """(previous-token heads, induction heads) of the last checkpoint, strongest first."""
+        if self.heads.is_empty():
+            return self.heads, self.heads
+        readers = self.heads.filter(pl.col("layer") > self.heads["layer"].min())
+        return (self.heads.filter(pl.col("prev_token_mean") >= prev_cut).sort("prev_token_mean", descending=True),
+                readers.filter(pl.col("induction_mean") >= ind_cut).sort("induction_mean", descending=True))
+
+
+def load(con: duckdb.DuckDBPyConnection, model: str, ckpts: pl.DataFrame, q_cut: float | None) -> ModelData:
+    mine = ckpts.filter(pl.col("model") == model)
+    info = mine.filter(pl.col("latest")).row(0, named=True)
+    latest = info["checkpoint"]
+    summary = q.calibration_summary(con, model, latest, q_cut)
+    combos = [] if summary.is_empty() else [tuple(r) for r in summary.select("metric", "space").unique().sort("metric", "space").iter_rows()]
+    outcome = None
+    stepped = mine.filter(pl.col("checkpoint_step").is_not_null())
+    if stepped.height >= 2:
+        hs = q.head_scores_over_training(con, model, stepped)
+        pair = fm.eventual_pair(hs)
+        curves = q.pair_curves(con, model, pair, stepped) if pair is not None else pl.DataFrame()
+        outcome = fm.training_outcome(hs, q.loss(con, model), curves)
+    edges = q.discoveries(con, model, latest, q_cut)
+    candidates = edges.is_empty() and bool(combos)
+    if candidates:  # nothing passes the FDR: show where the model comes closest, said as such
+        edges = q.strongest(con, model, latest)
+    return ModelData(model, info, mine, latest, combos, heatmaps.lead_combo(combos) if combos else None,
+                     summary, edges, q.rows(con, "head_scores", model, latest),
+                     q.rows(con, "composition_vs_behaviour", model, latest), outcome, candidates)
+
+
+def describe(d: ModelData) -> str:
+    i = d.info
+    kv = f" ({fmt(i.get('n_kv_heads'))} KV heads)" if i.get("n_kv_heads") not in (None, i.get("n_heads")) else ""
+    src = i.get("source_kind") or "–"
+    if i.get("source_name"):
+        src += f": {i['source_name']}"
+    bits = [f"{esc(i.get('architecture'))}", f"{esc(i.get('n_layers'))} layers x {esc(i.get('n_heads'))} heads{kv}",
+            f"d_model {esc(i.get('d_model'))}", f"d_head {esc(i.get('d_head'))}", f"vocabulary {esc(i.get('d_vocab'))}",
+            f"norm {esc(i.get('norm_type'))}", f"processing {esc(i.get('processing'))}", f"source {html.escape(src)}",
+            "<b>quantised weights</b> (their spectra carry quantisation noise, which shifts svd_bound and the "
+            "spectrum-kept null)" if i.get("quantized") else "not quantised"]
+    n = d.checkpoints.height
+    if n > 1:
+        steps = d.checkpoints["checkpoint_step"].drop_nulls()
+        bits.append(f"{n} checkpoints" + (f", steps {step(steps.min())} to {step(steps.max())}" if len(steps) else "")
+                    + f"; this page shows the last ({html.escape(d.latest)}) unless a figure says otherwise")
+    return "<p>" + ", ".join(bits) + ".</p>"
+
+
+def top_discoveries(d: ModelData) -> str:
+    if d.edges.is_empty() or d.lead is None:
+        return ""
+    e = d.edges.filter((pl.col("metric") == d.lead[0]) & (pl.col("space") == d.lead[1]))
+    parts = []
+    for comp in [c for c in COMPS if c in set(e["comp"])]:
+        top = e.filter(pl.col("comp") == comp).sort(["q_value", "p_value", "score"], descending=[False, False, True]).head(TOP_N)
+        rows = [[head(r["writer_layer"], r["writer_head"]), head(r["reader_layer"], r["reader_head"]), r["score"],
+                 r["baseline_spectrum_mean"], r["z_spectrum"], r["p_value"], r["q_value"]] for r in top.iter_rows(named=True)]
+        parts.append(f"<div><b>{comp}-composition</b>"
+                     + table(["writer", "reader", "score", "spectrum null", "z", "p", "q"], rows) + "</div>")
+    what = "Pairs with the smallest p (no discoveries)" if d.candidates else "Top discoveries"
+    return (f"<h3>{what}: {html.escape(d.lead[0])}, {html.escape(d.lead[1])} space</h3>"
+            + note("Smallest q first (ties: smaller p, then larger z). All discoveries: <code>SELECT * FROM discoveries "
+                   f"WHERE model = '{html.escape(d.model)}' AND latest</code>.")
+            + "<div class='side'>" + "".join(parts) + "</div>")
+
+
+def build_page(con: duckdb.DuckDBPyConnection, d: ModelData, out_dir: Path, q_cut: float | None,
+               cuts: tuple[float, float], footer: str, png: bool, pool: Any = None) -> Page:
+    page = Page(out_dir, d.page, f"compatlas: {d.model}", png, pool)
+    s = d.stem
+    page.add(f"<nav><a href='index.html'>← all models</a> <a href='#circuit'>circuit</a> <a href='#heatmap'>heatmap</a>"
+             + (" <a href='#training'>training</a>" if d.outcome else "")
+             + " <a href='#behaviour'>induction behaviour</a> <a href='#audits'>audits</a></nav>",
+             f"<h1>{html.escape(d.model)}</h1>", describe(d))
+    page.add("<h2 id='circuit'>The circuit</h2>")
+    if not d.combos:
+        page.add(note("No composition scores: a one-layer model has no writer head in an earlier layer than a reader."
+                      if (d.info.get("n_layers") or 2) < 2 else "No composition scores for this model yet."))
+    elif d.edges.is_empty():
+        page.add(note("This atlas has no calibration (no p-values): rebuild it to see the circuit."))
+    else:
+        if d.candidates:
+            why = (f"no head pair of this model composes beyond its own non-causal pairs at q <= {q_cut:g}"
+                   if q_cut is not None else "this atlas has no discoveries view")
+            page.add(note(f"<b>No discoveries</b>: {why}. Drawn instead, and not to be read as a circuit: the pairs "
+                          "with the smallest p."))
+        nodes = circuit.node_frame(int(d.info["n_layers"]), int(d.info["n_heads"]), d.heads, *cuts)
+        page.figure(circuit.circuit_chart(d.edges, nodes, d.model, d.latest, d.lead, q_cut, d.candidates), f"{s}__circuit")
+        page.add(top_discoveries(d))
+    if d.combos:
+        metric, space = d.lead
+        df = q.pairs(con, d.model, d.latest, metric, space)
+        H = int(max(d.info.get("n_heads") or 1, df["writer_head"].max() + 1, df["reader_head"].max() + 1))
+        page.add("<h2 id='heatmap'>Every head pair</h2>",
+                 note(f"The heatmap shows {html.escape(metric)} in {html.escape(space)} space (the metric audit's one "
+                      "metric x space that satisfies all four axioms, when scored); the table below counts the "
+                      "discoveries of every metric x space. Any other: <code>SELECT * FROM composition_z WHERE "
+                      f"model = '{html.escape(d.model)}' AND latest AND metric = ... AND space = ...</code>."))
+        page.figure(heatmaps.heatmap_chart(df, d.model, d.latest, metric, space, H, q_cut), f"{s}__heatmap",
+                    datasets={heatmaps.HEATMAP_DATA: heatmaps.heatmap_rows(df, H)}, png=df.height <= heatmaps.PNG_MAX_CELLS)
+        page.add(heatmaps.calibration_table(d.summary))
+    if d.outcome is not None:
+        page.add("<h2 id='training'>Over training</h2>")
+        if d.outcome.pair is None:
+            page.add(note("A one-layer model: no head pairs to follow over training."))
+        else:
+            page.add(training.describe(d.outcome))
+            page.figure(training.trajectory_chart(d.outcome, strength(con, d), d.model), f"{s}__training")
+            page.add(training.verdict_table(d.outcome))
+    behaviour_part(page, con, d)
+    page.add("<h2 id='audits'>Audits</h2>")
+    inv = q.rows(con, "invariance", d.model, d.latest)
+    if inv.is_empty():
+        page.add(note("No invariance audit for this model."))
+    else:
+        page.figure(invariance_chart(inv, d.model, d.latest), f"{s}__invariance")
+    page.add(note("The metric audit (Lieberum's axioms on canonical constructions) is model-free: "
+                  "<a href='index.html#axioms'>on the overview</a>."))
+    page.write(footer)
+    return page
+
+
+def strength(con: duckdb.DuckDBPyConnection, d: ModelData) -> pl.DataFrame:
+    """Mean B-role induction strength per checkpoint step (from induction_summary)."""
+    summ = q.rows(con, "induction_summary", d.model)
+    if summ.is_empty() or "mean_strength" not in summ.columns:
+        return pl.DataFrame()
+    st = d.checkpoints.select("checkpoint", pl.col("checkpoint_step").cast(pl.Float64).alias("step"))
+    return (summ.filter(pl.col("role") == "B").join(st, on="checkpoint").group_by("step")
+            .agg(pl.col("mean_strength").mean().alias("strength")).drop_nulls().sort("step"))
+
+
+def behaviour_part(page: Page, con: duckdb.DuckDBPyConnection, d: ModelData) -> None:
+    page.add("<h2 id='behaviour'>Induction behaviour (forward passes)</h2>")
+    toks = q.rows(con, "induction_tokens", d.model, d.latest)
+    s = d.stem
+    if toks.is_empty():
+        page.add(note("No induction sweep for this model (induction disabled, or an encoder without logits)."))
+    else:  # each figure needs its columns of induction_tokens; an older atlas may lack some
+        for need, draw, stem in ((behaviour.POWER_COLUMNS, behaviour.powers_chart, "induction_powers"),
+                                 (behaviour.POWER_COLUMNS + behaviour.NEAR_COLUMNS, behaviour.near_b_chart, "induction_near_b")):
+            missing = [c for c in need if c not in toks.columns]
+            if missing:
+                page.add(note(f"No {stem.replace('_', ' ')} figure: this atlas's induction_tokens lacks {', '.join(missing)}."))
+            else:
+                page.figure(draw(toks, d.model, d.latest), f"{s}__{stem}")
+        if not [c for c in behaviour.POWER_COLUMNS + ("token_id", "token_text") if c not in toks.columns]:
+            page.add(behaviour.top_tokens(toks))
+    heads = d.outcome.heads if d.outcome is not None else d.heads
+    if not heads.is_empty():
+        page.add("<h3>Head scores and ablation</h3>")
+        page.figure(behaviour.head_scores_chart(heads, d.model), f"{s}__head_scores")
+    if not d.cvb.is_empty():
+        page.add("<h3>Does composition find the induction heads?</h3>",
+                 note("Per reader head: its strongest composition with an earlier previous-token head, against whether "
+                      "it is an induction head."), behaviour.payoff_table(d.cvb))

@@ -1,0 +1,145 @@
+"""The overview page: one row per model, how each metric x space finds induction heads, figures
+across models (relative depth on x), the training runs, the metric audit, and the footer."""
+
+from __future__ import annotations
+
+import html
+import json
+from datetime import datetime, timezone
+from importlib import metadata
+from typing import Any
+
+import altair as alt
+import polars as pl
+
+from compatlas.report.behaviour import MIN_CLASS
+from compatlas.report.model import ModelData
+from compatlas.report.page import COMPS, METRIC_ORDER, SPACE_ORDER, fmt, head, table
+
+
+def _link(d: ModelData) -> str:
+    return f"<a href='{html.escape(d.page)}'>{html.escape(d.model)}</a>"
+
+
+def _heads(df: pl.DataFrame, col: str, n: int = 3) -> str:
+    if df.is_empty():
+        return "none"
+    s = ", ".join(f"{head(r['layer'], r['head'])} ({r[col]:.2f})" for r in df.head(n).iter_rows(named=True))
+    return s + (f" +{df.height - n} more" if df.height > n else "")
+
+
+def _strongest(d: ModelData) -> str:
+    """Per comp, the lead metric x space's number of discoveries and its strongest one."""
+    if d.lead is None:
+        return "no pairs"
+    summ = d.summary.filter((pl.col("metric") == d.lead[0]) & (pl.col("space") == d.lead[1]))
+    n = {r["comp"]: r["discoveries"] for r in summ.iter_rows(named=True)}
+    e = d.edges.filter((pl.col("metric") == d.lead[0]) & (pl.col("space") == d.lead[1])) if d.edges.height else d.edges
+    out = []
+    for comp in COMPS:
+        if comp not in n:
+            continue
+        g = e.filter(pl.col("comp") == comp).sort(["q_value", "score"], descending=[False, True]) if e.height else e
+        best = "" if g.is_empty() or d.candidates else (f": {head(g['writer_layer'][0], g['writer_head'][0])} → "
+                                        f"{head(g['reader_layer'][0], g['reader_head'][0])} (q {fmt(g['q_value'][0])})")
+        out.append(html.escape(f"{comp} {fmt(n[comp])}{best}"))
+    return "<br>".join(out) + f"<br><small>({html.escape(d.lead[0])}, {html.escape(d.lead[1])} space)</small>"
+
+
+def models_table(data: list[ModelData], cuts: tuple[float, float]) -> str:
+    rows = []
+    for d in data:
+        i = d.info
+        kv = f" / {i['n_kv_heads']} KV" if i.get("n_kv_heads") not in (None, i.get("n_heads")) else ""
+        prev, ind = d.roles(*cuts)
+        steps = d.checkpoints["checkpoint_step"].drop_nulls()
+        ck = html.escape(d.latest) if d.checkpoints.height == 1 else (
+            f"{d.checkpoints.height} (steps {fmt(int(steps.min()))}–{fmt(int(steps.max()))})" if len(steps) else str(d.checkpoints.height))
+        src = html.escape(str(i.get("source_kind") or "–")) + (f"<br><small>{html.escape(str(i['source_name']))}</small>"
+                                                                 if i.get("source_name") else "")
+        rows.append([_link(d), html.escape(str(i.get("architecture") or "–")),
+                     f"{fmt(i.get('n_layers'))} x {fmt(i.get('n_heads'))}{kv}", fmt(i.get("d_model")), src,
+                     "yes" if i.get("quantized") else "no", ck,
+                     html.escape(_heads(prev, "prev_token_mean")) if not d.heads.is_empty() else "–",
+                     html.escape(_heads(ind, "induction_mean")) if not d.heads.is_empty() else "–", _strongest(d)])
+    return table(["model", "architecture", "layers x heads", "d_model", "source", "quantised", "checkpoints",
+                  f"previous-token heads (score >= {cuts[0]:g})", f"induction heads (score >= {cuts[1]:g})",
+                  "discoveries per comp: strongest"], rows, cls="models", raw=True)
+
+
+def finds_table(data: list[ModelData]) -> str:
+    """Per model and metric x space: how K-composition with previous-token heads finds its induction heads."""
+    combos = [(m, s) for m in METRIC_ORDER for s in SPACE_ORDER if any((m, s) in d.combos for d in data)]
+    rows = []
+    for d in data:
+        k = d.cvb.filter(pl.col("comp") == "K") if not d.cvb.is_empty() else d.cvb
+        cells = [f"<a href='{html.escape(d.page)}#behaviour'>{html.escape(d.model)}</a>"]
+        for m, s in combos:
+            g = k.filter((pl.col("metric") == m) & (pl.col("space") == s)) if k.height else k
+            if g.is_empty():
+                cells.append("–")
+                continue
+            r = g.row(0, named=True)
+            n_ind, n = r["n_induction_heads"] or 0, r["n_readers"] or 0
+            if n_ind == 0:
+                cells.append("<small>no induction heads</small>")
+                continue
+            au = fmt(r["auroc"]) if n_ind >= MIN_CLASS and n - n_ind >= MIN_CLASS else "–"
+            cells.append(f"recall {fmt(r.get('discovery_recall'))}<br>precision {fmt(r.get('discovery_precision'))}"
+                         f"<br><small>AUROC {au} ({n_ind} of {n})</small>")
+        rows.append(cells)
+    return table(["model", *[f"{m} · {s}" for m, s in combos]], rows, cls="finds", raw=True)
+
+
+def depth_chart(profile: pl.DataFrame) -> alt.FacetChart:
+    """Where in depth the discoveries sit: share of the possible pairs into each reader layer."""
+    comps = [c for c in COMPS if c in set(profile["comp"])]
+    return alt.Chart(profile).mark_line(point=True).encode(
+        x=alt.X("depth:Q", title="reader layer / (layers - 1)", scale=alt.Scale(domain=[0, 1])),
+        y=alt.Y("share:Q", title="share of pairs that are discoveries", axis=alt.Axis(format="%")),
+        color=alt.Color("model:N", legend=alt.Legend(orient="bottom", columns=4, labelLimit=260)),
+        tooltip=["model", "comp", "reader_layer", alt.Tooltip("share:Q", format=".1%"), "n"],
+    ).properties(width=330, height=170).facet(column=alt.Column("comp:N", sort=comps, title=None, header=alt.Header(
+        labelExpr="datum.value + '-composition'"))).properties(title=alt.TitleParams(
+        "Where in depth each model's discoveries sit", anchor="start", subtitleColor="#444",
+        subtitle=["Each model's lead metric x space at its last checkpoint: of the pairs writing into a reader layer, "
+                  "the share with q at or below the false discovery rate."]))
+
+
+def circuit_chart(recall: pl.DataFrame) -> alt.LayerChart:
+    """Per model and metric x space: the share of induction heads with a K-composition discovery
+    from a previous-token head."""
+    base = alt.Chart(recall).encode(x=alt.X("combo:N", title=None, sort=[f"{m} · {s}" for m in METRIC_ORDER for s in SPACE_ORDER],
+                                            axis=alt.Axis(labelAngle=-25)),
+                                    y=alt.Y("model:N", title=None))
+    return alt.layer(
+        base.mark_rect().encode(color=alt.Color("recall:Q", title="recall", scale=alt.Scale(domain=[0, 1], scheme="greens")),
+                                tooltip=["model", "combo", alt.Tooltip("recall:Q", format=".2f"), "induction_heads",
+                                         alt.Tooltip("precision:Q", format=".2f")]),
+        base.mark_text(fontSize=11).encode(text=alt.Text("recall:Q", format=".2f"),
+                                           color=alt.condition("datum.recall > 0.6", alt.value("white"), alt.value("black"))),
+    ).properties(width=min(900, 110 * recall["combo"].n_unique()), height=28 * recall["model"].n_unique(),
+                 title=alt.TitleParams("K-composition of each model's induction circuit", anchor="start", subtitleColor="#444",
+                                       subtitle=["Share of its induction heads (last checkpoint) with a K-composition "
+                                                 "discovery from a previous-token head (discovery recall)."]))
+
+
+def footer(config: dict[str, Any] | None, versions: list[str]) -> str:
+    libs = {}
+    for name in ("compatlas", "altair", "duckdb", "polars", "vl-convert-python", "transformer-lens", "torch"):
+        try:
+            libs[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            pass
+    merged: dict[str, set[str]] = {}
+    for v in versions:
+        for k, x in (json.loads(v) if v else {}).items():
+            merged.setdefault(k, set()).add(str(x))
+    extraction = ", ".join(f"{k} {' / '.join(sorted(v))}" for k, v in sorted(merged.items())) or "–"
+    cfg = json.dumps({k: v for k, v in (config or {}).items() if k not in ("models", "training")}, default=str, indent=None)
+    models = ", ".join(list((config or {}).get("models", {})) + list((config or {}).get("training", {})))
+    return ("<footer><p>Report drawn " + datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+            + f". Libraries (report): {html.escape(', '.join(f'{k} {v}' for k, v in libs.items()))}."
+            + f" Libraries (extraction): {html.escape(extraction)}.</p>"
+            + (f"<p>Config (models: {html.escape(models)}):</p><pre>{html.escape(cfg)}</pre>" if config else
+               "<p>Config: not given to the report.</p>") + "</footer>")

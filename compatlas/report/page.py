@@ -1,0 +1,212 @@
+"""The page shell: number formatting, HTML helpers, CSS, the inlined Vega JavaScript and the
+``Page`` that collects a page's parts and figures (one Vega-Lite spec each, drawn when it
+scrolls into view, and a PNG of it where asked)."""
+
+from __future__ import annotations
+
+import html
+import json
+import math
+import os
+import re
+from collections.abc import Iterable
+from functools import lru_cache
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+import altair as alt
+
+from compatlas.storage import atomic_path
+
+COMPS = ("Q", "K", "V")
+METRIC_ORDER = ("frobenius", "svd_bound", "subspace")
+SPACE_ORDER = ("residual", "token", "token_norm")
+COMP_COLOURS = {"Q": "#4c78a8", "K": "#e45756", "V": "#54a24b"}
+WIDTH = 1280  # px: no page is wider than this window
+CONTENT = WIDTH - 80  # px left for a figure inside the body's margins
+
+
+def order(values: Iterable[Any], preferred: tuple[str, ...]) -> list[Any]:
+    vals = set(v for v in values if v is not None)
+    return [v for v in preferred if v in vals] + sorted(vals - set(preferred), key=str)
+
+
+def safe_name(s: Any) -> str:
+    """A file-name-safe version of a model / checkpoint / metric / space name."""
+    return re.sub(r"[^A-Za-z0-9._+-]", "-", str(s)) or "-"
+
+
+def finite(x: Any) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+
+def fmt(v: Any, digits: int = 3) -> str:
+    """For reading: integers as integers, floats to ``digits`` significant digits, p-values in
+    scientific notation below 1e-3, missing values as a dash."""
+    if v is None or (isinstance(v, float) and math.isnan(v)):
+        return "–"
+    if isinstance(v, bool):
+        return "yes" if v else "no"
+    if isinstance(v, int):
+        return f"{v:,}"
+    if isinstance(v, float):
+        if v == 0:
+            return "0"
+        if abs(v) < 1e-3 or abs(v) >= 1e5:
+            return f"{v:.{max(digits - 1, 1)}e}"
+        return f"{v:#.{digits}g}".rstrip(".") if abs(v) < 10 ** digits else f"{v:,.0f}"
+    return str(v)
+
+
+def step(v: Any) -> str:
+    return "–" if not finite(v) else f"{int(round(v)):,}"
+
+
+def esc(v: Any) -> str:
+    return html.escape(fmt(v))
+
+
+def head(layer: Any, h: Any) -> str:
+    return f"L{layer}.H{h}"
+
+
+def table(header: list[str], rows: list[list[Any]], cls: str = "", raw: bool = False) -> str:
+    """An HTML table; cells are formatted with ``fmt`` and escaped unless ``raw`` (trusted HTML)."""
+    th = "".join(f"<th>{html.escape(h)}</th>" for h in header)
+    cell = (lambda c: str(c)) if raw else esc
+    body = "".join("<tr>" + "".join(f"<td>{cell(c)}</td>" for c in r) + "</tr>" for r in rows)
+    return f'<table class="{cls}"><thead><tr>{th}</tr></thead><tbody>{body}</tbody></table>'
+
+
+def note(text: str) -> str:
+    return f"<p class='note'>{text}</p>"
+
+
+CSS = """
+* { box-sizing: border-box; }
+body { font-family: system-ui, -apple-system, "Segoe UI", Roboto, sans-serif; margin: 1em 2em; color: #222;
+       max-width: 1240px; }
+td, th { overflow-wrap: break-word; }
+table.models td, table.models th, table.finds td, table.finds th { text-align: left; }
+h1 { margin-bottom: 0.2em; font-size: 1.6em; } h2 { border-top: 2px solid #ccc; padding-top: 0.5em; margin-top: 1.6em; }
+h3 { margin: 1.2em 0 0.3em; }
+table { border-collapse: collapse; font-size: 0.82em; margin: 0.4em 0; max-width: 100%; }
+th, td { border: 1px solid #ddd; padding: 2px 6px; text-align: right; vertical-align: top; }
+th { background: #f0f0f0; } td:first-child, th:first-child { text-align: left; }
+.note { color: #555; font-size: 0.88em; max-width: 62em; }
+.fig { overflow-x: auto; max-width: 100%; min-height: 100px; }
+.side { display: flex; flex-wrap: wrap; gap: 1.2em; align-items: flex-start; }
+.pass { color: #1a7f37; font-weight: bold; } .fail { color: #cf222e; font-weight: bold; }
+.png { font-size: 0.75em; } nav { font-size: 0.9em; margin: 0.5em 0; } nav a { margin-right: 1em; }
+footer { border-top: 2px solid #ccc; margin-top: 2em; color: #555; font-size: 0.8em; }
+footer pre { white-space: pre-wrap; font-size: 0.95em; }
+"""
+
+JS_EMBED = """(() => {
+const opts = {renderer: "canvas", actions: {export: true, source: false, compiled: false, editor: false}};
+function show(el) {
+  if (el.dataset.done) return; el.dataset.done = "1";
+  const spec = JSON.parse(document.getElementById(el.dataset.spec).textContent);
+  vegaEmbed(el, spec, opts).then(() => { el.dataset.drawn = "1"; })
+    .catch(e => { el.textContent = "Could not draw this figure: " + e; console.error(e); });
+}
+const figs = document.querySelectorAll("div.fig[data-spec]");
+if ("IntersectionObserver" in window && !location.hash.includes("drawall")) {
+  const io = new IntersectionObserver(es => es.forEach(e => { if (e.isIntersecting) { io.unobserve(e.target); show(e.target); } }),
+                                      {rootMargin: "800px"});
+  figs.forEach(f => io.observe(f));
+} else { figs.forEach(show); }
+})();
+"""
+
+
+@lru_cache(maxsize=1)
+def js_bundle() -> str:
+    """Vega, Vega-Lite and vega-embed as one script. vl-convert takes seconds to bundle them, so
+    the bundle is kept in ``$COMPATLAS_CACHE`` (default ``~/.cache/compatlas``) per version."""
+    import vl_convert as vlc
+
+    try:
+        from altair.utils._importers import vl_version_for_vl_convert
+
+        vl = vl_version_for_vl_convert()
+    except ImportError:  # pragma: no cover - altair internals moved
+        vl = None
+    cache = Path(os.environ.get("COMPATLAS_CACHE", Path.home() / ".cache" / "compatlas"))
+    path = cache / f"vega-bundle-{safe_name(metadata.version('vl-convert-python'))}-{safe_name(vl)}.js"
+    if path.is_file():
+        return path.read_text(encoding="utf-8")
+    js = vlc.javascript_bundle(vl_version=vl) if vl else vlc.javascript_bundle()
+    try:
+        cache.mkdir(parents=True, exist_ok=True)
+        with atomic_path(path) as tmp:
+            tmp.write_text(js, encoding="utf-8")
+    except OSError:  # a read-only home: bundle again next time
+        pass
+    return js
+
+
+def spec_json(chart: alt.TopLevelMixin, datasets: dict[str, Any] | None = None) -> str:
+    """The Vega-Lite spec as JSON, with ``datasets`` added to its top-level datasets (so that
+    Altair never walks large data)."""
+    with alt.data_transformers.disable_max_rows():
+        spec = chart.to_dict(validate=False)  # validation costs more than drawing; the browser test draws every spec
+    if datasets:
+        spec.setdefault("datasets", {}).update(datasets)
+    # '<' escaped so no spec text can close the <script> element it sits in.
+    return json.dumps(spec, separators=(",", ":"), allow_nan=False, default=float).replace("<", "\\u003c")
+
+
+def render_png(spec: str, path: Path) -> Path:
+    """Draw a spec to a PNG (runs in a worker process: vl-convert draws one figure at a time per process)."""
+    import vl_convert as vlc
+
+    with atomic_path(path) as tmp:
+        tmp.write_bytes(vlc.vegalite_to_png(spec, scale=1))
+    return path
+
+
+class Page:
+    """One HTML page: its parts in order, and its figures' PNGs (drawn by ``pool``, a
+    ``png.PngPool``, when given, else here; none when ``png`` is false)."""
+
+    def __init__(self, out_dir: Path, name: str, title: str, png: bool = True, pool: Any = None):
+        self.out_dir, self.name, self.title, self.png, self.pool = out_dir, name, title, png, pool
+        self.parts: list[str] = []
+        self.written: list[Path] = []
+        self.n_specs = 0
+
+    def add(self, *s: str) -> None:
+        self.parts.extend(x for x in s if x)
+
+    def figure(self, chart: alt.TopLevelMixin, stem: str, datasets: dict[str, Any] | None = None,
+               png: bool = True) -> None:
+        """Add a figure; ``png=False`` for one too large to draw to a file quickly (its menu exports it)."""
+        spec = spec_json(chart, datasets)
+        if self.png and png:
+            path = self.out_dir / f"{safe_name(stem)}.png"
+            if self.pool is not None:
+                self.pool.submit(spec, path)
+            else:
+                render_png(spec, path)
+            self.written.append(path)
+            link = f'<div class="png"><a href="{html.escape(path.name)}">PNG</a></div>'
+        else:
+            link = '<div class="png">PNG: the figure\'s ⋯ menu</div>'
+        sid = f"spec{self.n_specs}"
+        self.n_specs += 1
+        self.add(f'<script type="application/json" id="{sid}">{spec}</script>'
+                 f'<div class="fig" data-spec="{sid}"></div>{link}')
+
+    def write(self, footer: str = "") -> Path:
+        doc = ("<!DOCTYPE html>\n<html lang='en'><head><meta charset='UTF-8'>"
+               f"<meta name='viewport' content='width=device-width'><link rel='icon' href='data:,'><title>{html.escape(self.title)}</title>"
+               f"<style>{CSS}</style><script type='text/javascript'>\n{js_bundle()}\n</script></head><body>\n"
+               + "\n".join(self.parts) + footer
+               + f"\n<script type='text/javascript'>{JS_EMBED}</script>\n</body></html>\n")
+        path = self.out_dir / self.name
+        with atomic_path(path) as tmp:
+            tmp.write_text(doc, encoding="utf-8")
+        self.written.append(path)
+        return path

@@ -1,0 +1,195 @@
+"""Every query the report makes of the atlas (read-only DuckDB), each returning a polars frame.
+
+Queries are per model (and mostly per model's last checkpoint), so the report's cost grows with
+the number of models, not with checkpoints x metrics x spaces; the views over the shards push
+the model and checkpoint filters down into the Parquet scans. Views or columns that an older
+atlas lacks give empty frames, and the sections say so.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import duckdb
+import polars as pl
+
+Con = duckdb.DuckDBPyConnection
+EDGE_MAX = 150  # the circuit view draws at most this many discoveries per metric x space (smallest q first)
+
+
+def columns(con: Con, view: str) -> set[str]:
+    """A view's or table's columns, from the catalog (binding a view over a thousand shards to
+    ask costs a quarter of a second)."""
+    try:
+        cols = {r[0] for r in con.execute("SELECT column_name FROM duckdb_columns() WHERE table_name = ?",
+                                          [view]).fetchall()}
+        if cols:
+            return cols
+        return {d[0] for d in con.execute(f"SELECT * FROM {view} LIMIT 0").description}
+    except duckdb.Error:
+        return set()
+
+
+def has(con: Con, view: str, *cols: str) -> bool:
+    c = columns(con, view)
+    return bool(c) and set(cols) <= c
+
+
+def _pl(con: Con, sql: str, params: list[Any] | None = None) -> pl.DataFrame:
+    return con.sql(sql, params=params or None).pl()
+
+
+def fdr(con: Con) -> float | None:
+    """The q-value cut of the ``discoveries`` view, read from its definition."""
+    try:
+        row = con.execute("SELECT sql FROM duckdb_views() WHERE view_name = 'discoveries'").fetchone()
+    except duckdb.Error:
+        return None
+    m = re.search(r"q_value\s*<=\s*([0-9.eE+-]+)", row[0]) if row else None
+    return float(m.group(1)) if m else None
+
+
+def checkpoints(con: Con) -> pl.DataFrame:
+    """One row per model x checkpoint of the models table, in step order, with ``latest`` (the
+    last checkpoint of its model) and the model's number of checkpoints."""
+    if not has(con, "models", "model", "checkpoint"):
+        return pl.DataFrame(schema={"model": pl.Utf8, "checkpoint": pl.Utf8, "checkpoint_step": pl.Int64})
+    df = _pl(con, "SELECT * FROM models")
+    if "checkpoint_step" not in df.columns:  # atlases built before checkpoint steps were recorded
+        df = df.with_columns(checkpoint_step=pl.lit(None, pl.Int64))
+    df = df.sort(["model", "checkpoint_step", "checkpoint"], nulls_last=True)
+    return df.with_columns(latest=pl.int_range(pl.len()).over("model") == pl.len().over("model") - 1,
+                           n_checkpoints=pl.len().over("model"))
+
+
+def _calibrated(con: Con) -> tuple[str, str]:
+    """The view to read scores from and its p/q columns (null where the atlas has no calibration)."""
+    if has(con, "composition_z", "p_value", "q_value", "n_null"):
+        return "composition_z", "n_null, p_value, q_value"
+    return "composition", "NULL::BIGINT AS n_null, NULL::DOUBLE AS p_value, NULL::DOUBLE AS q_value"
+
+
+def pairs(con: Con, model: str, checkpoint: str, metric: str, space: str) -> pl.DataFrame:
+    """Every head pair of one model x checkpoint x metric x space, with its nulls and p, q."""
+    view, pq = _calibrated(con)
+    return _pl(con, f"""SELECT comp, writer_layer, writer_head, reader_layer, reader_head, score,
+                           baseline_gaussian_mean, baseline_spectrum_mean, baseline_spectrum_std, {pq}
+                        FROM {view} WHERE model = ? AND checkpoint = ? AND metric = ? AND space = ?""",
+               [model, checkpoint, metric, space])
+
+
+def calibration_summary(con: Con, model: str, checkpoint: str, q_cut: float | None) -> pl.DataFrame:
+    """Per metric x space x comp: pairs, discoveries, mean score and nulls, null pairs. Two
+    aggregations (scores, p-values) joined when small: joining the pairs first costs seconds."""
+    if not has(con, "composition", "score"):
+        return pl.DataFrame()
+    keys = ["metric", "space", "comp"]
+    scores = _pl(con, """SELECT metric, space, comp, count(*) AS pairs, avg(score) AS mean_score,
+                                avg(baseline_gaussian_mean) AS gaussian_null, avg(baseline_spectrum_mean) AS spectrum_null
+                         FROM composition WHERE model = ? AND checkpoint = ? GROUP BY ALL""", [model, checkpoint])
+    if q_cut is None or not has(con, "calibration", "q_value", "n_null"):
+        return scores.with_columns(discoveries=pl.lit(None, pl.Int64), n_null=pl.lit(None, pl.Int64))
+    cal = _pl(con, f"""SELECT metric, space, comp, count_if(q_value <= {float(q_cut)})::BIGINT AS discoveries,
+                              max(n_null)::BIGINT AS n_null
+                       FROM calibration WHERE model = ? AND checkpoint = ? GROUP BY ALL""", [model, checkpoint])
+    return scores.join(cal, on=keys, how="left")
+
+
+def strongest(con: Con, model: str, checkpoint: str, limit: int = 30) -> pl.DataFrame:
+    """Where nothing is a discovery: the ``limit`` pairs per metric x space with the smallest p
+    (ties, as at the null's floor: the largest z), in the columns of ``discoveries``."""
+    if not has(con, "calibration", "p_value") or not has(con, "composition", "score"):
+        return pl.DataFrame()
+    return _ranked(con, model, checkpoint, f"""SELECT * FROM calibration WHERE model = ? AND checkpoint = ?
+                   QUALIFY rank() OVER (PARTITION BY metric, space ORDER BY p_value) <= {int(limit)}""", limit)
+
+
+def _ranked(con: Con, model: str, checkpoint: str, cal_sql: str, limit: int) -> pl.DataFrame:
+    """The p-values chosen by ``cal_sql`` joined to their scores, at most ``limit`` per metric x space."""
+    k = "metric, space, comp, writer_layer, writer_head, reader_layer, reader_head"
+    return _pl(con, f"""WITH d AS (SELECT {k}, n_null, p_value, q_value FROM ({cal_sql})),
+        s AS (SELECT d.*, c.score, c.baseline_spectrum_mean, c.baseline_spectrum_std,
+                     (c.score - c.baseline_spectrum_mean) / NULLIF(c.baseline_spectrum_std, 0) AS z_spectrum
+              FROM d JOIN (SELECT * FROM composition WHERE model = ? AND checkpoint = ?) c USING ({k}))
+        SELECT * FROM (SELECT *, count(*) OVER (PARTITION BY metric, space) AS n_total,
+                              row_number() OVER (PARTITION BY metric, space ORDER BY q_value, p_value, z_spectrum DESC) AS rank
+                       FROM s) WHERE rank <= {int(limit)}""", [model, checkpoint, model, checkpoint])
+
+
+def discoveries(con: Con, model: str, checkpoint: str, q_cut: float | None, limit: int = EDGE_MAX) -> pl.DataFrame:
+    """The discoveries of one model x checkpoint, at most ``limit`` per metric x space (smallest
+    q, then largest score), with ``n_total`` (how many there are in that metric x space). The
+    p-values are filtered first, then joined to their scores."""
+    if q_cut is None or not has(con, "calibration", "q_value") or not has(con, "composition", "score"):
+        return pl.DataFrame()
+    return _ranked(con, model, checkpoint, f"""SELECT * FROM calibration WHERE model = ? AND checkpoint = ?
+                   AND q_value <= {float(q_cut)}""", limit)
+
+
+def depth_profile(con: Con, model: str, checkpoint: str, metric: str, space: str, q_cut: float) -> pl.DataFrame:
+    """Per comp and reader layer: head pairs writing into it and how many are discoveries."""
+    if not has(con, "calibration", "q_value"):
+        return pl.DataFrame()
+    return _pl(con, f"""SELECT comp, reader_layer, count(*) AS pairs, count_if(q_value <= {float(q_cut)})::BIGINT AS n
+                        FROM calibration WHERE model = ? AND checkpoint = ? AND metric = ? AND space = ?
+                        GROUP BY ALL ORDER BY reader_layer""", [model, checkpoint, metric, space])
+
+
+def threshold(con: Con, pattern: str, default: float) -> float:
+    """A head-score threshold the atlas was built with, read from reader_best_composition's definition."""
+    try:
+        row = con.execute("SELECT sql FROM duckdb_views() WHERE view_name = 'reader_best_composition'").fetchone()
+    except duckdb.Error:
+        return default
+    m = re.search(pattern + r"\s*>=\s*([0-9.eE+-]+)", row[0]) if row else None
+    return float(m.group(1)) if m else default
+
+
+def rows(con: Con, view: str, model: str, checkpoint: str | None = None) -> pl.DataFrame:
+    """All rows of a per-model view, for one checkpoint or (None) every one."""
+    if not has(con, view, "model"):
+        return pl.DataFrame()
+    if checkpoint is None:
+        return _pl(con, f"SELECT * FROM {view} WHERE model = ?", [model])
+    return _pl(con, f"SELECT * FROM {view} WHERE model = ? AND checkpoint = ?", [model, checkpoint])
+
+
+def head_scores_over_training(con: Con, model: str, steps: pl.DataFrame) -> pl.DataFrame:
+    """head_scores at every checkpoint of ``model`` with its ``step`` (from ``steps``: checkpoint,
+    checkpoint_step); empty without head scores."""
+    heads = rows(con, "head_scores", model)
+    if heads.is_empty():
+        return heads
+    st = steps.select("checkpoint", pl.col("checkpoint_step").alias("step"))
+    return heads.join(st, on="checkpoint", how="inner").filter(pl.col("step").is_not_null()).sort("step")
+
+
+def loss(con: Con, model: str) -> pl.DataFrame:
+    if not has(con, "training_loss", "step", "loss"):
+        return pl.DataFrame(schema={"step": pl.Int64, "loss": pl.Float64})
+    return _pl(con, "SELECT step, loss FROM training_loss WHERE model = ? ORDER BY step", [model])
+
+
+def pair_curves(con: Con, model: str, pair: tuple[tuple[int, int], tuple[int, int]], steps: pl.DataFrame) -> pl.DataFrame:
+    """The composition of the previous-token head into the induction head of ``pair`` at every
+    checkpoint: metric, space, comp, step, score (and p, q where calibrated)."""
+    (il, ih), (pl_, ph) = pair
+    if not has(con, "composition", "score"):
+        return pl.DataFrame()
+    where = "model = ? AND writer_layer = ? AND writer_head = ? AND reader_layer = ? AND reader_head = ?"
+    args = [model, pl_, ph, il, ih]
+    keys = [k for k in ("checkpoint", "processing", "metric", "space", "comp") if k in columns(con, "composition")]
+    # scores and p-values fetched apart and joined here: a join of the views scans every checkpoint twice over
+    df = _pl(con, f"SELECT {', '.join(keys)}, score FROM composition WHERE {where}", args)
+    if has(con, "calibration", "p_value", "q_value", *keys):
+        pq = _pl(con, f"SELECT {', '.join(keys)}, p_value, q_value FROM calibration WHERE {where}", args)
+        df = df.join(pq, on=keys, how="left")
+    else:
+        df = df.with_columns(p_value=pl.lit(None, pl.Float64), q_value=pl.lit(None, pl.Float64))
+    st = steps.select("checkpoint", pl.col("checkpoint_step").alias("step"))
+    return df.join(st, on="checkpoint").drop("checkpoint", "processing", strict=False).sort("step")
+
+
+def metric_audit(con: Con) -> pl.DataFrame:
+    return _pl(con, "SELECT * FROM metric_audit") if has(con, "metric_audit", "axiom") else pl.DataFrame()

@@ -1,0 +1,136 @@
+"""Training as trajectories (seed 000): for a model with a checkpoint series, the loss, the
+eventual heads' scores and induction strength, and the eventual pair's composition on one
+figure over a log step axis, with the formation (or loss-drop) step marked; and the overview's
+one line per run."""
+
+from __future__ import annotations
+
+import html
+
+import altair as alt
+import polars as pl
+
+from compatlas import formation as fm
+from compatlas.formation import TrainingOutcome
+from compatlas.report.page import COMPS, METRIC_ORDER, SPACE_ORDER, head, note, step, table
+
+PANEL_W = 1060
+
+
+def step_x(top: float, title: str | None = "training step") -> alt.X:
+    """The step axis every panel shares: symlog (step 0, the initialisation, and the log-spaced
+    early checkpoints both visible) over [0, top], ticks at 0 and the powers of ten."""
+    ticks = sorted({0, int(top)} | {10 ** k for k in range(len(str(int(max(top, 1))))) if 10 ** k < top / 1.5})
+    return alt.X("step:Q", scale=alt.Scale(type="symlog", constant=1, domain=[0, top], nice=False),
+                 axis=alt.Axis(title=title, values=ticks, format=",d", grid=True))
+
+
+def _rule(chart: alt.Chart, marker: float | None) -> alt.TopLevelMixin:
+    if marker is None:
+        return chart
+    rule = alt.Chart(pl.DataFrame({"step": [marker]})).mark_rule(color="black", strokeDash=[4, 3]).encode(x="step:Q")
+    return alt.layer(chart, rule)
+
+
+def trajectory_chart(t: TrainingOutcome, strength: pl.DataFrame, model: str) -> alt.VConcatChart:
+    """Loss; the eventual heads' scores and the mean induction strength; the pair's composition
+    per comp (colour = metric, dash = space). All on the same log step axis."""
+    (il, ih), (pl_, ph) = t.pair
+    heads = t.heads
+    ind = heads.filter((pl.col("layer") == il) & (pl.col("head") == ih))
+    prev = heads.filter((pl.col("layer") == pl_) & (pl.col("head") == ph))
+    beh = pl.concat([ind.select("step", pl.lit(f"induction score of {head(il, ih)}").alias("series"), pl.col("induction_mean").alias("value")),
+                     prev.select("step", pl.lit(f"previous-token score of {head(pl_, ph)}").alias("series"),
+                                 pl.col("prev_token_mean").alias("value"))]).cast({"step": pl.Float64})
+    top = float(heads["step"].max())
+    panels = []
+    if t.loss.height:
+        w = max(1, t.loss.height // 300)  # bin to about 300 points
+        loss = t.loss.with_columns(b=(pl.col("step") - 1) // w).group_by("b").agg(pl.col("step").max(), pl.col("loss").mean()).sort("step")
+        panels.append(_rule(alt.Chart(loss).mark_line(color="#555").encode(
+            x=step_x(top, None), y=alt.Y("loss:Q", title="training loss", scale=alt.Scale(zero=False)),
+            tooltip=[alt.Tooltip("step:Q", format=","), alt.Tooltip("loss:Q", format=".3f")]).properties(
+            width=PANEL_W, height=110), t.marker))
+    panels.append(_rule(alt.Chart(beh).mark_line(point=True).encode(
+        x=step_x(top, None), y=alt.Y("value:Q", title="attention score", scale=alt.Scale(domain=[0, 1])),
+        color=alt.Color("series:N", title=None, legend=alt.Legend(orient="top-left")),
+        tooltip=["series:N", alt.Tooltip("step:Q", format=","), alt.Tooltip("value:Q", format=".3f")]).properties(
+        width=PANEL_W, height=130), t.marker))
+    if not strength.is_empty():
+        panels.append(_rule(alt.Chart(strength).mark_line(point=True, color="#c44e52").encode(
+            x=step_x(top, None), y=alt.Y("strength:Q", title="induction strength"),
+            tooltip=[alt.Tooltip("step:Q", format=","), alt.Tooltip("strength:Q", format=".3f")]).properties(
+            width=PANEL_W, height=90), t.marker))
+    if not t.curves.is_empty():
+        comps = [c for c in COMPS if c in set(t.curves["comp"])]
+        w = (PANEL_W - 30 * (len(comps) - 1) - 120) // max(len(comps), 1)
+        c = t.curves.with_columns(marker=pl.lit(t.marker)).cast({"step": pl.Float64})
+        layers = [alt.Chart().mark_line(point=alt.OverlayMarkDef(size=18)).encode(
+            x=step_x(top), y=alt.Y("score:Q", title=f"score of {head(pl_, ph)} → {head(il, ih)}"),
+            color=alt.Color("metric:N", sort=list(METRIC_ORDER)),
+            strokeDash=alt.StrokeDash("space:N", sort=list(SPACE_ORDER)),
+            tooltip=["metric", "space", "comp", alt.Tooltip("step:Q", format=","), alt.Tooltip("score:Q", format=".3f"),
+                     alt.Tooltip("q_value:Q", title="q", format=".2e")])]
+        if t.marker is not None:
+            layers.append(alt.Chart().mark_rule(color="black", strokeDash=[4, 3]).encode(x="marker:Q"))
+        panels.append(alt.layer(*layers, data=c).properties(width=w, height=150).facet(
+            column=alt.Column("comp:N", sort=comps, title=None, header=alt.Header(labelExpr="datum.value + '-composition'"))))
+    marker = ("formation step" if t.formation is not None else "loss-drop step") if t.marker is not None else None
+    return alt.vconcat(*panels, spacing=8).resolve_scale(color="independent", strokeDash="independent").properties(
+        title=alt.TitleParams(f"{model}: the circuit forming over training", anchor="start", subtitleColor="#444",
+                              subtitle=["Checkpoint step on a log axis (step 0 at the left)"
+                                        + (f"; dashed: the {marker} ({step(t.marker)})." if marker else ".")]))
+
+
+def describe(t: TrainingOutcome) -> str:
+    (il, ih), (pl_, ph) = t.pair
+    s = (f"Eventual induction head <b>{head(il, ih)}</b> (highest induction score at the last checkpoint), eventual "
+         f"previous-token head <b>{head(pl_, ph)}</b> (highest previous-token score in an earlier layer). ")
+    if t.formation is not None:
+        s += (f"Formation step <b>{step(t.formation)}</b>: where {head(il, ih)}'s induction score crosses the midpoint of "
+              "its first and final values.")
+        if t.drop is not None:
+            s += f" The training loss falls fastest at step <b>{step(t.drop)}</b>."
+    else:
+        s += (f"<b>No canonical induction head forms</b>: {head(il, ih)}'s induction score rises by less than "
+              f"{fm.MIN_RISE}." + (f" The curves are judged against the loss-drop step <b>{step(t.drop)}</b>."
+                                   if t.drop is not None else ""))
+    return f"<p>{s}</p>"
+
+
+def verdict_table(t: TrainingOutcome) -> str:
+    v = t.verdicts
+    if v is None:
+        return ""
+    rows = [[r["metric"], r["space"], r["comp"], r["before_formation"], r["final"], step(r["largest_rise_at"]),
+             r["early_max"], r["tracks"], r["rises_early"]] for r in v.sort("comp", "metric", "space").iter_rows(named=True)]
+    return (f"<p><b>{html.escape(fm.statement(v))}</b></p>"
+            + note("Tracks: ends above its value before the formation, with its largest rise between consecutive "
+                   "checkpoints at (or next to) the formation step. Rises early: before half the formation step "
+                   "(initialisation excluded) it already reaches its final value.")
+            + table(["metric", "space", "comp", "before formation", "final", "largest rise at step", "early max",
+                     "tracks", "rises early"], rows))
+
+
+def runs_table(outcomes: dict[str, TrainingOutcome], link) -> str:
+    """Overview: one line per model with a checkpoint series."""
+    rows = []
+    for model, t in outcomes.items():
+        name = link(model)
+        if t.pair is None:
+            rows.append([name, "(one layer)", "", "–", step(t.drop), ""])
+            continue
+        (il, ih), (pl_, ph) = t.pair
+        last = t.heads.filter(pl.col("step") == t.heads["step"].max())
+        score = {(r["layer"], r["head"]): r for r in last.iter_rows(named=True)}
+        tracks = "" if t.verdicts is None else ", ".join(
+            f"{r['comp']} {r['metric']} ({r['space']})" for r in fm.tracking(t.verdicts).iter_rows(named=True))
+        rows.append([name, f"{head(il, ih)} ({score[(il, ih)]['induction_mean']:.2f})",
+                     f"{head(pl_, ph)} ({score[(pl_, ph)]['prev_token_mean']:.2f})", step(t.formation), step(t.drop),
+                     html.escape(tracks or "none")])
+    return ("<h2 id='training'>Composition over training</h2>"
+            + note("Per model with a checkpoint series: the eventual induction and previous-token heads (final "
+                   "scores), the formation step, the steepest loss drop, and the composition curves of the pair that "
+                   "track the formation without rising early (trajectories on the model's page).")
+            + table(["model", "induction head", "previous-token head", "formation step", "loss-drop step",
+                     "tracks the formation"], rows, raw=True))

@@ -1,0 +1,185 @@
+"""Open a page in headless Chromium and report what a reader would meet: requests that leave the
+file, console errors, figures that did not draw, the page's width; and take a screenshot.
+
+Chromium is driven over the DevTools protocol on a pipe (``--remote-debugging-pipe``: JSON
+messages separated by NUL on file descriptors 3 and 4), so no CDP client library is needed."""
+
+from __future__ import annotations
+
+import base64
+import json
+import os
+import shutil
+import subprocess
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+WIDTH, HEIGHT = 1280, 900
+LOCAL = ("file:", "data:", "blob:", "about:")
+
+
+def chromium() -> str | None:
+    for name in ("chromium", "chromium-browser", "google-chrome"):
+        if p := shutil.which(name):
+            return p
+    return None
+
+
+@dataclass
+class Visit:
+    url: str
+    external: list[str] = field(default_factory=list)
+    errors: list[str] = field(default_factory=list)
+    figures: int = 0
+    drawn: int = 0
+    failed: list[str] = field(default_factory=list)
+    width: int = 0
+    height: int = 0
+
+
+class Browser:
+    def __init__(self, binary: str):
+        self.profile = tempfile.mkdtemp(prefix="compatlas-chromium-")
+        r_ours, w_chrome = os.pipe()  # chromium writes on its fd 4
+        r_chrome, w_ours = os.pipe()  # chromium reads on its fd 3
+        # above any fd the child's dup2 onto 3 and 4 could clobber
+        r_hi, w_hi = os.dup2(r_chrome, 100, inheritable=True), os.dup2(w_chrome, 101, inheritable=True)
+        self.proc = subprocess.Popen(
+            [binary, "--headless", "--remote-debugging-pipe", "--no-sandbox", "--disable-gpu", "--no-first-run",
+             "--disable-extensions", "--disable-background-networking", "--disable-component-update",
+             "--disable-sync", "--disable-default-apps", f"--user-data-dir={self.profile}", "--hide-scrollbars",
+             "--mute-audio", "about:blank"],
+            pass_fds=(3, 4), stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+            preexec_fn=lambda: (os.dup2(r_hi, 3), os.dup2(w_hi, 4)))
+        os.close(r_hi)
+        os.close(w_hi)
+        os.close(r_chrome)
+        os.close(w_chrome)
+        self.w, self.r = os.fdopen(w_ours, "wb", buffering=0), os.fdopen(r_ours, "rb", buffering=0)
+        self.buf, self.next_id, self.events = b"", 0, []
+
+    def _read(self, timeout: float) -> dict:
+        import select
+
+        while b"\0" not in self.buf:
+            ready, _, _ = select.select([self.r], [], [], timeout)
+            if not ready:
+                raise TimeoutError("Chromium did not answer")
+            chunk = self.r.read(1 << 16)
+            if not chunk:
+                raise RuntimeError("Chromium closed its pipe")
+            self.buf += chunk
+        msg, self.buf = self.buf.split(b"\0", 1)
+        return json.loads(msg)
+
+    def call(self, method: str, params: dict | None = None, session: str | None = None, timeout: float = 60) -> dict:
+        self.next_id += 1
+        msg = {"id": self.next_id, "method": method, "params": params or {}}
+        if session:
+            msg["sessionId"] = session
+        self.w.write(json.dumps(msg).encode() + b"\0")
+        deadline = time.monotonic() + timeout
+        while True:
+            m = self._read(max(0.1, deadline - time.monotonic()))
+            if m.get("id") == self.next_id:
+                if "error" in m:
+                    raise RuntimeError(f"{method}: {m['error']}")
+                return m.get("result", {})
+            self.events.append(m)
+
+    def drain(self, seconds: float) -> None:
+        end = time.monotonic() + seconds
+        while time.monotonic() < end:
+            try:
+                self.events.append(self._read(max(0.05, end - time.monotonic())))
+            except TimeoutError:
+                return
+
+    def visit(self, path: Path, screenshot: Path | None = None, timeout: float = 120, tile: int = 0) -> Visit:
+        """Load ``path`` at 1280 px wide, draw every figure (the page's ``#drawall``), and report."""
+        target = self.call("Target.createTarget", {"url": "about:blank"})["targetId"]
+        s = self.call("Target.attachToTarget", {"targetId": target, "flatten": True})["sessionId"]
+        for m in ("Page.enable", "Runtime.enable", "Log.enable", "Network.enable"):
+            self.call(m, session=s)
+        self.call("Emulation.setDeviceMetricsOverride",
+                  {"width": WIDTH, "height": HEIGHT, "deviceScaleFactor": 1, "mobile": False}, session=s)
+        self.events = []
+        url = path.resolve().as_uri()
+        v = Visit(url)
+        self.call("Page.navigate", {"url": url + "#drawall"}, session=s)
+        deadline = time.monotonic() + timeout
+        js = ("JSON.stringify({n: document.querySelectorAll('div.fig[data-spec]').length,"
+              " d: document.querySelectorAll('div.fig[data-drawn]').length,"
+              " f: [...document.querySelectorAll('div.fig')].filter(e => e.textContent.includes('Could not draw'))"
+              ".map(e => e.textContent.slice(0, 300)),"
+              " w: document.documentElement.scrollWidth, h: document.documentElement.scrollHeight,"
+              " ok: document.readyState === 'complete' && location.protocol === 'file:'})")
+        while True:
+            state = json.loads(self.call("Runtime.evaluate", {"expression": js, "returnByValue": True},
+                                         session=s)["result"].get("value") or "{}")
+            if state.get("ok") and state["n"] == state["d"] + len(state["f"]) or time.monotonic() > deadline:
+                break
+            self.drain(0.5)
+        self.drain(1.0)
+        v.figures, v.drawn, v.failed, v.width, v.height = state["n"], state["d"], state["f"], state["w"], state["h"]
+        for e in self.events:
+            p, m = e.get("params", {}), e.get("method")
+            if m == "Network.requestWillBeSent" and not p["request"]["url"].startswith(LOCAL):
+                v.external.append(p["request"]["url"])
+            elif m == "Runtime.consoleAPICalled" and p.get("type") in ("error", "assert"):
+                v.errors.append(" ".join(str(a.get("value", a.get("description", ""))) for a in p.get("args", [])))
+            elif m == "Runtime.exceptionThrown":
+                v.errors.append(p["exceptionDetails"].get("exception", {}).get("description", "exception"))
+            elif m == "Log.entryAdded" and p["entry"]["level"] == "error":
+                v.errors.append(f"{p['entry'].get('source')}: {p['entry']['text']} {p['entry'].get('url', '')}")
+        if screenshot is not None:  # the whole page, and with ``tile`` also in pieces of that height
+            pieces = [(0, min(v.height, 16000), screenshot)]
+            if tile:
+                pieces += [(y, min(tile, v.height - y), screenshot.with_name(f"{screenshot.stem}_{i}.png"))
+                           for i, y in enumerate(range(0, v.height, tile))]
+            for y, h, out in pieces:
+                shot = self.call("Page.captureScreenshot", {"format": "png", "captureBeyondViewport": True,
+                                                            "clip": {"x": 0, "y": y, "width": WIDTH, "height": h, "scale": 1}},
+                                 session=s)
+                out.write_bytes(base64.b64decode(shot["data"]))
+        self.call("Target.closeTarget", {"targetId": target})
+        return v
+
+    def close(self) -> None:
+        try:
+            self.call("Browser.close", timeout=10)
+        except Exception:  # noqa: BLE001 - closing anyway
+            pass
+        try:
+            self.proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+        shutil.rmtree(self.profile, ignore_errors=True)
+
+
+def check_report(report_dir: Path, shots: Path) -> list[str]:
+    """Open every page of a report at 1280 px; screenshots into ``shots``; return the problems
+    found (external requests, console errors, figures not drawn, a page wider than 1280 px)."""
+    binary = chromium()
+    if binary is None:
+        raise RuntimeError("Chromium is not installed: `apt-get install -y chromium` (Debian's package; "
+                           "envs/setup.sh installs it where apt-get is available)")
+    shots.mkdir(parents=True, exist_ok=True)
+    problems = []
+    b = Browser(binary)
+    try:
+        for page in sorted(report_dir.glob("*.html")):
+            v = b.visit(page, shots / f"{page.stem}.png")
+            name = page.name
+            problems += [f"{name}: request leaves the file: {u}" for u in v.external]
+            problems += [f"{name}: console error: {e}" for e in v.errors]
+            problems += [f"{name}: {f}" for f in v.failed]
+            if v.drawn != v.figures:
+                problems.append(f"{name}: {v.drawn} of {v.figures} figures drawn")
+            if v.width > WIDTH:
+                problems.append(f"{name}: {v.width} px wide")
+    finally:
+        b.close()
+    return problems

@@ -1,0 +1,169 @@
+"""A synthetic atlas for the report's tests and benchmark: real shards and views
+(``compatlas.atlas.build_atlas``) with a planted circuit, built fast with numpy.
+
+Each model has a previous-token head (0, 1), induction heads in its last third (head 0 of
+those layers), and the K-composition of the first into the second far above every other pair,
+with p and q values that make exactly those pairs discoveries. With several checkpoints the
+induction heads form at the middle step and the loss drops there."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import polars as pl
+
+from compatlas.atlas import AUDIT_SCHEMA, INVARIANCE_SCHEMA, build_atlas
+from compatlas.calibration import P_SCHEMA
+from compatlas.induction import HEAD_SCHEMA, TOKEN_SCHEMA
+from compatlas.scores import SCHEMA
+from compatlas.training import LOSS_SCHEMA
+
+COMPS = ("Q", "K", "V")
+
+
+@dataclass
+class Spec:
+    name: str
+    n_layers: int
+    n_heads: int
+    steps: list[int] | None = None  # checkpoint steps; None: one checkpoint "final"
+    quantized: bool = False
+
+
+def _checkpoints(s: Spec) -> list[tuple[str, int | None]]:
+    return [("final", None)] if not s.steps else [(f"step{t}", t) for t in s.steps]
+
+
+def _formed(step: int | None, s: Spec) -> float:
+    """0 before the formation (middle step), 1 after; 1 without a series."""
+    if step is None or not s.steps:
+        return 1.0
+    mid = s.steps[len(s.steps) // 2]
+    return float(1 / (1 + np.exp(-(step - mid) / max(mid / 8, 1))))
+
+
+def _pairs(L: int, H: int) -> tuple[np.ndarray, ...]:
+    wl, rl = np.triu_indices(L, 1)
+    wl, rl = np.repeat(wl, H * H), np.repeat(rl, H * H)
+    n_lp = len(wl) // (H * H)
+    wh = np.tile(np.repeat(np.arange(H), H), n_lp)
+    rh = np.tile(np.tile(np.arange(H), H), n_lp)
+    return wl.astype(np.int32), wh.astype(np.int32), rl.astype(np.int32), rh.astype(np.int32)
+
+
+def _bh(p: np.ndarray) -> np.ndarray:
+    order = np.argsort(p)
+    q = p[order] * len(p) / np.arange(1, len(p) + 1)
+    q = np.minimum.accumulate(q[::-1])[::-1]
+    out = np.empty_like(q)
+    out[order] = np.minimum(q, 1.0)
+    return out
+
+
+def _composition(s: Spec, ck: str, step: int | None, metrics, spaces, rng) -> tuple[pl.DataFrame, pl.DataFrame]:
+    wl, wh, rl, rh = _pairs(s.n_layers, s.n_heads)
+    n = len(wl)
+    ind_layers = set(range(max(1, (2 * s.n_layers) // 3), s.n_layers))
+    planted = (wl == 0) & (wh == 1) & np.isin(rl, list(ind_layers)) & (rh == 0)
+    f = _formed(step, s)
+    comps, cals = [], []
+    heads = {"writer_layer": wl, "writer_head": wh, "reader_layer": rl, "reader_head": rh}
+    for metric in metrics:
+        for space in spaces:
+            for c in COMPS:
+                score = rng.uniform(0.05, 0.3, n)
+                p = rng.uniform(0.0, 1.0, n)
+                if c == "K":
+                    score = np.where(planted, 0.3 + 0.6 * f, score)
+                    p = np.where(planted, 10 ** (-1 - 5 * f), p)
+                keys = [pl.lit(v).alias(k) for k, v in (("model", s.name), ("checkpoint", ck), ("processing", "none"),
+                                                        ("space", space), ("metric", metric), ("comp", c))]
+                comps.append(pl.DataFrame({**heads, "score": score, "baseline_gaussian_mean": 0.1, "baseline_gaussian_std": 0.02,
+                                           "baseline_spectrum_mean": rng.uniform(0.1, 0.15, n),
+                                           "baseline_spectrum_std": 0.03}).with_columns(keys))
+                cals.append(pl.DataFrame({**heads, "n_null": 2 * n, "p_value": p, "q_value": _bh(p)}).with_columns(keys))
+    return (pl.concat(comps).select(list(SCHEMA)).cast(SCHEMA),  # type: ignore[arg-type]
+            pl.concat(cals).select(list(P_SCHEMA)).cast(P_SCHEMA))  # type: ignore[arg-type]
+
+
+def _heads(s: Spec, ck: str, step: int | None, rng) -> pl.DataFrame:
+    L, H = s.n_layers, s.n_heads
+    layer, head = np.repeat(np.arange(L), H), np.tile(np.arange(H), L)
+    f = _formed(step, s)
+    prev = np.where((layer == 0) & (head == 1), 0.9, rng.uniform(0, 0.15, L * H))
+    ind = np.where((layer >= max(1, (2 * L) // 3)) & (head == 0), 0.05 + 0.85 * f, rng.uniform(0, 0.1, L * H))
+    return pl.DataFrame({"model": s.name, "checkpoint": ck, "layer": layer, "head": head, "prev_token_mean": prev,
+                         "prev_token_std": 0.05, "duplicate_mean": rng.uniform(0, 0.2, L * H), "duplicate_std": 0.05,
+                         "induction_mean": ind, "induction_std": 0.05, "n_sequences": 32, "ablation": "zero",
+                         "ablation_drop": np.where(ind > 0.4, 0.5, rng.normal(0, 0.02, L * H)),
+                         "ablation_drop_stderr": 0.02, "clean_strength": 2.0}, schema=HEAD_SCHEMA)
+
+
+def _tokens(s: Spec, ck: str, rng, n_tokens: int = 16) -> pl.DataFrame:
+    rows = []
+    for role, mu in (("A", 3.0), ("B", 2.0)):
+        for t in range(n_tokens):
+            rows.append({"model": s.name, "checkpoint": ck, "filler_before": 10, "filler_between": 10, "token_id": t,
+                         "token_text": f" tok{t}", "role": role, "n": 8, "mean": float(rng.normal(mu, 0.8)), "std": 1.0,
+                         "stderr": 0.35, "near_b_id": t + 1, "near_b_mean": float(rng.normal(1.2, 0.5)),
+                         "near_b_stderr": 0.3, "random_mean": float(rng.normal(0, 0.1)), "random_stderr": 0.05})
+    return pl.DataFrame(rows, schema=TOKEN_SCHEMA)
+
+
+def write_suite(root: Path, specs: list[Spec], metrics=("frobenius", "svd_bound", "subspace"),
+                spaces=("residual", "token"), seed: int = 0) -> Path:
+    """Shards, meta.json files and ``root/atlas.duckdb`` for ``specs``; returns the database path."""
+    rng = np.random.default_rng(seed)
+    shards: dict[str, list[Path]] = {k: [] for k in ("composition", "calibration", "head_scores", "induction_tokens",
+                                                      "invariance", "metric_audit", "training_loss")}
+    metas = []
+
+    def put(view: str, df: pl.DataFrame, name: str) -> None:
+        p = root / view / f"{name}.parquet"
+        p.parent.mkdir(parents=True, exist_ok=True)
+        df.write_parquet(p)
+        shards[view].append(p)
+
+    for s in specs:
+        cks = _checkpoints(s)
+        for ck, step in cks:
+            key = f"{s.name}__{ck}"
+            if s.n_layers > 1:
+                comp, cal = _composition(s, ck, step, metrics, spaces, rng)
+                put("composition", comp, key)
+                put("calibration", cal, key)
+            put("head_scores", _heads(s, ck, step, rng), key)
+            put("induction_tokens", _tokens(s, ck, rng), key)
+            meta = {"model": s.name, "checkpoint": ck, "checkpoint_step": step, "checkpoint_tokens": None if step is None else step * 512,
+                    "architecture": "llama", "n_layers": s.n_layers, "n_heads": s.n_heads, "n_kv_heads": s.n_heads,
+                    "d_model": 64 * s.n_heads, "d_head": 64, "d_vocab": 1000, "norm_type": "RMS", "processing": "none",
+                    "quantized": s.quantized, "source_kind": "trained" if s.steps else "build",
+                    "versions": {"torch": "2.13.0", "transformer-lens": "4.0"}}
+            mp = root / "meta" / f"{key}.json"
+            mp.parent.mkdir(parents=True, exist_ok=True)
+            mp.write_text(json.dumps(meta))
+            metas.append(mp)
+        last = cks[-1][0]
+        if s.n_layers > 1:
+            put("invariance", pl.DataFrame([{"model": s.name, "checkpoint": last, "processing": "none", "transform": t,
+                                             "metric": m, "space": sp, "comp": c, "spearman": 1.0 if sp != "residual" or t in ("permutation", "orthogonal") else 0.8,
+                                             "max_abs_change": 1e-3, "top_k": 20, "top_k_overlap": 0.9, "top_k_kept": True,
+                                             "log10_scale_range": 2.0}
+                                            for t in ("permutation", "orthogonal", "diagonal", "gl") for m in metrics
+                                            for sp in spaces for c in COMPS], schema=INVARIANCE_SCHEMA), f"{s.name}__{last}")
+        if s.steps:
+            steps = np.arange(1, s.steps[-1] + 1)
+            mid = s.steps[len(s.steps) // 2]
+            put("training_loss", pl.DataFrame({"model": s.name, "step": steps, "tokens": steps * 512,
+                                               "loss": 6 - 3 / (1 + np.exp(-(steps - mid) / max(mid / 8, 1)))},
+                                              schema=LOSS_SCHEMA), s.name)
+    put("metric_audit", pl.DataFrame([{"metric": m, "space": sp, "axiom": a, "construction": "identity d=16",
+                                       "value": 0.25, "expected": 1.0, "passed": sp == "token", "detail": "{}"}
+                                      for m in metrics for sp in spaces for a in ("axiom1_full", "axiom4_invariant")],
+                                     schema=AUDIT_SCHEMA), "audit")
+    db = root / "atlas.duckdb"
+    build_atlas(db, {k: v for k, v in shards.items() if v}, metas)
+    return db

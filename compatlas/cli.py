@@ -19,6 +19,7 @@ EXAMPLES = """examples:
 # What `query --help` lists (tests/test_cli.py checks it against the views a built atlas has).
 TABLES = {
     "models": "one row per model x checkpoint: shapes, steps, source, revision, commit, checksums",
+    "checkpoints": "each model's checkpoints with their step, in order; latest marks the last one",
     "composition": "every writer/reader head pair's score per metric, space and comp, with its nulls",
     "composition_null": "the same scores for non-causal pairs (the empirical null)",
     "composition_z": "composition plus z-scores, p- and q-values",

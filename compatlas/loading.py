@@ -163,9 +163,15 @@ def dir_checksum(folder: Path) -> str:
     return h.hexdigest()
 
 
-def boot(entry: dict[str, Any], checkpoint: dict[str, Any] | None, workdir: Path, device: str = "cpu"):
-    """Boot the bridge for one model entry (and checkpoint). Returns (bridge, source provenance)."""
+def boot(entry: dict[str, Any], checkpoint: dict[str, Any] | None, workdir: Path, device: str = "cpu",
+         dtype: torch.dtype = torch.float32, device_map: str | None = None):
+    """Boot the bridge for one model entry (and checkpoint). Returns (bridge, source provenance).
+    ``dtype`` is the precision the model is loaded in; ``device_map`` (e.g. ``"auto"``) spreads
+    a model larger than one GPU over the node's GPUs (then ``device`` is not used)."""
     from transformer_lens.model_bridge import TransformerBridge
+
+    # boot_transformers takes either a device or a device map
+    place: dict[str, Any] = {"device_map": device_map} if device_map else {"device": device}
 
     source = entry["source"]
     kind = source["kind"]
@@ -177,7 +183,7 @@ def boot(entry: dict[str, Any], checkpoint: dict[str, Any] | None, workdir: Path
             value = ckpt.get(key, source.get(key))
             if value is not None:
                 kwargs[key] = value
-        bridge = TransformerBridge.boot_transformers(source["name"], device=device, **kwargs)
+        bridge = TransformerBridge.boot_transformers(source["name"], dtype=dtype, **place, **kwargs)
         prov.update(source_name=source["name"], **kwargs)
         commit = getattr(getattr(bridge.original_model, "config", None), "_commit_hash", None)
         prov["source_checksum"] = f"hub:{source['name']}@{commit or kwargs or 'main'}"
@@ -202,7 +208,7 @@ def boot(entry: dict[str, Any], checkpoint: dict[str, Any] | None, workdir: Path
         from transformers import AutoTokenizer
 
         tok = AutoTokenizer.from_pretrained(folder)
-        bridge = TransformerBridge.boot_transformers(str(folder), tokenizer=tok, device=device)
+        bridge = TransformerBridge.boot_transformers(str(folder), tokenizer=tok, dtype=dtype, **place)
         hf = bridge.original_model
         base = getattr(hf, "base_model", hf)
         if base is not hf and type(base).__name__ in (getattr(hf.config, "architectures", None) or []):
@@ -224,10 +230,11 @@ def boot(entry: dict[str, Any], checkpoint: dict[str, Any] | None, workdir: Path
         path = gguf_file(source["package"], source.get("file"), cache_dir=workdir)
         check_gguf(path)
         tok = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
-        model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
+        model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=dtype)
         if source.get("architectures"):
             model.config.architectures = list(source["architectures"])
-        bridge = TransformerBridge.boot_transformers(source["hf_name"], hf_model=model, tokenizer=tok, device=device)
+        bridge = TransformerBridge.boot_transformers(source["hf_name"], hf_model=model, tokenizer=tok, dtype=dtype,
+                                                     **place)
         prov.update(source_path=str(path), source_package=source["package"], source_checksum=file_sha256(path),
                     quantized=True)
         return bridge, prov

@@ -510,8 +510,10 @@ def _attribution_drops(model, seq, ctrl, target, means, batch_size, progress) ->
             zs: list[torch.Tensor | None] = [None] * L
 
             def leaf(layer: int):
-                def hook(z, hook):  # a leaf that requires grad: the graph runs from here (weights need none)
-                    zs[layer] = z.detach().requires_grad_(True)
+                def hook(z, hook):
+                    # a leaf where no graph reaches z yet (frozen weights); never cut one that does, or
+                    # the gradient of a lower head would miss every path through the heads above it
+                    zs[layer] = z if z.requires_grad else z.detach().requires_grad_(True)
                     return zs[layer]
                 return hook
 

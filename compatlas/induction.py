@@ -13,9 +13,11 @@
   ``clean_tokens`` (no special, added, control, unreachable or duplicate-embedding tokens).
 
 Works on any transformer_lens model with ``run_with_hooks`` and the hook names
-``blocks.{l}.attn.hook_z`` / ``hook_pattern``: a ``TransformerBridge`` in the pipeline, a
-hand-built ``HookedTransformer`` in the tests. Every batch is one padded-free forward pass
-(all sequences of a sweep have the same length), on the model's device.
+``blocks.{l}.attn.hook_z`` / ``hook_pattern`` (a ``TransformerBridge``, in the pipeline and the
+tests); exact ablation's block skipping needs the bridge's blocks in the Hugging Face model's
+module list, and falls back to whole-model reruns without. Every batch is one padding-free
+forward pass (all sequences of a sweep have the same length), on the model's (first) device;
+the unembedding sees only the last position.
 """
 
 from __future__ import annotations
@@ -42,8 +44,8 @@ P_EPS = 1e-15
 TOKEN_SCHEMA = {
     "model": pl.Utf8, "checkpoint": pl.Utf8, "filler_before": pl.Int32, "filler_between": pl.Int32,
     "token_id": pl.Int64, "token_text": pl.Utf8, "role": pl.Utf8, "n": pl.Int64, "mean": pl.Float64,
-    "std": pl.Float64, "stderr": pl.Float64, "near_b_id": pl.Int64, "near_b_cosine": pl.Float64, "near_b_mean": pl.Float64,
-    "near_b_stderr": pl.Float64, "random_mean": pl.Float64, "random_stderr": pl.Float64,
+    "std": pl.Float64, "stderr": pl.Float64, "near_b_id": pl.Int64, "near_b_cosine": pl.Float64,
+    "near_b_mean": pl.Float64, "near_b_stderr": pl.Float64, "random_mean": pl.Float64, "random_stderr": pl.Float64,
 }
 HEAD_SCHEMA = {
     "model": pl.Utf8, "checkpoint": pl.Utf8, "layer": pl.Int32, "head": pl.Int32,
@@ -56,8 +58,8 @@ HEAD_SCHEMA = {
 
 @dataclass(frozen=True)
 class TokenSet:
-    """Which tokens a sweep draws from: ``pool`` for fillers and random partners (special tokens
-    excluded), ``bos`` prepended to every sequence when the model expects one."""
+    """Which tokens a sweep draws from: ``pool`` for fillers and random partners (clean tokens),
+    ``bos`` prepended to every sequence when the model expects one."""
 
     pool: torch.Tensor
     bos: int | None = None
@@ -105,13 +107,13 @@ def induction_sequences(gen: torch.Generator, tokens: TokenSet, A: torch.Tensor,
 
 Hook = tuple[str, Callable]
 
-# The unembedding sees only the last position: a strength needs p(B) there
-# alone, and the full logits (batch x length x d_vocab) cost about a fifth of SmolLM2's pass.
+# The unembedding sees only the last position: a strength needs p(B) there alone, and the full
+# logits (batch x length x d_vocab) are about a fifth of SmolLM2's forward FLOPs.
 LAST_POSITION_HOOK = "unembed.hook_in"
 
 
 def last_position_hooks(model) -> list[Hook]:
-    """A hook that keeps only the last position after the final norm (none if the model lacks the hook)."""
+    """A hook that hands the unembedding only the last position (none if the model lacks the hook)."""
     if LAST_POSITION_HOOK not in getattr(model, "hook_dict", {}):
         return []
     return [(LAST_POSITION_HOOK, lambda x, hook: x[:, -1:])]

@@ -59,13 +59,14 @@ def compare(model, settings: dict, sequences: int, mode: str, batch_size: int, s
     tokens = token_set(model.tokenizer, sample_tokens(clean, settings["pool"], 0, "pool"), settings["prepend_bos"])
     before, between = settings["fillers"][0]
     out, frames = {}, {}
-    for method in (["full"] if full else []) + ["exact", "attribution"]:
+    for method in ["exact", "attribution"] + (["full"] if full else []):  # the slow reference last
         sync()
         t = time.perf_counter()
         frames[method] = ablation_effects(model, tokens, sequences=sequences, before=before, between=between, mode=mode,
                                           method=method, seed=0, batch_size=batch_size)
         sync()
         out[f"{method}_seconds"] = round(time.perf_counter() - t, 2)
+        log.info("%s: %s seconds", method, out[f"{method}_seconds"])
     drops = {m: f["ablation_drop"] for m, f in frames.items()}
     if full:
         out["speedup_exact_vs_full"] = round(out["full_seconds"] / out["exact_seconds"], 2)
@@ -160,9 +161,17 @@ def main() -> int:
     out = {"device": str(dev), "host": platform.node(), "cpu_threads": torch.get_num_threads(), "mode": args.mode,
            "sequences": args.sequences, "batch_size": args.batch_size}
     with tempfile.TemporaryDirectory() as tmp:
+        settings = config["induction"]
+        if args.trained and not args.separation_only:  # small: first
+            trained = trained_model(config, args.trained, Path(tmp) / "trained", str(dev))
+            trained.eval()
+            tsettings = {**settings, "prepend_bos": True}
+            out[args.trained] = compare(trained, tsettings, args.sequences, args.mode, args.batch_size, sync,
+                                        not args.no_full)
+            print(json.dumps(out[args.trained]), file=sys.stderr, flush=True)
+            del trained
         model, _ = boot(config["models"][args.model], None, Path(tmp), str(dev))
         model.eval()
-        settings = config["induction"]
         if not args.separation_only:
             out[args.model] = compare(model, settings, args.sequences, args.mode, args.batch_size, sync,
                                       not args.no_full)
@@ -170,13 +179,6 @@ def main() -> int:
         if args.separation:
             out["separation"] = separation(model, settings, [int(s) for s in args.separation.split(",")], args.mode,
                                            args.batch_size, settings["induction_threshold"])
-        del model
-        if args.trained and not args.separation_only:
-            trained = trained_model(config, args.trained, Path(tmp) / "trained", str(dev))
-            trained.eval()
-            tsettings = {**settings, "prepend_bos": True}
-            out[args.trained] = compare(trained, tsettings, args.sequences, args.mode, args.batch_size, sync,
-                                        not args.no_full)
     print(json.dumps(out, indent=2))
     target = out.get(args.model, {}).get("speedup_exact_vs_full")
     if target is not None:

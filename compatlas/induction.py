@@ -122,12 +122,14 @@ def last_position_hooks(model) -> list[Hook]:
 @torch.no_grad()
 def target_logprobs(model, seqs: torch.Tensor, targets: torch.Tensor, batch_size: int,
                     hooks: Callable[[slice], list[Hook]] | None = None,
-                    progress: Progress | None = None) -> torch.Tensor:
+                    progress: Progress | None = None, full_logits: bool = False) -> torch.Tensor:
     """log p(target) at the last position, float64 [S, k]; forward passes in batches.
-    ``hooks(rows)`` gives the forward hooks for the batch covering ``rows``."""
+    ``hooks(rows)`` gives the forward hooks for the batch covering ``rows``; ``full_logits``
+    unembeds every position (the path before issue 15, kept as the benchmarks' reference)."""
     device = _device(model)
-    batch_size = effective_batch(model, seqs.shape[1], batch_size)
-    last = last_position_hooks(model)
+    last = [] if full_logits else last_position_hooks(model)
+    batch_size = max(1, min(batch_size, LOGITS_BUDGET // (seqs.shape[1] * model.cfg.d_vocab))) if full_logits \
+        else effective_batch(model, seqs.shape[1], batch_size)
     out = []
     for start in range(0, len(seqs), batch_size):
         rows = slice(start, min(start + batch_size, len(seqs)))
@@ -142,10 +144,11 @@ def target_logprobs(model, seqs: torch.Tensor, targets: torch.Tensor, batch_size
 
 
 def strengths(model, seq: torch.Tensor, ctrl: torch.Tensor, targets: torch.Tensor, batch_size: int,
-              hooks: Callable[[slice], list[Hook]] | None = None, progress: Progress | None = None) -> torch.Tensor:
+              hooks: Callable[[slice], list[Hook]] | None = None, progress: Progress | None = None,
+              full_logits: bool = False) -> torch.Tensor:
     """Induction strength of each target column, [S, k]: logodds(sequence) - logodds(control)."""
-    return (logodds(target_logprobs(model, seq, targets, batch_size, hooks, progress))
-            - logodds(target_logprobs(model, ctrl, targets, batch_size, hooks, progress)))
+    return (logodds(target_logprobs(model, seq, targets, batch_size, hooks, progress, full_logits))
+            - logodds(target_logprobs(model, ctrl, targets, batch_size, hooks, progress, full_logits)))
 
 
 # Activations per batch: the last position's logits (batch x d_vocab, float32) are capped at 1 GiB,
@@ -386,9 +389,10 @@ def _ablate_hook(layer: int, heads: torch.Tensor, means: list[torch.Tensor] | No
 
 
 def _full_drops(model, seq, ctrl, target, clean, means, batch_size, progress) -> torch.Tensor:
-    """Reference path: the whole model reruns per ablated head (heads of a layer side by side in a batch)."""
+    """Reference path, as before issue 15: the whole model reruns per ablated head (heads of a
+    layer side by side in a batch), every position unembedded."""
     L, H, S = model.cfg.n_layers, model.cfg.n_heads, len(seq)
-    per_pass = max(1, effective_batch(model, seq.shape[1], batch_size) // S)
+    per_pass = max(1, min(batch_size, LOGITS_BUDGET // (seq.shape[1] * model.cfg.d_vocab)) // S)
     drop = torch.empty(L, H, S, dtype=torch.float64)
     for layer in range(L):
         for g0 in range(0, H, per_pass):
@@ -399,7 +403,8 @@ def _full_drops(model, seq, ctrl, target, clean, means, batch_size, progress) ->
             def hooks(rows: slice, layer=layer, head_of_row=head_of_row) -> list[Hook]:
                 return [_ablate_hook(layer, head_of_row[rows], means)]
 
-            ablated = strengths(model, seq.repeat(k, 1), ctrl.repeat(k, 1), target.repeat(k, 1), k * S, hooks)
+            ablated = strengths(model, seq.repeat(k, 1), ctrl.repeat(k, 1), target.repeat(k, 1), k * S, hooks,
+                                full_logits=True)
             drop[layer, g0:g0 + k] = clean[None, :] - ablated[:, 0].view(k, S)
             if progress is not None:
                 progress.advance(k)
@@ -541,7 +546,8 @@ def ablation_effects(model, tokens: TokenSet, *, sequences: int, before: int = 1
     its mean over these sequences and controls (``mean``).
 
     ``method``: ``exact`` (blocks below the ablated layer run once per batch, _cached_drops),
-    ``full`` (the whole model per head: the reference exact agrees with), or ``attribution``
+    ``full`` (the whole model per head, every position unembedded: the path before issue 15,
+    the reference exact agrees with and is timed against), or ``attribution``
     (a first-order estimate for all heads from one forward and backward pass)."""
     if mode not in ("zero", "mean"):
         raise ValueError(f"ablation mode {mode!r}: choose zero or mean")

@@ -29,7 +29,9 @@ import torch  # noqa: E402
 import yaml  # noqa: E402
 
 from compatlas.composition import stable_seed  # noqa: E402
-from compatlas.induction import induction_sequences, strengths, token_set, _draw  # noqa: E402
+from compatlas.induction import (  # noqa: E402
+    _draw, clean_tokens, induction_sequences, sample_tokens, strengths, token_directions, token_set,
+)
 from compatlas.loading import boot  # noqa: E402
 from compatlas.scores import resolve_device  # noqa: E402
 
@@ -50,7 +52,10 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as tmp:
         model, _ = boot(entry, None, Path(tmp), str(dev))
     model.eval()
-    tokens = token_set(model.tokenizer, model.cfg.d_vocab, 1000)
+    with torch.no_grad():
+        W_E, W_U = model.W_E.detach().float().cpu(), model.W_U.detach().float().cpu()
+    tokens = token_set(model.tokenizer, sample_tokens(clean_tokens(model.tokenizer, W_E, token_directions(W_E, W_U))[0],
+                                                      1000, 0, "pool"))
     gen = torch.Generator().manual_seed(stable_seed(0, "bench"))
     S = args.sequences
     A = _draw(gen, tokens.pool, (S,))

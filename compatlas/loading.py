@@ -234,16 +234,22 @@ def load_cause(e: BaseException) -> str:
     return f"{why}: {_first_line(root)}"
 
 
-def boot(entry: dict[str, Any], checkpoint: dict[str, Any] | None, workdir: Path, device: str = "cpu"):
-    """Boot the bridge for one model entry (and checkpoint). Returns (bridge, source provenance)."""
+def boot(entry: dict[str, Any], checkpoint: dict[str, Any] | None, workdir: Path, device: str = "cpu",
+         dtype: torch.dtype = torch.float32, device_map: str | None = None):
+    """Boot the bridge for one model entry (and checkpoint). Returns (bridge, source provenance).
+    ``dtype`` is the precision the model is loaded in; ``device_map`` (e.g. ``"auto"``) spreads
+    a model larger than one GPU over the node's GPUs (then ``device`` is not used)."""
     from transformer_lens.model_bridge import TransformerBridge
+
+    # boot_transformers takes either a device or a device map
+    place: dict[str, Any] = {"device_map": device_map} if device_map else {"device": device}
 
     source = entry["source"]
     kind = source["kind"]
     prov: dict[str, Any] = {"source_kind": kind}
     if kind == "hub":
         name, revision = source["name"], hub_revision(source, checkpoint)
-        bridge = TransformerBridge.boot_transformers(name, device=device, revision=revision)
+        bridge = TransformerBridge.boot_transformers(name, dtype=dtype, **place, revision=revision)
         prov.update(source_name=name, source_revision=revision or "main")  # commit, checksum: load_and_extract
         for key in ("checkpoint_index", "checkpoint_value"):  # as the config asked for it
             if (checkpoint or {}).get(key) is not None:
@@ -269,7 +275,7 @@ def boot(entry: dict[str, Any], checkpoint: dict[str, Any] | None, workdir: Path
         from transformers import AutoTokenizer
 
         tok = AutoTokenizer.from_pretrained(folder)
-        bridge = TransformerBridge.boot_transformers(str(folder), tokenizer=tok, device=device)
+        bridge = TransformerBridge.boot_transformers(str(folder), tokenizer=tok, dtype=dtype, **place)
         hf = bridge.original_model
         base = getattr(hf, "base_model", hf)
         if base is not hf and type(base).__name__ in (getattr(hf.config, "architectures", None) or []):
@@ -291,10 +297,11 @@ def boot(entry: dict[str, Any], checkpoint: dict[str, Any] | None, workdir: Path
         path = gguf_file(source["package"], source.get("file"), cache_dir=workdir)
         check_gguf(path)
         tok = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
-        model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
+        model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=dtype)
         if source.get("architectures"):
             model.config.architectures = list(source["architectures"])
-        bridge = TransformerBridge.boot_transformers(source["hf_name"], hf_model=model, tokenizer=tok, device=device)
+        bridge = TransformerBridge.boot_transformers(source["hf_name"], hf_model=model, tokenizer=tok, dtype=dtype,
+                                                     **place)
         prov.update(source_path=str(path), source_package=source["package"], source_checksum=file_sha256(path),
                     quantized=True)
         return bridge, prov

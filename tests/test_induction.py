@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from compatlas.induction import (
-    TokenSet, ablation_effects, head_attention_scores, induction_sequences, induction_sweep, logodds, measure,
-    nearest_tokens, strengths,
+    TokenSet, _block_list, ablation_effects, clean_tokens, head_attention_scores, induction_sequences, induction_sweep,
+    logodds, measure, nearest_tokens, sample_tokens, strengths,
 )
 from compatlas.loading import boot, word_tokenizer
 
@@ -33,11 +33,11 @@ def _hf_gpt2():
     return GPT2LMHeadModel(cfg).eval()
 
 
-def _boot(hf, folder):
+def _boot(hf, folder, dtype=torch.float32):
     hf.save_pretrained(folder)
     word_tokenizer(V, folder)
-    bridge, _ = boot({"source": {"kind": "local", "path": str(folder)}}, None, folder)
-    return bridge
+    bridge, _ = boot({"source": {"kind": "local", "path": str(folder)}}, None, folder, dtype=dtype)
+    return bridge.eval()
 
 
 def _one_hot(rows: int, offset: int, scale: float = 1.0) -> torch.Tensor:
@@ -49,7 +49,7 @@ def _one_hot(rows: int, offset: int, scale: float = 1.0) -> torch.Tensor:
     return m
 
 
-def induction_model(folder):
+def induction_model(folder, dtype=torch.float32):
     """GPT-2 (LayerNorm, MLPs zeroed) with a hand-set induction circuit, booted through the bridge.
 
     Subspaces of the residual: TOK (the token), POS (the position), PREV (written by 0.0: the
@@ -91,7 +91,7 @@ def induction_model(folder):
             Wo[h1] = noise - noise.mean(1, keepdim=True)
             block.attn.c_attn.weight.copy_(torch.cat([Wq, Wk, Wv], 1))  # Conv1D: x @ W
             block.attn.c_proj.weight.copy_(Wo)
-    return _boot(hf, folder)
+    return _boot(hf, folder, dtype)
 
 
 def random_model(folder):
@@ -109,6 +109,11 @@ def rand(tmp_path_factory):
 
 
 POOL = TokenSet(pool=torch.arange(V))
+
+
+def _near(model) -> dict[int, tuple[int, float]]:
+    ids, cos = nearest_tokens(model.W_U.T.detach(), torch.arange(V))
+    return {t: (n, c) for t, n, c in zip(range(V), ids.tolist(), cos.tolist())}
 
 
 def test_logodds_by_hand():
@@ -149,8 +154,7 @@ def test_sequences_and_control():
 def test_sweep_finds_induction_on_the_built_model(built):
     model = built
     ids = torch.arange(8)
-    near = dict(zip(range(V), nearest_tokens(model.W_U.T.detach(), torch.arange(V)).tolist()))
-    df = induction_sweep(model, ids, POOL, near, sequences=16, seed=0)
+    df = induction_sweep(model, ids, POOL, _near(model), sequences=16, seed=0)
     assert df.height == 16 and set(df["role"]) == {"A", "B"}
     # p(B) ~ 0.75 after the sequence and ~0.007 after the control: strength ~ 1.1 - (-4.9)
     assert df["mean"].min() > 3.0
@@ -160,8 +164,7 @@ def test_sweep_finds_induction_on_the_built_model(built):
 
 def test_random_model_strengths_near_zero(rand):
     model = rand
-    near = dict(zip(range(V), nearest_tokens(model.W_U.T.detach(), torch.arange(V)).tolist()))
-    df = induction_sweep(model, torch.arange(8), POOL, near, sequences=16, seed=0)
+    df = induction_sweep(model, torch.arange(8), POOL, _near(model), sequences=16, seed=0)
     assert abs(df["mean"].mean()) < 0.05 and df["mean"].abs().max() < 0.3
 
 
@@ -200,11 +203,196 @@ def test_batched_ablation_equals_one_head_at_a_time(built):
 
 
 def test_measure_end_to_end(built):
-    settings = {"pool": V, "prepend_bos": "auto", "tokens": 4, "token_ids": [], "sequences": 4, "seed": 0,
+    settings = {"pool": 0, "prepend_bos": "auto", "tokens": 4, "token_ids": [], "sequences": 4, "seed": 0,
                 "batch_size": 64, "fillers": [[10, 10], [3, 2]], "head_scores": {"sequences": 8, "length": 10},
                 "ablation": {"mode": "zero", "sequences": 8}}
     model = built
-    tokens, heads = measure(model, None, model.W_U.T.detach(), settings)
+    tokens, heads, chosen = measure(model, None, model.W_U.T.detach(), settings, model.W_E.detach())
     assert tokens.height == 2 * 2 * 4 and set(tokens["filler_before"]) == {10, 3}
-    assert tokens["token_text"][0] == "t0"
+    assert tokens["token_text"][0] == f"t{tokens['token_id'][0]}"
+    # a seeded sample of the 32 (all clean) tokens, not the first four
+    assert tokens["token_id"].unique().sort().to_list() == sample_tokens(torch.arange(V), 4, 0, "measured").tolist()
+    assert chosen["clean_tokens"] == V and chosen["pool_tokens"] == V
+    b = tokens.filter(tokens["role"] == "B")
+    assert b["near_b_cosine"].is_not_null().all() and (b["near_b_id"] != b["token_id"]).all()
     assert heads.height == 4 and heads["ablation_drop"].is_not_null().all()
+    assert set(heads["ablation_method"]) == {"exact"} and set(heads["ablation_sequences"]) == {8}
+
+
+# ----------------------------------------------------------------------------- which tokens (seed 004, issue 11)
+
+
+def test_sample_tokens_is_seeded_and_uniform():
+    clean = torch.arange(0, 2000, 2)
+    a, b = sample_tokens(clean, 100, 0, "measured"), sample_tokens(clean, 100, 0, "measured")
+    assert torch.equal(a, b) and len(a.unique()) == 100 and torch.isin(a, clean).all()
+    assert not torch.equal(a, sample_tokens(clean, 100, 1, "measured"))
+    assert a.float().mean().item() == pytest.approx(1000, abs=150)  # spread over the vocabulary, not its start
+    assert torch.equal(sample_tokens(clean, 0, 0, "pool"), clean) and torch.equal(sample_tokens(clean, 5000, 0, "x"), clean)
+
+
+def test_clean_tokens_excludes_each_kind(tmp_path):
+    """A word-level vocabulary with one token of each excluded kind, each found by its own test."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    words = ["<s>", "alpha", "beta", "<unused0>", "two words", "gamma", "delta", "eps", "zeta", "eta"]
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<s>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", unk_token="<s>")
+    fast.add_tokens(["<jupyter_code>"])  # id 10: an added (control) token
+    V_ = len(words) + 1
+    W_E = torch.randn(V_, 6, generator=torch.Generator().manual_seed(0))
+    W_E[7] = W_E[6]                       # eps duplicates delta's embedding row: both excluded
+    W_U = torch.randn(V_, 6, generator=torch.Generator().manual_seed(1))
+    W_U[9] = W_U[8]                       # eta duplicates zeta's unembedding row
+    clean, counts = clean_tokens(fast, W_E, W_U)
+    assert clean.tolist() == [1, 2, 5]    # alpha, beta, gamma
+    assert counts == {"special": 1, "added": 1, "control": 1, "unreachable": 1, "duplicate": 4}
+    # W_E alone: the unembedding's duplicates stay
+    assert clean_tokens(fast, W_E)[0].tolist() == [1, 2, 5, 8, 9]
+    assert clean_tokens(None, W_E)[0].tolist() == [t for t in range(V_) if t not in (6, 7)]
+
+
+def test_nearest_token_skips_exact_duplicates_and_reports_cosine():
+    e = torch.eye(4)
+    rows = torch.stack([e[0], e[0], 0.8 * e[0] + 0.6 * e[1], e[2], e[3], 2 * e[3]])
+    ids, cos = nearest_tokens(rows, torch.tensor([0, 1, 2, 3, 4]), exclude=torch.tensor([3]))
+    # token 1 is token 0's exact duplicate: token 0's neighbour is 2 (cosine 0.8), not 1 (cosine 1)
+    assert ids[:2].tolist() == [2, 2] and cos[:2].tolist() == pytest.approx([0.8, 0.8])
+    assert ids[2].item() in (0, 1) and cos[2].item() == pytest.approx(0.8)
+    # 5 = 2 x 4 is not an exact duplicate of 4: it is its neighbour, at cosine 1; 3 is excluded
+    assert ids[4].item() == 5 and cos[4].item() == pytest.approx(1.0)
+    assert ids[3].item() != 3
+
+
+# ----------------------------------------------------------------------------- ablation paths (issue 15)
+
+
+@pytest.mark.parametrize("mode", ["zero", "mean"])
+def test_exact_ablation_on_cached_stream_equals_full_reruns(built, mode):
+    """Heads ablated on the cached residual stream (blocks below the head skipped) drop the
+    strength exactly as rerunning the whole model does; several chunks and head groups."""
+    full = ablation_effects(built, POOL, sequences=12, mode=mode, method="full", seed=5, batch_size=8)
+    exact = ablation_effects(built, POOL, sequences=12, mode=mode, method="exact", seed=5, batch_size=8)
+    assert torch.allclose(torch.tensor(exact["ablation_drop"]), torch.tensor(full["ablation_drop"]), atol=1e-6)
+    assert torch.allclose(torch.tensor(exact["ablation_drop_stderr"]), torch.tensor(full["ablation_drop_stderr"]),
+                          atol=1e-6)
+
+
+def test_exact_ablation_skips_lower_blocks_on_llama(tmp_path):
+    """Rotary, RMSNorm, grouped KV heads: same drops as full reruns, and block 0 runs only in the
+    clean pass and its own layer's passes, never for heads of the layers above."""
+    model, _ = boot({"source": {"kind": "build", "architecture": "llama", "n_layers": 3, "n_heads": 4, "n_kv_heads": 2,
+                                "d_head": 8, "d_vocab": 40, "seed": 0}}, None, tmp_path)
+    model.eval()
+    pool = TokenSet(pool=torch.arange(1, 40))
+    full = ablation_effects(model, pool, sequences=6, method="full", seed=0, batch_size=12)
+    calls = []
+    layers = _block_list(model)
+    assert layers is not None and layers[0] is model.blocks[0]
+    handle = layers[0].register_forward_hook(lambda m, a, o: calls.append(a[0].shape[0] if a else -1))
+    try:
+        exact = ablation_effects(model, pool, sequences=6, method="exact", seed=0, batch_size=12)
+    finally:
+        handle.remove()
+    assert torch.allclose(torch.tensor(exact["ablation_drop"]), torch.tensor(full["ablation_drop"]), atol=1e-6)
+    # clean strengths (2 passes) + cache passes (2: sequences, controls) + layer 0's head groups (2 x 2 of 2 heads)
+    assert len(calls) == 2 + 2 + 4
+    assert all(type(m).__name__ != "_Skip" for m in layers)  # the blocks are put back
+
+
+def test_attribution_is_the_derivative_of_the_exact_drop(built):
+    """Attribution patching is first order: its drop for a head is d(strength)/d(scale) when the
+    head's z is scaled, taken by central finite differences on the same sequences (exact at
+    first order: zeroing z is scale 1 -> 0). Covers the lower head's gradient through the upper one."""
+    from compatlas.composition import stable_seed
+    from compatlas.induction import _draw
+
+    S, eps = 6, 1e-2
+    attr = ablation_effects(built, POOL, sequences=S, method="attribution", seed=2, batch_size=8)
+    gen = torch.Generator().manual_seed(stable_seed(2, "ablation", 10, 10))  # the sequences ablation_effects draws
+    A = _draw(gen, POOL.pool, (S,))
+    B = _draw(gen, POOL.pool, (S,), avoid=(A,))
+    seq, ctrl = induction_sequences(gen, POOL, A, B, 10, 10)
+
+    def scaled(layer: int, head: int, factor: float) -> torch.Tensor:
+        def scale(z, hook):
+            z = z.clone()
+            z[:, :, head] *= factor
+            return z
+        return strengths(built, seq, ctrl, B[:, None], 8, hooks=lambda rows: [(f"blocks.{layer}.attn.hook_z", scale)])
+
+    for layer in range(2):
+        for head in range(2):
+            slope = ((scaled(layer, head, 1 + eps) - scaled(layer, head, 1 - eps)) / (2 * eps)).mean().item()
+            got = attr.filter((attr["layer"] == layer) & (attr["head"] == head))["ablation_drop"].item()
+            assert got == pytest.approx(slope, rel=2e-2, abs=1e-2), (layer, head, got, slope)
+    # the circuit's heads are the strong cases: the previous-token head's effect runs through the induction head
+    assert abs(attr.filter((attr["layer"] == 0) & (attr["head"] == 0))["ablation_drop"].item()) > 3.0
+
+
+def test_attribution_ranks_the_circuit_on_the_built_model(built):
+    """Attribution's estimate of the induction head's drop is large, the noise heads' near zero."""
+    attr = ablation_effects(built, POOL, sequences=8, method="attribution", seed=0, batch_size=8)
+    by = {(r["layer"], r["head"]): r["ablation_drop"] for r in attr.iter_rows(named=True)}
+    assert by[(1, 0)] > 2.0 and abs(by[(0, 1)]) < 0.1 and abs(by[(1, 1)]) < 0.1
+
+
+def test_bfloat16_strengths_agree_with_float32(built, tmp_path):
+    """Forward passes in bfloat16 (induction.dtype) give the float32 strengths within 0.25 on a
+    model whose strengths are about 6 (bfloat16 keeps 8 bits of mantissa)."""
+    half = induction_model(tmp_path, torch.bfloat16)
+    assert next(half.parameters()).dtype == torch.bfloat16
+    near = _near(built)
+    ref = induction_sweep(built, torch.arange(8), POOL, near, sequences=16, seed=0)
+    got = induction_sweep(half, torch.arange(8), POOL, near, sequences=16, seed=0)
+    assert ref["mean"].min() > 3.0
+    assert (got["mean"] - ref["mean"]).abs().max() < 0.25
+    assert (got["random_mean"] - ref["random_mean"]).abs().max() < 0.25
+
+
+def test_progress_is_logged(built, caplog):
+    import logging
+
+    with caplog.at_level(logging.INFO, logger="compatlas.induction"):
+        ablation_effects(built, POOL, sequences=4, method="exact", seed=0, batch_size=8)
+    assert any("ablation (zero, exact): 32/32 head x sequence passes (100%)" in r.message for r in caplog.records)
+
+
+def test_attribution_matches_finite_differences_on_llama_in_float64(tmp_path):
+    """The same first-order identity on a random Llama (rotary, RMSNorm, grouped KV heads),
+    run in float64 (Hugging Face still takes the attention softmax in float32: hence a step of
+    1e-2, whose truncation error is O(step^2)): every head, to 1%."""
+    from compatlas.composition import stable_seed
+    from compatlas.induction import _draw
+
+    model, _ = boot({"source": {"kind": "build", "architecture": "llama", "n_layers": 3, "n_heads": 4, "n_kv_heads": 2,
+                                "d_head": 8, "d_vocab": 40, "seed": 0}}, None, tmp_path, dtype=torch.float64)
+    model.eval()
+    pool = TokenSet(pool=torch.arange(1, 40))
+    S, eps = 4, 1e-2
+    for mode in ("zero", "mean"):
+        attr = ablation_effects(model, pool, sequences=S, mode=mode, method="attribution", seed=1, batch_size=8)
+        gen = torch.Generator().manual_seed(stable_seed(1, "ablation", 10, 10))
+        A = _draw(gen, pool.pool, (S,))
+        B = _draw(gen, pool.pool, (S,), avoid=(A,))
+        seq, ctrl = induction_sequences(gen, pool, A, B, 10, 10)
+        means = None
+        if mode == "mean":
+            from compatlas.induction import head_z_means
+            means = head_z_means(model, torch.cat([seq, ctrl]), 8)
+
+        def moved(layer: int, head: int, t: float) -> torch.Tensor:  # z -> z + t (ablated z - z)
+            def move(z, hook):
+                z = z.clone()
+                target = torch.zeros_like(z[:, :, head]) if means is None else means[layer][head].to(z.dtype)
+                z[:, :, head] += t * (target - z[:, :, head])
+                return z
+            return strengths(model, seq, ctrl, B[:, None], 8, hooks=lambda rows: [(f"blocks.{layer}.attn.hook_z", move)])
+
+        got = torch.tensor(attr.sort("layer", "head")["ablation_drop"].to_list())
+        want = torch.tensor([-((moved(layer, head, eps) - moved(layer, head, -eps)) / (2 * eps)).mean().item()
+                             for layer in range(3) for head in range(4)])
+        assert want.abs().max() > 1e-4  # not a vacuous comparison
+        assert torch.allclose(got, want, rtol=1e-2, atol=1e-6), (mode, got, want)

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from conftest import machine_slowdown
 
 from compatlas.atlas import connect
 
@@ -23,7 +24,7 @@ def run_snakemake(workdir: Path, config: dict, *extra: str, check: bool = True) 
     cfg = workdir / "config.yaml"
     cfg.write_text(yaml.safe_dump(config))
     proc = subprocess.run([*SNAKEMAKE, "--directory", str(workdir), "--configfile", str(cfg), *extra],
-                          capture_output=True, text=True, timeout=900)
+                          capture_output=True, text=True, timeout=900 * machine_slowdown())
     if check and proc.returncode != 0:
         raise AssertionError(f"snakemake failed ({proc.returncode}):\n{proc.stderr[-4000:]}")
     return proc

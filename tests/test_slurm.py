@@ -36,6 +36,7 @@ from pathlib import Path
 
 import pyarrow.parquet as pq
 import pytest
+from conftest import machine_slowdown
 import yaml
 
 from compatlas.atlas import connect
@@ -73,8 +74,7 @@ _clock = {"start": time.monotonic(), "slowdown": 1.0}  # reset when the cluster 
 
 
 def measure_slowdown() -> float:
-    """How much slower than an idle machine this one is now: the 1-minute load per core, at least 1."""
-    return max(1.0, os.getloadavg()[0] / (os.cpu_count() or 1))
+    return machine_slowdown()
 
 
 def scaled(seconds: float) -> float:

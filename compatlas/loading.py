@@ -163,6 +163,34 @@ def dir_checksum(folder: Path) -> str:
     return h.hexdigest()
 
 
+def model_folder(entry: dict[str, Any], checkpoint: dict[str, Any] | None, workdir: Path) -> tuple[Path, dict[str, Any]]:
+    """The save_pretrained directory of a ``local``, ``build`` or ``trained`` source (a ``build``
+    model is built into the workdir first) and its provenance."""
+    source = entry["source"]
+    kind = source["kind"]
+    prov: dict[str, Any] = {}
+    if kind == "trained":  # a checkpoint the train rule saved (compatlas.training)
+        folder = Path(source["path"]) / (checkpoint or {}).get("label", "final") / "hf_model"
+    else:
+        folder = local_model_dir(source) if kind == "local" else workdir / "hf_model"
+    if kind == "build":
+        spec = {k: v for k, v in source.items() if k != "kind"}
+        stamp = folder / "compatlas_build.json"
+        # later rules (induction) reuse the model extraction built, rather than race to rebuild it
+        if not (stamp.is_file() and json.loads(stamp.read_text()) == spec):
+            model = build_hf_model(source)
+            model.save_pretrained(folder)
+            word_tokenizer(source["d_vocab"], folder)
+            stamp.write_text(json.dumps(spec, sort_keys=True))
+        prov["build_spec"] = spec
+    if not folder.is_dir():
+        raise ModelLoadError(f"model directory {folder} does not exist")
+    prov.update(source_path=str(folder), source_checksum=dir_checksum(folder))
+    if kind == "local" and source.get("package"):
+        prov["source_package"] = source["package"]
+    return folder, prov
+
+
 def boot(entry: dict[str, Any], checkpoint: dict[str, Any] | None, workdir: Path, device: str = "cpu"):
     """Boot the bridge for one model entry (and checkpoint). Returns (bridge, source provenance)."""
     from transformer_lens.model_bridge import TransformerBridge
@@ -183,22 +211,8 @@ def boot(entry: dict[str, Any], checkpoint: dict[str, Any] | None, workdir: Path
         prov["source_checksum"] = f"hub:{source['name']}@{commit or kwargs or 'main'}"
         return bridge, prov
     if kind in ("local", "build", "trained"):
-        if kind == "trained":  # a checkpoint the train rule saved (compatlas.training)
-            folder = Path(source["path"]) / (checkpoint or {}).get("label", "final") / "hf_model"
-        else:
-            folder = local_model_dir(source) if kind == "local" else workdir / "hf_model"
-        if kind == "build":
-            spec = {k: v for k, v in source.items() if k != "kind"}
-            stamp = folder / "compatlas_build.json"
-            # later rules (induction) reuse the model extraction built, rather than race to rebuild it
-            if not (stamp.is_file() and json.loads(stamp.read_text()) == spec):
-                model = build_hf_model(source)
-                model.save_pretrained(folder)
-                word_tokenizer(source["d_vocab"], folder)
-                stamp.write_text(json.dumps(spec, sort_keys=True))
-            prov["build_spec"] = spec
-        if not folder.is_dir():
-            raise ModelLoadError(f"model directory {folder} does not exist")
+        folder, folder_prov = model_folder(entry, checkpoint, workdir)
+        prov.update(folder_prov)
         from transformers import AutoTokenizer
 
         tok = AutoTokenizer.from_pretrained(folder)
@@ -214,9 +228,6 @@ def boot(entry: dict[str, Any], checkpoint: dict[str, Any] | None, workdir: Path
                 if comp.name and not comp.name.startswith(prefix) and name in bridge._modules:
                     delattr(bridge, name)
                     prov.setdefault("dropped_untrained", []).append(name)
-        prov.update(source_path=str(folder), source_checksum=dir_checksum(folder))
-        if kind == "local" and source.get("package"):
-            prov["source_package"] = source["package"]
         return bridge, prov
     if kind == "gguf":
         from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -280,17 +291,33 @@ def extract(bridge, processing: str) -> AttentionWeights:
 
 
 def load_and_extract(model_id: str, entry: dict[str, Any], checkpoint: dict[str, Any] | None,
-                     workdir: Path, device: str = "cpu") -> tuple[AttentionWeights, Any]:
-    """Boot one model (x checkpoint) and extract its weights; metadata carries full provenance."""
+                     workdir: Path, device: str = "cpu", streaming: bool = True) -> tuple[AttentionWeights, Any]:
+    """Extract one model's (x checkpoint's) weights; metadata carries full provenance.
+
+    Safetensors checkpoints are streamed (``compatlas.streaming``: only the tensors the atlas
+    needs, one at a time; the bridge returned is then None); other formats, or
+    ``streaming=False``, boot the whole model through the bridge."""
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     workdir.mkdir(parents=True, exist_ok=True)
+    w = bridge = None
     try:
-        bridge, prov = boot(entry, checkpoint, workdir, device)
+        if streaming and entry["source"]["kind"] in ("local", "build", "trained"):
+            from compatlas.streaming import StreamingUnsupported, stream_extract
+
+            folder, prov = model_folder(entry, checkpoint, workdir)
+            try:
+                w = stream_extract(folder, entry.get("processing", "none"))
+                prov = {"source_kind": entry["source"]["kind"], **prov}
+            except StreamingUnsupported as e:
+                log.info("streaming extraction not available (%s): booting the whole model", e)
+        if w is None:
+            bridge, prov = boot(entry, checkpoint, workdir, device)
     except ModelLoadError:
         raise
     except Exception as e:
         raise ModelLoadError(f"model {model_id!r}: loading {entry['source']} failed: {type(e).__name__}: {e}") from e
-    w = extract(bridge, entry.get("processing", "none"))
+    if w is None:
+        w = extract(bridge, entry.get("processing", "none"))
     w.meta.update(prov)
     w.meta.update(model=model_id, checkpoint=(checkpoint or {}).get("label", "final"),
                   checkpoint_step=(checkpoint or {}).get("step"), checkpoint_tokens=(checkpoint or {}).get("tokens"))

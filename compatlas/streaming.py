@@ -96,6 +96,15 @@ def _renames(hf_config) -> list[tuple[str, str]]:
     return out
 
 
+def _base_model_prefix(hf_config) -> str | None:
+    """The base-model prefix of the HF class the bridge boots (``bert`` for BertForMaskedLM)."""
+    import transformers
+    from transformer_lens.model_bridge.sources._hf_format import determine_architecture_from_hf_config
+
+    cls = getattr(transformers, determine_architecture_from_hf_config(hf_config), None)
+    return getattr(cls, "base_model_prefix", None) or None
+
+
 def tensor_index(folder: Path, hf_config, adapter) -> tuple[dict[str, tuple[Path, str, str]], bool]:
     """TransformerLens key -> (file, stored key, module key) for every stored tensor, and whether
     the checkpoint is a bare base model (saved without the head the adapter's class has)."""
@@ -105,16 +114,7 @@ def tensor_index(folder: Path, hf_config, adapter) -> tuple[dict[str, tuple[Path
     if not files:
         raise StreamingUnsupported(f"no safetensors files in {folder}")
     renames = _renames(hf_config)
-    prefix = None
-    arch_cls = None
-    try:
-        from transformer_lens.model_bridge.sources.transformers.helpers import get_hf_model_class_for_architecture
-        from transformer_lens.model_bridge.sources._hf_format import determine_architecture_from_hf_config
-
-        arch_cls = get_hf_model_class_for_architecture(determine_architecture_from_hf_config(hf_config))
-        prefix = getattr(arch_cls, "base_model_prefix", None)
-    except Exception:  # noqa: BLE001 - the prefix only matters for bare base models
-        pass
+    prefix = _base_model_prefix(hf_config)
     index: dict[str, tuple[Path, str, str]] = {}
     bare = False
     for file in files:

@@ -301,11 +301,14 @@ def load_and_extract(model_id: str, entry: dict[str, Any], checkpoint: dict[str,
     workdir.mkdir(parents=True, exist_ok=True)
     w = bridge = None
     try:
-        if streaming and entry["source"]["kind"] in ("local", "build", "trained"):
-            from compatlas.streaming import StreamingUnsupported, stream_extract
+        if streaming and entry["source"]["kind"] in ("local", "build", "trained", "hub"):
+            from compatlas.streaming import StreamingUnsupported, hub_folder, stream_extract
 
-            folder, prov = model_folder(entry, checkpoint, workdir)
             try:
+                if entry["source"]["kind"] == "hub":
+                    folder, prov = hub_folder(entry["source"], checkpoint)
+                else:
+                    folder, prov = model_folder(entry, checkpoint, workdir)
                 w = stream_extract(folder, entry.get("processing", "none"))
                 prov = {"source_kind": entry["source"]["kind"], **prov}
             except StreamingUnsupported as e:

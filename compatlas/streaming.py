@@ -134,6 +134,38 @@ def tensor_index(folder: Path, hf_config, adapter) -> tuple[dict[str, tuple[Path
     return index, bare
 
 
+HUB_PATTERNS = ["*.json", "*.safetensors", "tokenizer*", "*.model", "*.txt"]
+
+
+def hub_folder(source: dict[str, Any], checkpoint: dict[str, Any] | None,
+               cache_dir: str | None = None) -> tuple[Path, dict[str, Any]]:
+    """The hub snapshot of a ``hub`` source (config, tokenizer and safetensors only; from the
+    local cache when HF_HUB_OFFLINE is set) and its provenance. The revision is chosen as
+    ``loading.boot`` chooses it (checkpoint keys over the source's); a repository without
+    safetensors files is not streamed."""
+    from huggingface_hub import snapshot_download
+    from transformer_lens.model_bridge.sources.transformers.helpers import _resolve_checkpoint_to_revision
+
+    name = source["name"]
+    kwargs: dict[str, Any] = {}
+    for key in ("checkpoint_index", "checkpoint_value", "revision"):
+        value = (checkpoint or {}).get(key, source.get(key))
+        if value is not None:
+            kwargs[key] = value
+    revision = kwargs.get("revision")
+    if "checkpoint_index" in kwargs or "checkpoint_value" in kwargs:
+        revision = _resolve_checkpoint_to_revision(name, kwargs.get("checkpoint_index"), kwargs.get("checkpoint_value"))
+    try:
+        folder = Path(snapshot_download(name, revision=revision, allow_patterns=HUB_PATTERNS, cache_dir=cache_dir))
+    except Exception as e:  # not cached offline, no such revision...: the bridge's loader says why
+        raise StreamingUnsupported(f"no hub snapshot of {name}@{revision or 'main'}: {type(e).__name__}: {e}") from e
+    if not any(folder.glob("*.safetensors")):
+        raise StreamingUnsupported(f"{name}@{revision or 'main'} has no safetensors files")
+    # the snapshot folder is named by its commit
+    prov = {"source_name": name, **kwargs, "source_path": str(folder), "source_checksum": f"hub:{name}@{folder.name}"}
+    return folder, prov
+
+
 # ----------------------------------------------------------------------------- conversions
 
 

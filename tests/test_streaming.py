@@ -144,3 +144,30 @@ def test_no_safetensors_is_unsupported(tmp_path):
     (tmp_path / "config.json").write_text('{"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"]}')
     with pytest.raises(streaming.StreamingUnsupported, match="no safetensors"):
         streaming.stream_extract(tmp_path, "none")
+
+
+def _fake_hub_cache(cache: Path, repo: str, folder: Path, commit: str = "0123456789abcdef0123456789abcdef01234567") -> str:
+    """A Hugging Face hub cache holding one snapshot of ``repo`` (what a download leaves behind)."""
+    import shutil
+
+    root = cache / f"models--{repo.replace('/', '--')}"
+    (root / "refs").mkdir(parents=True)
+    (root / "refs" / "main").write_text(commit)
+    shutil.copytree(folder, root / "snapshots" / commit)
+    return commit
+
+
+def test_hub_source_streams_from_the_hub_cache(saved, tmp_path, monkeypatch):
+    import huggingface_hub.constants
+
+    commit = _fake_hub_cache(tmp_path / "cache", "org/tiny-pythia", saved["pythia"])
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "cache"))
+    entry = {"source": {"kind": "hub", "name": "org/tiny-pythia"}, "processing": "compat"}
+    w, bridge = load_and_extract("p", entry, None, tmp_path / "work")
+    assert bridge is None and w.meta["extraction"] == "streaming"
+    assert w.meta["source_kind"] == "hub" and w.meta["source_name"] == "org/tiny-pythia"
+    assert w.meta["source_checksum"] == f"hub:org/tiny-pythia@{commit}"
+    _assert_same(streaming.stream_extract(saved["pythia"], "compat"), w, "compat")
+    # a revision that is not in the cache (offline) is not streamed: the bridge's loader reports it
+    with pytest.raises(streaming.StreamingUnsupported, match="no hub snapshot"):
+        streaming.hub_folder({"kind": "hub", "name": "org/tiny-pythia", "revision": "step1"}, None)

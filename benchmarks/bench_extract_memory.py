@@ -127,7 +127,7 @@ def maxrss_bytes() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
-def child(role: str, folder: Path, processing: str, out: Path) -> None:
+def child(role: str, folder: Path, processing: str, out: Path, space_factors: bool = False) -> None:
     t0 = time.perf_counter()
     os.environ["HF_HUB_OFFLINE"] = "1"
     from compatlas.loading import load_and_extract
@@ -142,6 +142,14 @@ def child(role: str, folder: Path, processing: str, out: Path) -> None:
         peak_extract = maxrss_bytes()
         if bridge is not None:
             del bridge
+        t_space = None
+        if space_factors:  # the rest of the extract rule: the token-space factors of W_E (float64)
+            from compatlas.token_space import add_space_factors
+
+            t3 = time.perf_counter()
+            add_space_factors(w)
+            t_space = time.perf_counter() - t3
+        peak_space = maxrss_bytes()
         t2 = time.perf_counter()
         save_weights(w, Path(tmp) / "w.safetensors", Path(tmp) / "w.json")
         t_save = time.perf_counter() - t2
@@ -151,6 +159,7 @@ def child(role: str, folder: Path, processing: str, out: Path) -> None:
         "role": role, "processing": processing, "n_layers": w.n_layers, "extraction": w.meta.get("extraction", "bridge"),
         "rss_after_imports": rss_imports, "peak_after_extract": peak_extract, "peak": peak,
         "extracted_float32_bytes": extracted, "extract_s": t_extract, "save_s": t_save,
+        "space_factors_s": t_space, "peak_after_space_factors": peak_space if space_factors else None,
         "total_s": time.perf_counter() - t0,
     }))
 
@@ -165,11 +174,12 @@ def vm_rss(pid: int) -> int:
     return 0
 
 
-def run_child(role: str, folder: Path, processing: str, workdir: Path, limit: float) -> dict:
-    out = workdir / f"result-{role}-{processing}-{folder.name}.json"
+def run_child(role: str, folder: Path, processing: str, workdir: Path, limit: float, space_factors: bool = False) -> dict:
+    out = workdir / f"result-{role}-{processing}-{folder.name}{'-rule' if space_factors else ''}.json"
     cmd = [sys.executable, __file__, "--child", role, "--folder", str(folder), "--processing", processing, "--out", str(out)]
+    cmd += ["--space-factors"] if space_factors else []
     env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "2"))
-    print(f"  {role:9s} {processing:6s} {folder.name} ...", end="", flush=True)
+    print(f"  {role:9s} {processing:6s} {folder.name}{' + space factors' if space_factors else ''} ...", end="", flush=True)
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     seen, killed = 0, False
     while proc.poll() is None:  # watchdog: today's path on a large model can take the machine
@@ -186,7 +196,8 @@ def run_child(role: str, folder: Path, processing: str, workdir: Path, limit: fl
         print(" failed")
         return {"role": role, "processing": processing, "error": err[-2000:]}
     res = json.loads(out.read_text())
-    print(f" peak {res['peak'] / GIB:.2f} GiB, {res['extract_s']:.0f} s")
+    print(f" peak {res['peak'] / GIB:.2f} GiB (imports {res['rss_after_imports'] / GIB:.2f}), "
+          f"extract {res['extract_s']:.0f} s, save {res['save_s']:.0f} s", flush=True)
     return res
 
 
@@ -200,14 +211,17 @@ def main() -> int:
     ap.add_argument("--reference-layers", type=int, default=1, help="layers of the model today's path is measured on")
     ap.add_argument("--reference-limit-gb", type=float, default=12.0)
     ap.add_argument("--keep", action="store_true", help="keep the written checkpoint")
+    ap.add_argument("--skip-space-factors", action="store_true",
+                    help="skip the extra run of the whole extract rule (extraction + token-space factors + save)")
     ap.add_argument("--json", type=Path, default=None)
+    ap.add_argument("--space-factors", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--child", choices=["streaming", "bridge"], help=argparse.SUPPRESS)
     ap.add_argument("--folder", type=Path, help=argparse.SUPPRESS)
     ap.add_argument("--processing", help=argparse.SUPPRESS)
     ap.add_argument("--out", type=Path, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
-        child(args.child, args.folder, args.processing, args.out)
+        child(args.child, args.folder, args.processing, args.out, args.space_factors)
         return 0
 
     shape_name = "quick" if args.quick else "llama2-70b-2l"
@@ -223,7 +237,7 @@ def main() -> int:
         written = write_model(full, s)
         results["checkpoint_bytes"] = written
         results["write_s"] = time.perf_counter() - t0
-        print(f"wrote {written / GIB:.2f} GiB of bfloat16 shards in {results['write_s']:.0f} s to {full}")
+        print(f"wrote {written / GIB:.2f} GiB of bfloat16 shards in {results['write_s']:.0f} s to {full}", flush=True)
         small = base / f"{shape_name}-{args.reference_layers}l"
         fewer_layers(full, small, args.reference_layers)
         print(f"streaming on the {s['n_layers']}-layer model (the target):")
@@ -233,6 +247,9 @@ def main() -> int:
         for proc in ("none", "compat"):
             results["runs"].append(run_child("bridge", small, proc, base, limit) | {"model": small.name})
             results["runs"].append(run_child("streaming", small, proc, base, limit) | {"model": small.name})
+        if not args.skip_space_factors:
+            print("the whole extract rule (streaming, compat, + token-space factors of W_E, + save):")
+            results["rule"] = run_child("streaming", full, "compat", base, limit, space_factors=True) | {"model": full.name}
     finally:
         if not args.keep:
             shutil.rmtree(base, ignore_errors=True)
@@ -252,9 +269,11 @@ def main() -> int:
     for r in results["runs"]:
         if r["role"] == "streaming" and r.get("model") == f"{shape_name}" and "ratio" in r:
             met = r["ratio"] <= TARGET
-            ok = ok and met
+            ok = ok and (met or args.quick)  # at quick sizes the ~0.55 GiB of imports dominate
+            verdict = "met" if met else "NOT met" if not args.quick else "not met; the target applies at full size"
             print(f"target, {r['processing']}: peak RSS / extracted float32 bytes = {r['ratio']:.2f} "
-                  f"(<= {TARGET}: {'met' if met else 'NOT met'})")
+                  f"(<= {TARGET}: {verdict}); without the {r['rss_after_imports'] / GIB:.2f} GiB of imports: "
+                  f"{(r['peak'] - r['rss_after_imports']) / r['extracted_float32_bytes']:.2f}")
     for proc in ("none", "compat"):
         ref = [r for r in results["runs"] if r["role"] == "bridge" and r["processing"] == proc]
         ours = [r for r in results["runs"] if r["role"] == "streaming" and r["processing"] == proc
@@ -266,6 +285,11 @@ def main() -> int:
             elif "killed_at" in ref[0]:
                 print(f"same model ({args.reference_layers} layer(s)), {proc}: streaming / today's path peak RSS < "
                       f"{ours[0]['peak'] / ref[0]['killed_at']:.3f} (today's path killed above {ref[0]['killed_at'] / GIB:.1f} GiB)")
+    rule = results.get("rule")
+    if rule and "peak" in rule:
+        print(f"whole extract rule ({rule['model']}, compat): peak after extraction {rule['peak_after_extract'] / GIB:.2f} GiB, "
+              f"after token-space factors {rule['peak_after_space_factors'] / GIB:.2f} GiB "
+              f"({rule['space_factors_s']:.0f} s), after save {rule['peak'] / GIB:.2f} GiB")
     out = args.json or ROOT / "benchmarks" / "results" / f"extract-memory-{socket.gethostname()}{'-quick' if args.quick else ''}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(results, indent=2))

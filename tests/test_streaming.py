@@ -171,3 +171,13 @@ def test_hub_source_streams_from_the_hub_cache(saved, tmp_path, monkeypatch):
     # a revision that is not in the cache (offline) is not streamed: the bridge's loader reports it
     with pytest.raises(streaming.StreamingUnsupported, match="no hub snapshot"):
         streaming.hub_folder({"kind": "hub", "name": "org/tiny-pythia", "revision": "step1"}, None)
+
+
+def test_build_source_is_built_then_streamed(tmp_path):
+    entry = {"source": {"kind": "build", "architecture": "llama", "n_layers": 2, "n_heads": 4, "n_kv_heads": 2,
+                        "d_head": 8, "d_vocab": 64, "seed": 3}, "processing": "none"}
+    w, bridge = load_and_extract("b", entry, None, tmp_path)
+    assert bridge is None and w.meta["extraction"] == "streaming" and w.meta["build_spec"]["seed"] == 3
+    ref, _ = load_and_extract("b", entry, None, tmp_path, streaming=False)  # reuses the built model
+    _assert_same(ref, w, "none")
+    assert w.meta["source_checksum"] == ref.meta["source_checksum"]

@@ -133,7 +133,7 @@ def child(role: str, folder: Path, processing: str, out: Path, space_factors: bo
     from compatlas.loading import load_and_extract
     from compatlas.weights import WEIGHT_KEYS, save_weights
 
-    rss_imports = maxrss_bytes()
+    rss_imports = vm_rss(os.getpid())
     entry = {"source": {"kind": "local", "path": str(folder)}, "processing": processing}
     with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
         t1 = time.perf_counter()
@@ -215,11 +215,16 @@ def main() -> int:
                     help="skip the extra run of the whole extract rule (extraction + token-space factors + save)")
     ap.add_argument("--json", type=Path, default=None)
     ap.add_argument("--space-factors", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--write-model", type=Path, help=argparse.SUPPRESS)
+    ap.add_argument("--shape", help=argparse.SUPPRESS)
     ap.add_argument("--child", choices=["streaming", "bridge"], help=argparse.SUPPRESS)
     ap.add_argument("--folder", type=Path, help=argparse.SUPPRESS)
     ap.add_argument("--processing", help=argparse.SUPPRESS)
     ap.add_argument("--out", type=Path, help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.write_model:
+        write_model(args.write_model, SHAPES[args.shape])
+        return 0
     if args.child:
         child(args.child, args.folder, args.processing, args.out, args.space_factors)
         return 0
@@ -234,7 +239,11 @@ def main() -> int:
     try:
         full = base / f"{shape_name}"
         t0 = time.perf_counter()
-        written = write_model(full, s)
+        # written by a child: ru_maxrss survives exec, so the parent that starts the measured
+        # children must never have been large itself (it imports no torch)
+        subprocess.run([sys.executable, __file__, "--write-model", str(full), "--shape", shape_name], check=True,
+                       env=dict(os.environ, PYTHONPATH=str(ROOT)))
+        written = json.loads((full / "model.safetensors.index.json").read_text())["metadata"]["total_size"]
         results["checkpoint_bytes"] = written
         results["write_s"] = time.perf_counter() - t0
         print(f"wrote {written / GIB:.2f} GiB of bfloat16 shards in {results['write_s']:.0f} s to {full}", flush=True)

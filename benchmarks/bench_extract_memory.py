@@ -130,6 +130,9 @@ def maxrss_bytes() -> int:
 def child(role: str, folder: Path, processing: str, out: Path, space_factors: bool = False) -> None:
     t0 = time.perf_counter()
     os.environ["HF_HUB_OFFLINE"] = "1"
+    import transformer_lens.model_bridge  # noqa: F401 - both paths import these; counted as imports
+    import transformers  # noqa: F401
+
     from compatlas.loading import load_and_extract
     from compatlas.weights import WEIGHT_KEYS, save_weights
 

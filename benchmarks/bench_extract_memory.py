@@ -49,6 +49,7 @@ SHAPES = {
 }
 TARGET = 1.5
 GIB = 1024 ** 3
+RUNNING: list = []  # the child being measured, killed if the benchmark itself is stopped
 
 
 # ----------------------------------------------------------------------------- the model
@@ -184,6 +185,7 @@ def run_child(role: str, folder: Path, processing: str, workdir: Path, limit: fl
     env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "2"))
     print(f"  {role:9s} {processing:6s} {folder.name}{' + space factors' if space_factors else ''} ...", end="", flush=True)
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    RUNNING.append(proc)
     seen, killed = 0, False
     while proc.poll() is None:  # watchdog: today's path on a large model can take the machine
         seen = max(seen, vm_rss(proc.pid))
@@ -191,6 +193,7 @@ def run_child(role: str, folder: Path, processing: str, workdir: Path, limit: fl
             proc.send_signal(signal.SIGKILL)
             killed = True
         time.sleep(0.2)
+    RUNNING.remove(proc)
     err = proc.stderr.read() if proc.stderr else ""
     if killed:
         print(f" killed at {seen / GIB:.1f} GiB")
@@ -232,6 +235,8 @@ def main() -> int:
         child(args.child, args.folder, args.processing, args.out, args.space_factors)
         return 0
 
+    # a stopped benchmark (timeout, Ctrl-C) still kills its child and deletes its files
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     shape_name = "quick" if args.quick else "llama2-70b-2l"
     s = SHAPES[shape_name]
     base = Path(tempfile.mkdtemp(prefix="bench-extract-", dir=args.workdir))
@@ -263,6 +268,8 @@ def main() -> int:
             print("the whole extract rule (streaming, compat, + token-space factors of W_E, + save):")
             results["rule"] = run_child("streaming", full, "compat", base, limit, space_factors=True) | {"model": full.name}
     finally:
+        for p in RUNNING:
+            p.kill()
         if not args.keep:
             shutil.rmtree(base, ignore_errors=True)
 

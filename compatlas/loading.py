@@ -234,6 +234,34 @@ def load_cause(e: BaseException) -> str:
     return f"{why}: {_first_line(root)}"
 
 
+def model_folder(entry: dict[str, Any], checkpoint: dict[str, Any] | None, workdir: Path) -> tuple[Path, dict[str, Any]]:
+    """The save_pretrained directory of a ``local``, ``build`` or ``trained`` source (a ``build``
+    model is built into the workdir first) and its provenance."""
+    source = entry["source"]
+    kind = source["kind"]
+    prov: dict[str, Any] = {}
+    if kind == "trained":  # a checkpoint the train rule saved (compatlas.training)
+        folder = Path(source["path"]) / (checkpoint or {}).get("label", "final") / "hf_model"
+    else:
+        folder = local_model_dir(source) if kind == "local" else workdir / "hf_model"
+    if kind == "build":
+        spec = {k: v for k, v in source.items() if k != "kind"}
+        stamp = folder / "compatlas_build.json"
+        # later rules (induction) reuse the model extraction built, rather than race to rebuild it
+        if not (stamp.is_file() and json.loads(stamp.read_text()) == spec):
+            model = build_hf_model(source)
+            model.save_pretrained(folder)
+            word_tokenizer(source["d_vocab"], folder)
+            stamp.write_text(json.dumps(spec, sort_keys=True))
+        prov["build_spec"] = spec
+    if not folder.is_dir():
+        raise ModelLoadError(f"model directory {folder} does not exist")
+    prov.update(source_path=str(folder), source_checksum=dir_checksum(folder))
+    if kind == "local" and source.get("package"):
+        prov["source_package"] = source["package"]
+    return folder, prov
+
+
 def boot(entry: dict[str, Any], checkpoint: dict[str, Any] | None, workdir: Path, device: str = "cpu",
          dtype: torch.dtype = torch.float32, device_map: str | None = None):
     """Boot the bridge for one model entry (and checkpoint). Returns (bridge, source provenance).
@@ -256,22 +284,8 @@ def boot(entry: dict[str, Any], checkpoint: dict[str, Any] | None, workdir: Path
                 prov[key] = checkpoint[key]
         return bridge, prov
     if kind in ("local", "build", "trained"):
-        if kind == "trained":  # a checkpoint the train rule saved (compatlas.training)
-            folder = Path(source["path"]) / (checkpoint or {}).get("label", "final") / "hf_model"
-        else:
-            folder = local_model_dir(source) if kind == "local" else workdir / "hf_model"
-        if kind == "build":
-            spec = {k: v for k, v in source.items() if k != "kind"}
-            stamp = folder / "compatlas_build.json"
-            # later rules (induction) reuse the model extraction built, rather than race to rebuild it
-            if not (stamp.is_file() and json.loads(stamp.read_text()) == spec):
-                model = build_hf_model(source)
-                model.save_pretrained(folder)
-                word_tokenizer(source["d_vocab"], folder)
-                stamp.write_text(json.dumps(spec, sort_keys=True))
-            prov["build_spec"] = spec
-        if not folder.is_dir():
-            raise ModelLoadError(f"model directory {folder} does not exist")
+        folder, folder_prov = model_folder(entry, checkpoint, workdir)
+        prov.update(folder_prov)
         from transformers import AutoTokenizer
 
         tok = AutoTokenizer.from_pretrained(folder)
@@ -287,9 +301,6 @@ def boot(entry: dict[str, Any], checkpoint: dict[str, Any] | None, workdir: Path
                 if comp.name and not comp.name.startswith(prefix) and name in bridge._modules:
                     delattr(bridge, name)
                     prov.setdefault("dropped_untrained", []).append(name)
-        prov.update(source_path=str(folder), source_checksum=dir_checksum(folder))
-        if kind == "local" and source.get("package"):
-            prov["source_package"] = source["package"]
         return bridge, prov
     if kind == "gguf":
         from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -354,16 +365,35 @@ def extract(bridge, processing: str) -> AttentionWeights:
 
 
 def load_and_extract(model_id: str, entry: dict[str, Any], checkpoint: dict[str, Any] | None,
-                     workdir: Path, device: str = "cpu") -> tuple[AttentionWeights, Any]:
-    """Boot one model (x checkpoint) and extract its weights; metadata carries full provenance."""
+                     workdir: Path, device: str = "cpu", streaming: bool = True) -> tuple[AttentionWeights, Any]:
+    """Extract one model's (x checkpoint's) weights; metadata carries full provenance.
+
+    Safetensors checkpoints are streamed (``compatlas.streaming``: only the tensors the atlas
+    needs, one at a time; the bridge returned is then None); other formats, or
+    ``streaming=False``, boot the whole model through the bridge."""
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     workdir.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
     # one line per phase: a download or a GGUF dequantisation can take minutes, and this says which
     log.info("loading %s (%s) ...", model_id, (checkpoint or {}).get("label", "final"))
+    kind = entry["source"]["kind"]
+    w = bridge = None
     try:
-        bridge, prov = boot(entry, checkpoint, workdir, device)
-        if prov["source_kind"] == "hub":  # pinned here, not in boot: induction boots too, and needs no checksum
+        if streaming and kind in ("local", "build", "trained", "hub"):
+            from compatlas.streaming import StreamingUnsupported, hub_folder, stream_extract
+
+            try:
+                if kind == "hub":
+                    folder, prov = hub_folder(entry["source"], checkpoint)
+                else:
+                    folder, prov = model_folder(entry, checkpoint, workdir)
+                w = stream_extract(folder, entry.get("processing", "none"))
+                prov = {"source_kind": kind, **prov}
+            except StreamingUnsupported as e:
+                log.info("streaming extraction not available (%s): booting the whole model", e)
+        if w is None:
+            bridge, prov = boot(entry, checkpoint, workdir, device)
+        if kind == "hub":  # pinned here, not in boot: induction boots too, and needs no checksum
             prov.update(hub_provenance(prov["source_name"], prov["source_revision"]))
     except ModelLoadError:
         raise
@@ -379,8 +409,10 @@ def load_and_extract(model_id: str, entry: dict[str, Any], checkpoint: dict[str,
         for i, cause in enumerate(error_chain(e)):
             log.error("cause %d: %s", i, _first_line(cause), exc_info=cause if i == 0 else None)
         raise ModelLoadError(f"model {model_id!r}: cannot load {what}: {load_cause(e)}") from e
-    log.info("loaded %s in %.1f s; extracting its attention weights", model_id, time.perf_counter() - t0)
-    w = extract(bridge, entry.get("processing", "none"))
+    log.info("loaded %s in %.1f s (%s)", model_id, time.perf_counter() - t0,
+             "streamed" if bridge is None else "whole model booted")
+    if w is None:
+        w = extract(bridge, entry.get("processing", "none"))
     w.meta.update(prov)
     w.meta.update(model=model_id, checkpoint=(checkpoint or {}).get("label", "final"),
                   checkpoint_step=(checkpoint or {}).get("step"), checkpoint_tokens=(checkpoint or {}).get("tokens"))

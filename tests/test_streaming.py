@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from compatlas import streaming
-from compatlas.loading import boot, extract, load_and_extract, word_tokenizer
+from compatlas.loading import dir_checksum, boot, extract, load_and_extract, word_tokenizer
 from compatlas.weights import WEIGHT_KEYS
 
 V = 96  # vocabulary: larger than d_model, as in real models
@@ -164,7 +164,9 @@ def test_hub_source_streams_from_the_hub_cache(saved, tmp_path, monkeypatch):
     w, bridge = load_and_extract("p", entry, None, tmp_path / "work")
     assert bridge is None and w.meta["extraction"] == "streaming"
     assert w.meta["source_kind"] == "hub" and w.meta["source_name"] == "org/tiny-pythia"
-    assert w.meta["source_checksum"] == f"hub:org/tiny-pythia@{commit}"
+    # pinned as a booted hub model is: the snapshot's commit and a sha256 over its weight files
+    assert w.meta["source_commit"] == commit and w.meta["source_revision"] == "main"
+    assert w.meta["source_checksum"] == dir_checksum(Path(w.meta["source_path"]))
     _assert_same(streaming.stream_extract(saved["pythia"], "compat"), w, "compat")
     # a revision that is not in the cache (offline) is not streamed: the bridge's loader reports it
     with pytest.raises(streaming.StreamingUnsupported, match="no hub snapshot"):

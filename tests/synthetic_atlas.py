@@ -98,6 +98,7 @@ def _heads(s: Spec, ck: str, step: int | None, rng) -> pl.DataFrame:
     return pl.DataFrame({"model": s.name, "checkpoint": ck, "layer": layer, "head": head, "prev_token_mean": prev,
                          "prev_token_std": 0.05, "duplicate_mean": rng.uniform(0, 0.2, L * H), "duplicate_std": 0.05,
                          "induction_mean": ind, "induction_std": 0.05, "n_sequences": 32, "ablation": "zero",
+                         "ablation_method": "exact", "ablation_sequences": 16,
                          "ablation_drop": np.where(ind > 0.4, 0.5, rng.normal(0, 0.02, L * H)),
                          "ablation_drop_stderr": 0.02, "clean_strength": 2.0}, schema=HEAD_SCHEMA)
 
@@ -108,7 +109,7 @@ def _tokens(s: Spec, ck: str, rng, n_tokens: int = 16) -> pl.DataFrame:
         for t in range(n_tokens):
             rows.append({"model": s.name, "checkpoint": ck, "filler_before": 10, "filler_between": 10, "token_id": t,
                          "token_text": f" tok{t}", "role": role, "n": 8, "mean": float(rng.normal(mu, 0.8)), "std": 1.0,
-                         "stderr": 0.35, "near_b_id": t + 1, "near_b_mean": float(rng.normal(1.2, 0.5)),
+                         "stderr": 0.35, "near_b_id": t + 1, "near_b_cosine": 0.8, "near_b_mean": float(rng.normal(1.2, 0.5)),
                          "near_b_stderr": 0.3, "random_mean": float(rng.normal(0, 0.1)), "random_stderr": 0.05})
     return pl.DataFrame(rows, schema=TOKEN_SCHEMA)
 

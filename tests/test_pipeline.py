@@ -83,7 +83,7 @@ def test_calibration_views(pipeline_run: Path):
         causal = expected_rows(n_layers, n_heads)
         assert {c for (c,) in per_cell} == {causal + n_layers * n_heads * (n_heads - 1)}, model
     assert con.execute("SELECT count(*) FROM discoveries WHERE q_value > 0.05").fetchone()[0] == 0
-    assert set(con.sql("DESCRIBE discoveries").pl()["column_name"]) >= {"score", "z_spectrum", "p_value", "q_value"}
+    assert {row[0] for row in con.execute("DESCRIBE discoveries").fetchall()} >= {"score", "z_spectrum", "p_value", "q_value"}
 
 
 def test_audit_views(pipeline_run: Path):

@@ -182,3 +182,14 @@ def test_induction_tokens_without_near_b_columns(tmp_path):
     page = (tmp_path / "report" / "model-m.html").read_text(encoding="utf-8")
     assert "A power and B power" in page and "is B's neighbourhood copied too?" not in page
     assert "induction_tokens lacks near_b_mean, near_b_stderr" in page
+
+
+def test_a_model_too_small_to_calibrate_is_told_so():
+    """With N null pairs the smallest p is 1/(N+1); when that is above the FDR, no pair can be a
+    discovery whatever its score (the trained 2-layer, 2-head model: N = 8, p >= 0.111)."""
+    from compatlas.report.model import _too_small
+
+    small = pl.DataFrame({"pairs": [4, 4], "n_null": [8, 8]})
+    assert "1/9 = 0.111" in _too_small(small, 0.05)
+    assert _too_small(small, 0.2) == ""
+    assert _too_small(pl.DataFrame({"pairs": [35235], "n_null": [37395]}), 0.05) == ""

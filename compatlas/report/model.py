@@ -111,6 +111,20 @@ def top_discoveries(d: ModelData) -> str:
             + "<div class='side'>" + "".join(parts) + "</div>")
 
 
+def _too_small(summary: pl.DataFrame, q_cut: float | None) -> str:
+    """A sentence when no pair could be a discovery at all: with N null pairs the smallest p is
+    1 / (N + 1), and Benjamini-Hochberg over m pairs needs p <= q_cut for one of them even if all
+    m reach that floor."""
+    if q_cut is None or summary.is_empty() or "n_null" not in summary.columns or summary["n_null"].null_count():
+        return ""
+    n_null, pairs = int(summary["n_null"].max()), int(summary["pairs"].min())
+    if 1 / (n_null + 1) <= q_cut:
+        return ""
+    return (f" With {n_null} non-causal pairs the smallest possible p is 1/{n_null + 1} = {1 / (n_null + 1):.3g}, above"
+            f" {q_cut:g}: this model is too small for calibrated discoveries at all; read its circuit from the head"
+            " scores and the training curves below.")
+
+
 def build_page(con: duckdb.DuckDBPyConnection, d: ModelData, out_dir: Path, q_cut: float | None,
                cuts: tuple[float, float], footer: str, png: bool, pool: Any = None) -> Page:
     page = Page(out_dir, d.page, f"compatlas: {d.model}", png, pool)
@@ -129,8 +143,8 @@ def build_page(con: duckdb.DuckDBPyConnection, d: ModelData, out_dir: Path, q_cu
         if d.candidates:
             why = (f"no head pair of this model composes beyond its own non-causal pairs at q <= {q_cut:g}"
                    if q_cut is not None else "this atlas has no discoveries view")
-            page.add(note(f"<b>No discoveries</b>: {why}. Drawn instead, and not to be read as a circuit: the pairs "
-                          "with the smallest p."))
+            page.add(note(f"<b>No discoveries</b>: {why}.{_too_small(d.summary, q_cut)} Drawn instead, and not to be "
+                          "read as a circuit: the pairs with the smallest p."))
         nodes = circuit.node_frame(int(d.info["n_layers"]), int(d.info["n_heads"]), d.heads, *cuts)
         page.figure(circuit.circuit_chart(d.edges, nodes, d.model, d.latest, d.lead, q_cut, d.candidates), f"{s}__circuit")
         page.add(top_discoveries(d))

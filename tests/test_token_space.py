@@ -11,8 +11,16 @@ from compatlas.scores import score_block
 from compatlas.token_space import embedding_basis, to_space
 from compatlas.weights import AttentionWeights
 
-torch.set_default_dtype(torch.float64)
 L, H, HKV, D, DH, VOCAB = 3, 4, 2, 16, 4, 300
+
+
+@pytest.fixture(autouse=True)
+def float64_by_default():
+    # for this module's tests only: set at import time it leaked into every test collected after it
+    before = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    yield
+    torch.set_default_dtype(before)
 
 
 def random_model(seed: int = 0) -> AttentionWeights:

@@ -7,7 +7,7 @@ from __future__ import annotations
 import altair as alt
 import polars as pl
 
-from compatlas.report.page import METRIC_ORDER, SPACE_ORDER, note, order, table
+from compatlas.report.page import by_metric_space, note, order, table
 
 MIN_READERS = 10  # no Spearman from fewer reader heads than this
 MIN_CLASS = 3     # no AUROC unless both classes (induction heads and the other readers) have this many
@@ -121,14 +121,12 @@ def payoff_table(cvb: pl.DataFrame) -> str:
     if cvb.is_empty():
         return ""
     rows = []
-    for metric in order(cvb["metric"].unique(), METRIC_ORDER):
-        for space in order(cvb.filter(pl.col("metric") == metric)["space"].unique(), SPACE_ORDER):
-            g = {r["comp"]: r for r in cvb.filter((pl.col("metric") == metric) & (pl.col("space") == space)).iter_rows(named=True)}
-            k = g.get("K") or next(iter(g.values()))
-            rows.append([metric, space, k["n_readers"], k["n_induction_heads"],
-                         *((k.get("n_discoveries"), k.get("discovery_precision"), k.get("discovery_recall"), *_stats(k))
-                           if "K" in g else (None,) * 6),
-                         *(g[c].get("discovery_recall") if c in g else None for c in ("Q", "V"))])
+    for metric, space, _, g in by_metric_space(cvb):
+        k = g.get("K") or next(iter(g.values()))
+        rows.append([metric, space, k["n_readers"], k["n_induction_heads"],
+                     *((k.get("n_discoveries"), k.get("discovery_precision"), k.get("discovery_recall"), *_stats(k))
+                       if "K" in g else (None,) * 6),
+                     *(g[c].get("discovery_recall") if c in g else None for c in ("Q", "V"))])
     return note(STATS_NOTE) + table(PAYOFF_HEADER, rows)
 
 

@@ -11,7 +11,7 @@ import altair as alt
 import numpy as np
 import polars as pl
 
-from compatlas.report.page import COMPS, METRIC_ORDER, SPACE_ORDER, finite, order, table
+from compatlas.report.page import COMPS, by_metric_space, finite, order, table
 
 HEATMAP_DATA = "heatmap"  # name of the heatmap's dataset in the spec's top-level "datasets"
 # Above this many cells a heatmap gets no PNG file (drawing it takes vl-convert about 13 s per
@@ -152,13 +152,10 @@ def calibration_table(summary: pl.DataFrame) -> str:
     if summary.is_empty():
         return ""
     rows = []
-    for metric in order(summary["metric"].unique(), METRIC_ORDER):
-        for space in order(summary.filter(pl.col("metric") == metric)["space"].unique(), SPACE_ORDER):
-            g = summary.filter((pl.col("metric") == metric) & (pl.col("space") == space))
-            by = {r["comp"]: r for r in g.iter_rows(named=True)}
-            rows.append([metric, space, int(g["pairs"].max()), *(by[c]["discoveries"] if c in by else None for c in COMPS),
-                         *(by[c]["mean_score"] if c in by else None for c in COMPS),
-                         g["gaussian_null"].mean(), g["spectrum_null"].mean(), g["n_null"].max()])
+    for metric, space, g, by in by_metric_space(summary):
+        rows.append([metric, space, int(g["pairs"].max()), *(by[c]["discoveries"] if c in by else None for c in COMPS),
+                     *(by[c]["mean_score"] if c in by else None for c in COMPS),
+                     g["gaussian_null"].mean(), g["spectrum_null"].mean(), g["n_null"].max()])
     return table(["metric", "space", "head pairs per comp", "Q discoveries", "K discoveries", "V discoveries",
                   "Q mean score", "K mean score", "V mean score", "mean Gaussian null", "mean spectrum-kept null",
                   "non-causal null pairs"], rows)

@@ -9,13 +9,14 @@ import json
 import math
 import os
 import re
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from functools import lru_cache
 from importlib import metadata
 from pathlib import Path
 from typing import Any
 
 import altair as alt
+import polars as pl
 
 from compatlas.storage import atomic_path
 
@@ -30,6 +31,15 @@ CONTENT = WIDTH - 80  # px left for a figure inside the body's margins
 def order(values: Iterable[Any], preferred: tuple[str, ...]) -> list[Any]:
     vals = set(v for v in values if v is not None)
     return [v for v in preferred if v in vals] + sorted(vals - set(preferred), key=str)
+
+
+def by_metric_space(df: pl.DataFrame) -> Iterator[tuple[str, str, pl.DataFrame, dict[str, dict[str, Any]]]]:
+    """Each metric x space of a per-comp table, in the usual order: (metric, space, its rows,
+    its rows by comp)."""
+    for metric in order(df["metric"].unique(), METRIC_ORDER):
+        for space in order(df.filter(pl.col("metric") == metric)["space"].unique(), SPACE_ORDER):
+            g = df.filter((pl.col("metric") == metric) & (pl.col("space") == space))
+            yield metric, space, g, {r["comp"]: r for r in g.iter_rows(named=True)}
 
 
 def safe_name(s: Any) -> str:

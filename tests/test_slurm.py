@@ -73,10 +73,6 @@ ATLAS = ("results/atlas.duckdb",)
 _clock = {"start": time.monotonic(), "slowdown": 1.0}  # reset when the cluster fixture starts
 
 
-def measure_slowdown() -> float:
-    return machine_slowdown()
-
-
 def scaled(seconds: float) -> float:
     return seconds * _clock["slowdown"]
 
@@ -170,7 +166,7 @@ def cluster():
     if os.environ.get("COMPATLAS_SKIP_SLURM") == "1":
         pytest.skip("COMPATLAS_SKIP_SLURM=1: the real-Slurm tests were skipped on request")
     _clock["start"] = time.monotonic()
-    _clock["slowdown"] = measure_slowdown()
+    _clock["slowdown"] = machine_slowdown()
     print(f"[slurm test] slowdown {_clock['slowdown']:.2f}: budget {budget():.0f} s, hang after "
           f"{scaled(IDLE_S):.0f} s without output")
     d = Path(tempfile.mkdtemp(prefix="compatlas-slurm-", dir="/tmp"))

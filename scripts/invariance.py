@@ -5,7 +5,7 @@ from compatlas.logs import setup
 from compatlas.storage import write_shard
 from compatlas.weights import load_weights
 
-log = setup(snakemake.log[0])
+log = setup(snakemake.log[0], snakemake.threads)
 p, s = snakemake.params, snakemake.params.settings
 w = load_weights(snakemake.input.tensors, snakemake.input.meta)
 layers = sample_layers(selected_layers({"layers": p.layers}, w.n_layers, snakemake.wildcards.model), s["layers"])

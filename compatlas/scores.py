@@ -46,7 +46,7 @@ def score_block(w: AttentionWeights, metric: str, space: str, pairs: list[tuple[
     dev, dt = resolve_device(device), getattr(torch, dtype)
     t0 = time.perf_counter()
     # factor only the layers this job's pairs touch: at 70B shapes all 80 layers' factors are ~86 GB
-    touched = sorted({layer for pair in pairs for layer in pair}) or [0]
+    touched = sorted({layer for pair in pairs for layer in pair}) or list((w.layer_ids or range(w.n_layers))[:1])
     local = {layer: i for i, layer in enumerate(touched)}
     w_s, facts = to_space(w.layers(touched), space, max_condition)
     w_s = w_s.to(dev, dt)

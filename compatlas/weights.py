@@ -45,6 +45,9 @@ class AttentionWeights:
     meta: dict[str, Any] = field(default_factory=dict)
     # derived per-model tensors computed once at extraction (e.g. the token-space factor R_E)
     extras: dict[str, torch.Tensor] = field(default_factory=dict)
+    # the model's layer numbers of the per-layer tensors, when they hold only some layers
+    # (``load_weights(layers=...)``); None: all layers, in order
+    layer_ids: tuple[int, ...] | None = None
 
     @property
     def n_layers(self) -> int:
@@ -100,8 +103,13 @@ class AttentionWeights:
         return self.W_K.repeat_interleave(group, dim=1), self.W_V.repeat_interleave(group, dim=1)
 
     def layers(self, layers: list[int]) -> "AttentionWeights":
-        """The same model restricted to some layers (for composition on a layer range)."""
-        idx = torch.tensor(layers, dtype=torch.long)
+        """The same model restricted to some layers (for composition on a layer range), given by
+        the model's layer numbers; the result's per-layer tensors are in that order."""
+        position = {layer: i for i, layer in enumerate(self.layer_ids or range(self.n_layers))}
+        missing = [layer for layer in layers if layer not in position]
+        if missing:
+            raise ValueError(f"layers {missing} are not in these weights (they hold layers {sorted(position)})")
+        idx = torch.tensor([position[layer] for layer in layers], dtype=torch.long)
         return AttentionWeights(
             W_Q=self.W_Q[idx], W_K=self.W_K[idx], W_V=self.W_V[idx], W_O=self.W_O[idx],
             W_E=self.W_E, W_U=self.W_U,
@@ -114,7 +122,7 @@ class AttentionWeights:
             return None if t is None else t.to(device=device, dtype=dtype)
 
         return AttentionWeights(**{k: cast(getattr(self, k)) for k in WEIGHT_KEYS}, meta=self.meta,
-                                extras={k: cast(v) for k, v in self.extras.items()})
+                                extras={k: cast(v) for k, v in self.extras.items()}, layer_ids=self.layer_ids)
 
 
 def file_sha256(path: str | os.PathLike, chunk: int = 1 << 22) -> str:
@@ -151,10 +159,48 @@ def load_meta(meta_path: str | os.PathLike) -> dict[str, Any]:
         raise CorruptShardError(f"cannot read weight metadata {meta_path}: {e}") from e
 
 
-def load_weights(tensors_path: str | os.PathLike, meta_path: str | os.PathLike, verify: bool = True) -> AttentionWeights:
-    """Read a weight shard back; a truncated or altered file raises CorruptShardError naming it."""
-    from safetensors import SafetensorError
-    from safetensors.torch import load_file
+PER_LAYER_KEYS = ("W_Q", "W_K", "W_V", "W_O", "ln1_w")  # first dimension: layer
+_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
+
+
+def _header(tensors_path: str | os.PathLike) -> tuple[dict[str, Any], int]:
+    """A safetensors file's header (name -> dtype, shape, data_offsets) and where its data starts:
+    8 bytes of little-endian header length, the JSON header, then the tensors' bytes."""
+    with open(tensors_path, "rb") as f:
+        n = int.from_bytes(f.read(8), "little")
+        return json.loads(f.read(n)), 8 + n
+
+
+def shard_n_layers(tensors_path: str | os.PathLike) -> int:
+    """The number of layers of a weight shard, read from its header alone."""
+    return _header(tensors_path)[0]["W_Q"]["shape"][0]
+
+
+def _read_layers(tensors_path: str | os.PathLike, name: str, layers: list[int]) -> torch.Tensor:
+    """Some layers of a per-layer tensor, read into a fresh tensor with plain reads: each layer is
+    one contiguous byte range, and no page of the other layers (nor a memory map of the file,
+    which would count twice in the job's resident memory) is touched."""
+    header, start = _header(tensors_path)
+    info = header[name]
+    shape, dtype = info["shape"], _DTYPES[info["dtype"]]
+    out = torch.empty((len(layers), *shape[1:]), dtype=dtype)
+    per_layer = out[0].numel() * out.element_size()
+    with open(tensors_path, "rb") as f:
+        for i, layer in enumerate(layers):
+            f.seek(start + info["data_offsets"][0] + layer * per_layer)
+            if f.readinto(memoryview(out[i].view(torch.uint8).numpy())) != per_layer:
+                raise CorruptShardError(f"weight shard {tensors_path}: {name} layer {layer} is truncated")
+    return out
+
+
+def load_weights(tensors_path: str | os.PathLike, meta_path: str | os.PathLike, verify: bool = True,
+                 layers: list[int] | None = None) -> AttentionWeights:
+    """Read a weight shard back; a truncated or altered file raises CorruptShardError naming it.
+
+    With ``layers``, only those layers' attention tensors are read (safetensors slices): a
+    composition job at Llama-2-70B shapes holds the few layers its block touches (0.6 GB each in
+    float32) instead of all 80 (47 GiB). The per-model tensors (W_E, W_U, extras) are read whole."""
+    from safetensors import SafetensorError, safe_open
 
     meta = load_meta(meta_path)
     if verify:
@@ -166,13 +212,17 @@ def load_weights(tensors_path: str | os.PathLike, meta_path: str | os.PathLike, 
                 "delete it and rerun the extract rule"
             )
     try:
-        tensors = load_file(str(tensors_path))
+        with safe_open(str(tensors_path), framework="pt") as f:
+            names = set(f.keys())
+            missing = [k for k in ("W_Q", "W_K", "W_V", "W_O", "W_E") if k not in names]  # a shard always has W_E
+            if missing:
+                raise CorruptShardError(f"weight shard {tensors_path} lacks {missing}")
+            tensors = {k: _read_layers(tensors_path, k, layers) if layers is not None and k in PER_LAYER_KEYS
+                       else f.get_tensor(k) for k in names}
     except (SafetensorError, OSError, ValueError) as e:
         raise CorruptShardError(f"cannot read weight shard {tensors_path}: {e}") from e
-    missing = [k for k in ("W_Q", "W_K", "W_V", "W_O", "W_E") if k not in tensors]  # a shard always has W_E
-    if missing:
-        raise CorruptShardError(f"weight shard {tensors_path} lacks {missing}")
     extras = {k.removeprefix("extra."): v for k, v in tensors.items() if k.startswith("extra.")}
-    w = AttentionWeights(**{k: tensors.get(k) for k in WEIGHT_KEYS}, meta=meta, extras=extras)
+    w = AttentionWeights(**{k: tensors.get(k) for k in WEIGHT_KEYS}, meta=meta, extras=extras,
+                         layer_ids=None if layers is None else tuple(layers))
     w.validate()
     return w

@@ -30,3 +30,31 @@ def test_blocks_equal_one_whole_job(space):
     assert parts.select(KEY).equals(whole.select(KEY))
     for col in ("score", "baseline_gaussian_mean", "baseline_spectrum_mean", "baseline_spectrum_std"):
         assert (parts[col] - whole[col]).abs().max() < 1e-12, col
+
+
+def test_a_job_reading_only_its_layers_scores_the_same(tmp_path):
+    """``load_weights(layers=...)`` reads a block's layers from the shard (safetensors slices) and
+    the block scores exactly as from the whole model; the per-layer tensors are those layers'."""
+    from compatlas.composition import null_pairs
+    from compatlas.weights import load_weights, save_weights, shard_n_layers
+
+    g = torch.Generator().manual_seed(1)
+    r = lambda *s: torch.randn(*s, generator=g, dtype=torch.float64)  # noqa: E731
+    w = AttentionWeights(W_Q=r(6, 4, 16, 4), W_K=r(6, 2, 16, 4), W_V=r(6, 2, 16, 4), W_O=r(6, 4, 4, 16),
+                         W_E=r(80, 16), ln1_w=1 + r(6, 16), meta={"norm_type": "RMS"})
+    add_space_factors(w)
+    save_weights(w, tmp_path / "w.safetensors", tmp_path / "meta.json")
+    assert shard_n_layers(tmp_path / "w.safetensors") == 6
+    layers, kw = [1, 2, 3, 5], dict(baseline_samples=4, device="cpu", dtype="float64")
+    for b in range(3):
+        pairs = block_pairs(layers, 3, b) + null_pairs(layers, 3, b)
+        touched = sorted({layer for pair in pairs for layer in pair})
+        part = load_weights(tmp_path / "w.safetensors", tmp_path / "meta.json", layers=touched)
+        assert part.layer_ids == tuple(touched) and part.n_layers == len(touched)
+        assert torch.equal(part.W_K, w.W_K[touched]) and torch.equal(part.ln1_w, w.ln1_w[touched])
+        for space in ("residual", "token"):
+            a = score_block(w, "frobenius", space, pairs, **kw)[0].sort(KEY)
+            b_ = score_block(part, "frobenius", space, pairs, **kw)[0].sort(KEY)
+            assert a.equals(b_), (b, space)
+    with pytest.raises(ValueError, match="not in these weights"):
+        part.layers([0])

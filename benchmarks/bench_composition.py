@@ -179,7 +179,9 @@ def memory_block(device: str, baseline_maxrss: float, baseline_rss: float) -> di
 def child_ours(cfg: dict, workdir: Path) -> dict:
     import torch
 
-    from compatlas.composition import COMPS, head_factors, layer_pair_scores, stable_seed
+    from compatlas.composition import head_factors, layer_pair_scores
+    from compatlas.runtime import stable_seed
+    from compatlas.vocab import COMPS
 
     device, shape, repeats = cfg["device"], SHAPES[cfg["gpt2_shape"]], cfg["repeats"]
     L, H = shape["n_layers"], shape["n_heads"]
@@ -271,7 +273,8 @@ def float64_check(w32, ref32: dict, workdir: Path, FactoredMatrix, composition_s
     plus how far each float32 side is from the float64 reference on that subset."""
     import torch
 
-    from compatlas.composition import COMPS, head_factors, layer_pair_scores, layer_pairs
+    from compatlas.composition import head_factors, layer_pair_scores, layer_pairs
+    from compatlas.vocab import COMPS
 
     w = w32.to("cpu", torch.float64)
     W_K, W_V = w.expanded_kv()
@@ -310,7 +313,9 @@ def float64_check(w32, ref32: dict, workdir: Path, FactoredMatrix, composition_s
 def child_big(cfg: dict, workdir: Path) -> dict:
     import torch
 
-    from compatlas.composition import COMPS, METRICS, head_factors, layer_pair_scores, stable_seed
+    from compatlas.composition import head_factors, layer_pair_scores
+    from compatlas.runtime import stable_seed
+    from compatlas.vocab import COMPS, METRICS
 
     device, shape = cfg["device"], SHAPES[cfg["big_shape"]]
     timer = Timer(device)

@@ -26,27 +26,10 @@ from typing import Any
 import duckdb
 import polars as pl
 
-from compatlas.calibration import P_SCHEMA
-from compatlas.induction import HEAD_SCHEMA, TOKEN_SCHEMA
-from compatlas.scores import SCHEMA
-from compatlas.training import LOSS_SCHEMA
 from compatlas.storage import atomic_path
+from compatlas.tables import EXCLUDED_SHARDS_SCHEMA, MODELS_SCHEMA, SHARD_VIEWS
 
 log = logging.getLogger(__name__)
-
-MODEL_COLUMNS = ["model", "checkpoint", "checkpoint_step", "checkpoint_tokens", "architecture", "hf_architecture",
-                 "n_layers", "n_heads", "n_kv_heads", "d_model", "d_head", "d_vocab", "norm_type", "tied_embeddings",
-                 "has_unembed", "token_condition", "token_norm_condition", "processing", "quantized", "source_kind", "source_name", "source_path", "source_revision", "source_commit",
-                 "source_checksum", "weights_sha256", "versions"]
-
-INVARIANCE_SCHEMA = {"model": pl.Utf8, "checkpoint": pl.Utf8, "processing": pl.Utf8, "transform": pl.Utf8,
-                     "metric": pl.Utf8, "space": pl.Utf8, "comp": pl.Utf8, "spearman": pl.Float64,
-                     "max_abs_change": pl.Float64, "top_k": pl.Int64, "top_k_overlap": pl.Float64,
-                     "top_k_kept": pl.Boolean, "log10_scale_range": pl.Float64}
-AUDIT_SCHEMA = {"metric": pl.Utf8, "space": pl.Utf8, "axiom": pl.Utf8, "construction": pl.Utf8, "value": pl.Float64,
-                "expected": pl.Float64, "passed": pl.Boolean, "detail": pl.Utf8}
-VIEWS = {"composition": SCHEMA, "composition_null": SCHEMA, "calibration": P_SCHEMA, "invariance": INVARIANCE_SCHEMA, "metric_audit": AUDIT_SCHEMA,
-         "induction_tokens": TOKEN_SCHEMA, "head_scores": HEAD_SCHEMA, "training_loss": LOSS_SCHEMA}
 
 # Views derived from the ones over shards (SQL, so they follow the shards whenever the atlas is rebuilt).
 COMPOSITION_Z = """CREATE VIEW composition_z AS SELECT c.*,
@@ -132,15 +115,15 @@ _DUCK_TYPES = {pl.Utf8: "VARCHAR", pl.Int32: "INTEGER", pl.Int64: "BIGINT", pl.F
 
 
 def models_frame(meta_paths: list[str | os.PathLike]) -> pl.DataFrame:
+    """The ``models`` table: a row per extraction metadata file (``tables.MODELS_SCHEMA``)."""
     rows: list[dict[str, Any]] = []
     for p in meta_paths:
         meta = json.loads(Path(p).read_text())
-        row = {c: meta.get(c) for c in MODEL_COLUMNS}
+        row = {c: meta.get(c) for c in MODELS_SCHEMA}
         row["versions"] = json.dumps(meta.get("versions", {}), sort_keys=True)
         row["quantized"] = bool(meta.get("quantized", False))
         rows.append(row)
-    schema = {c: pl.Utf8 for c in MODEL_COLUMNS} | {c: pl.Int64 for c in ("checkpoint_step", "checkpoint_tokens", "n_layers", "n_heads", "n_kv_heads", "d_model", "d_head", "d_vocab")} | {"token_condition": pl.Float64, "token_norm_condition": pl.Float64, "tied_embeddings": pl.Boolean, "has_unembed": pl.Boolean, "quantized": pl.Boolean}
-    return pl.DataFrame(rows, schema=schema)
+    return pl.DataFrame(rows, schema=MODELS_SCHEMA)
 
 
 def _parquet_view(name: str, shards: list[str | os.PathLike], types: dict, root: Path | None = None) -> str:
@@ -181,11 +164,11 @@ def connect(db_path: str | os.PathLike, read_only: bool = True) -> duckdb.DuckDB
 def build_atlas(db_path: str | os.PathLike, shards: dict[str, list[str | os.PathLike]],
                 meta_paths: list[str | os.PathLike], prev_token_threshold: float = 0.4,
                 induction_threshold: float = 0.4, fdr: float = 0.05) -> None:
-    """(Re)build the atlas database: a view per entry of VIEWS over its shards (empty views for
-    the ones with none), then the derived views. Every shard is checked to open first, naming
-    any bad one. The thresholds say which heads count as previous-token heads and as
-    induction heads in ``composition_vs_behaviour``; ``fdr`` is the q-value cut of ``discoveries``."""
-    unknown = set(shards) - set(VIEWS)
+    """(Re)build the atlas database: a view per entry of ``tables.SHARD_VIEWS`` over its shards
+    (empty views for the ones with none), then the derived views. Every shard is checked to open
+    first, naming any bad one. The thresholds say which heads count as previous-token heads and
+    as induction heads in ``composition_vs_behaviour``; ``fdr`` is the q-value cut of ``discoveries``."""
+    unknown = set(shards) - set(SHARD_VIEWS)
     if unknown:
         raise ValueError(f"no view is defined for {sorted(unknown)}")
     root = Path(db_path).resolve().parent
@@ -204,10 +187,9 @@ def build_atlas(db_path: str | os.PathLike, shards: dict[str, list[str | os.Path
         try:
             con.register("models_df", models.to_arrow())
             con.execute("CREATE TABLE models AS SELECT * FROM models_df")
-            con.register("excluded_df", pl.DataFrame(excluded, schema={"view": pl.Utf8, "path": pl.Utf8,
-                                                                         "error": pl.Utf8}).to_arrow())
+            con.register("excluded_df", pl.DataFrame(excluded, schema=EXCLUDED_SHARDS_SCHEMA).to_arrow())
             con.execute("CREATE TABLE excluded_shards AS SELECT * FROM excluded_df")
-            for name, types in VIEWS.items():
+            for name, types in SHARD_VIEWS.items():
                 kept = [p for p in shards.get(name, []) if str(p) not in dropped]
                 con.execute(_parquet_view(name, kept, types, root))
             con.execute(CHECKPOINTS)

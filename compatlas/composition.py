@@ -25,16 +25,14 @@ Metrics (each in [0, 1]):
 
 from __future__ import annotations
 
-import hashlib
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
+from compatlas.vocab import COMPS, METRICS
 from compatlas.weights import AttentionWeights
 
-METRICS = ("frobenius", "svd_bound", "subspace")
-COMPS = ("Q", "K", "V")
 
 
 @dataclass
@@ -126,7 +124,7 @@ def pair_denominator(metric: str, w_norm, w_sv, r_norm, r_sv) -> torch.Tensor:
     return torch.minimum(r1[:, None], r2[None, :]).clamp_min(1.0)
 
 
-def finish(metric: str, sq_norm: torch.Tensor, denom: torch.Tensor) -> torch.Tensor:
+def normalised_score(metric: str, sq_norm: torch.Tensor, denom: torch.Tensor) -> torch.Tensor:
     """Score from the squared Frobenius norm of the core and the pair denominator."""
     if metric == "subspace":
         return sq_norm / denom
@@ -144,16 +142,11 @@ def layer_pair_scores(f: HeadFactors, l1: int, readers: list[int], comp: str) ->
     out = []
     for i, l2 in enumerate(readers):
         den = pair_denominator(f.metric, f.writer_norm[l1], f.writer_sv[l1], f.reader_norm[comp][l2], f.reader_sv[comp][l2])
-        out.append(finish(f.metric, sq[:, i], den))
+        out.append(normalised_score(f.metric, sq[:, i], den))
     return torch.stack(out)
 
 
 # ----------------------------------------------------------------------------- nulls
-
-
-def stable_seed(*parts: object) -> int:
-    """A seed from any parts (config seed, model shape, layer pair...), stable across runs and jobs."""
-    return int.from_bytes(hashlib.sha256(repr(parts).encode()).digest()[:8], "little") & (2**63 - 1)
 
 
 def haar_overlap_blocks(d: int, k: int, n: int, seed: int, dtype: torch.dtype = torch.float64,
@@ -193,7 +186,7 @@ def spectrum_baseline(metric: str, w_norm, w_sv, r_norm, r_sv, P2: torch.Tensor)
     """
     a, b = (w_sv, r_sv) if metric == "subspace" else (w_sv.pow(2), r_sv.pow(2))
     sq = torch.einsum("wi,nij,rj->nwr", a, P2, b)
-    scores = finish(metric, sq, pair_denominator(metric, w_norm, w_sv, r_norm, r_sv))
+    scores = normalised_score(metric, sq, pair_denominator(metric, w_norm, w_sv, r_norm, r_sv))
     return scores.mean(0), scores.std(0)
 
 

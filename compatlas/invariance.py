@@ -16,14 +16,15 @@ import numpy as np
 import polars as pl
 import torch
 
-from compatlas.composition import COMPS, HeadFactors, head_factors, layer_pair_scores, layer_pairs, stable_seed
+from compatlas.composition import HeadFactors, head_factors, layer_pair_scores, layer_pairs
 from compatlas.progress import Progress
+from compatlas.runtime import stable_seed
+from compatlas.tables import INVARIANCE_SCHEMA
 from compatlas.token_space import to_space
+from compatlas.vocab import COMPS, TRANSFORMS
 from compatlas.weights import AttentionWeights
 
 log = logging.getLogger(__name__)
-
-TRANSFORMS = ("permutation", "orthogonal", "orthogonal_scale", "diagonal", "gl")
 
 
 def random_transform(kind: str, d: int, seed: int, log10_range: float = 2.0) -> torch.Tensor:
@@ -140,6 +141,5 @@ def audit(w: AttentionWeights, metrics: list[str], spaces: list[str], *, transfo
     return pl.DataFrame(rows).with_columns(
         pl.lit(w.meta.get("model", "?")).alias("model"), pl.lit(w.meta.get("checkpoint", "final")).alias("checkpoint"),
         pl.lit(w.meta.get("processing", "none")).alias("processing"), pl.lit(log10_range).alias("log10_scale_range"),
-    ).select(["model", "checkpoint", "processing", "transform", "metric", "space", "comp", "spearman",
-              "max_abs_change", "top_k", "top_k_overlap", "top_k_kept", "log10_scale_range"])
+    ).select(list(INVARIANCE_SCHEMA))
 

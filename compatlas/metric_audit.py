@@ -27,9 +27,11 @@ import numpy as np
 import polars as pl
 import torch
 
-from compatlas.composition import COMPS, head_factors, layer_pair_scores
-from compatlas.invariance import TRANSFORMS, apply_transform, model_scores, random_transform
+from compatlas.composition import head_factors, layer_pair_scores
+from compatlas.invariance import apply_transform, model_scores, random_transform
+from compatlas.tables import METRIC_AUDIT_SCHEMA
 from compatlas.token_space import add_space_factors, to_space
+from compatlas.vocab import COMPS, TRANSFORMS
 from compatlas.weights import AttentionWeights
 
 AXIOMS = ("axiom1_full", "axiom2_zero", "axiom3_monotone_smooth", "axiom4_invariant")
@@ -140,5 +142,4 @@ def audit_metric(metric: str, space: str, seed: int = 0) -> list[dict]:
 
 def run_audit(metrics: list[str], spaces: list[str], seed: int = 0) -> pl.DataFrame:
     rows = [r for m in metrics for s in spaces for r in audit_metric(m, s, seed)]
-    return pl.DataFrame(rows, schema={"metric": pl.Utf8, "space": pl.Utf8, "axiom": pl.Utf8, "construction": pl.Utf8,
-                                      "value": pl.Float64, "expected": pl.Float64, "passed": pl.Boolean, "detail": pl.Utf8})
+    return pl.DataFrame(rows, schema=METRIC_AUDIT_SCHEMA)

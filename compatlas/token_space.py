@@ -21,9 +21,9 @@ from dataclasses import dataclass
 
 import torch
 
+from compatlas.vocab import SPACES
 from compatlas.weights import AttentionWeights
 
-SPACES = ("residual", "token", "token_norm")
 DEFAULT_MAX_CONDITION = 1e6
 GRAM_MAX_CONDITION = 1e5  # above this, the factor comes from Householder QR (float64 accuracy)
 

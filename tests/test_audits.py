@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 import torch
 
-from compatlas.composition import COMPS
-from compatlas.invariance import TRANSFORMS, apply_transform, compare, random_transform, sample_layers
+from compatlas.invariance import apply_transform, compare, random_transform, sample_layers
 from compatlas.metric_audit import constructions, score
+from compatlas.vocab import COMPS, TRANSFORMS
 from compatlas.weights import AttentionWeights
 
 D, DH = 12, 3

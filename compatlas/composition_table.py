@@ -20,12 +20,12 @@ from compatlas.composition import (
 from compatlas.runtime import resolve_device, stable_seed
 from compatlas.tables import COMPOSITION_SCHEMA
 from compatlas.token_space import to_space
-from compatlas.vocab import COMPS
+from compatlas.vocab import COMPS, Metric, Space
 from compatlas.weights import AttentionWeights
 
 log = logging.getLogger(__name__)
 
-def score_block(w: AttentionWeights, metric: str, space: str, pairs: list[tuple[int, int]], *,
+def score_block(w: AttentionWeights, metric: Metric, space: Space, pairs: list[tuple[int, int]], *,
                 baseline_samples: int = 32, seed: int = 0, device: str = "auto", dtype: str = "float32",
                 max_condition: float = 1e6) -> tuple[pl.DataFrame, dict]:
     """Q/K/V scores and both nulls for every head pair of the given (writer, reader) layer pairs.

@@ -35,7 +35,7 @@ import torch
 from compatlas.progress import Progress
 from compatlas.runtime import stable_seed
 from compatlas.tables import HEAD_SCORES_SCHEMA, INDUCTION_TOKENS_SCHEMA
-from compatlas.vocab import ABLATION_METHODS, ABLATION_MODES, ROLES
+from compatlas.vocab import ABLATION_METHODS, ABLATION_MODES, ROLES, AblationMethod, AblationMode
 
 log = logging.getLogger(__name__)
 
@@ -524,7 +524,7 @@ def _attribution_drops(model, seq, ctrl, target, means, batch_size, progress) ->
 
 
 def ablation_effects(model, tokens: TokenSet, *, sequences: int, before: int = 10, between: int = 10,
-                     mode: str = "zero", method: str = "exact", seed: int = 0, batch_size: int = 128) -> pl.DataFrame:
+                     mode: AblationMode = "zero", method: AblationMethod = "exact", seed: int = 0, batch_size: int = 128) -> pl.DataFrame:
     """For every head: mean drop in induction strength of B (clean minus ablated, paired over
     the same S sequences and controls) when the head's z is zeroed (``zero``) or replaced by
     its mean over these sequences and controls (``mean``).

@@ -20,6 +20,7 @@ import json
 import logging
 import os
 import shutil
+from importlib import resources
 from pathlib import Path
 from typing import Any
 
@@ -31,85 +32,18 @@ from compatlas.tables import EXCLUDED_SHARDS_SCHEMA, MODELS_SCHEMA, SHARD_VIEWS
 
 log = logging.getLogger(__name__)
 
-# Views derived from the ones over shards (SQL, so they follow the shards whenever the atlas is rebuilt).
-COMPOSITION_Z = """CREATE VIEW composition_z AS SELECT c.*,
-    c.score - c.baseline_gaussian_mean AS score_minus_gaussian,
-    (c.score - c.baseline_spectrum_mean) / NULLIF(c.baseline_spectrum_std, 0) AS z_spectrum,
-    (c.score - c.baseline_gaussian_mean) / NULLIF(c.baseline_gaussian_std, 0) AS z_gaussian,
-    p.n_null, p.p_value, p.q_value, k.checkpoint_step, k.latest
-    FROM composition c LEFT JOIN calibration p
-    USING (model, checkpoint, processing, metric, space, comp, writer_layer, writer_head, reader_layer, reader_head)
-    LEFT JOIN checkpoints k USING (model, checkpoint)"""
+# Views derived from the ones over shards (SQL, so they follow the shards whenever the atlas is
+# rebuilt), in the order they are created: each reads only views before it. The SQL of each is
+# views/<name>.sql beside this module; {fdr}, {prev} and {ind} in it are build_atlas's thresholds.
+DERIVED_VIEWS = ("checkpoints", "composition_z", "discoveries", "induction_summary", "reader_best_composition",
+                 "composition_vs_behaviour")
 
-# Checkpoints in training order: the step (null for a model without a series) and `latest`, each
-# model's last checkpoint (highest step; a model without steps has one), so "the last checkpoint
-# of each model" is `WHERE latest` in checkpoints, composition_z and discoveries.
-CHECKPOINTS = """CREATE VIEW checkpoints AS SELECT model, checkpoint, checkpoint_step,
-    row_number() OVER (PARTITION BY model ORDER BY checkpoint_step DESC NULLS LAST, checkpoint DESC) = 1 AS latest
-    FROM models"""
 
-# The calibrated answer: causal pairs whose q-value (Benjamini-Hochberg over the pairs of one
-# model x checkpoint x metric x space x comp) is at most the configured false discovery rate.
-DISCOVERIES = """CREATE VIEW discoveries AS SELECT * FROM composition_z WHERE q_value <= {fdr}"""
+def derived_view_sql(name: str, fdr: float, prev: float, ind: float) -> str:
+    """The ``CREATE VIEW`` statement of a derived view, its thresholds filled in."""
+    sql = resources.files("compatlas").joinpath("views", f"{name}.sql").read_text(encoding="utf-8")
+    return sql.format(fdr=float(fdr), prev=float(prev), ind=float(ind))
 
-# Per model x filler setting x role: the mean A (B) power over tokens, its spread across tokens,
-# and B vs nearby-B vs random. Tokens' sequences are independent, so standard errors add in quadrature.
-INDUCTION_SUMMARY = """CREATE VIEW induction_summary AS SELECT
-    model, checkpoint, filler_before, filler_between, role,
-    count(*) AS n_tokens, sum(n) AS n_sequences,
-    avg(mean) AS mean_strength, sqrt(sum(stderr * stderr)) / count(*) AS mean_stderr,
-    stddev_samp(mean) AS power_spread, quantile_cont(mean, 0.1) AS power_p10, quantile_cont(mean, 0.9) AS power_p90,
-    avg(near_b_mean) AS near_b_mean, sqrt(sum(near_b_stderr * near_b_stderr)) / count(*) AS near_b_stderr,
-    avg(random_mean) AS random_mean, sqrt(sum(random_stderr * random_stderr)) / count(*) AS random_stderr
-    FROM induction_tokens GROUP BY ALL"""
-
-# For every reader head: its strongest composition (per metric, space, comp) with an earlier
-# previous-token head (threshold, or the model's best one outside the last layer if none passes), beside its induction score and ablation effect.
-READER_BEST = """CREATE VIEW reader_best_composition AS
-WITH ranked_prev AS (  -- heads of the last layer have no readers
-    SELECT model, checkpoint, layer, head, prev_token_mean,
-           row_number() OVER (PARTITION BY model, checkpoint ORDER BY prev_token_mean DESC, layer, head) AS r
-    FROM head_scores h
-    WHERE layer < (SELECT max(layer) FROM head_scores l WHERE l.model = h.model AND l.checkpoint = h.checkpoint)),
-prev_heads AS (SELECT model, checkpoint, layer, head FROM ranked_prev WHERE prev_token_mean >= {prev} OR r = 1),
-best AS (
-    SELECT c.model, c.checkpoint, c.metric, c.space, c.comp, c.reader_layer AS layer, c.reader_head AS head,
-           max(c.score) AS best_score,
-           max((c.score - c.baseline_spectrum_mean) / NULLIF(c.baseline_spectrum_std, 0)) AS best_z_spectrum,
-           arg_max(c.writer_layer || '.' || c.writer_head, c.score) AS best_writer,
-           coalesce(bool_or(c.q_value <= {fdr}), false) AS prev_discovery
-    FROM composition_z c JOIN prev_heads p
-      ON c.model = p.model AND c.checkpoint = p.checkpoint AND c.writer_layer = p.layer AND c.writer_head = p.head
-    GROUP BY ALL)
-SELECT b.*, h.prev_token_mean, h.induction_mean, h.ablation_drop, h.induction_mean >= {ind} AS is_induction
-FROM best b JOIN head_scores h USING (model, checkpoint, layer, head)"""
-
-# The payoff table: does a metric (in a space, for a comp) pick out the heads that do induction?
-# Spearman = Pearson on average ranks; AUROC = Mann-Whitney U / (n_pos n_neg) from the same ranks.
-# Discovery precision / recall: of "the reader has a discovery from a previous-token head" for
-# "the reader is an induction head".
-COMPOSITION_VS_BEHAVIOUR = """CREATE VIEW composition_vs_behaviour AS
-WITH ranked AS (
-    SELECT *,
-      rank() OVER (PARTITION BY model, checkpoint, metric, space, comp ORDER BY best_score)
-        + (count(*) OVER (PARTITION BY model, checkpoint, metric, space, comp, best_score) - 1) / 2.0 AS r_score,
-      rank() OVER (PARTITION BY model, checkpoint, metric, space, comp ORDER BY induction_mean)
-        + (count(*) OVER (PARTITION BY model, checkpoint, metric, space, comp, induction_mean) - 1) / 2.0 AS r_ind,
-      rank() OVER (PARTITION BY model, checkpoint, metric, space, comp ORDER BY ablation_drop)
-        + (count(*) OVER (PARTITION BY model, checkpoint, metric, space, comp, ablation_drop) - 1) / 2.0 AS r_abl
-    FROM reader_best_composition)
-SELECT model, checkpoint, metric, space, comp,
-    count(*) AS n_readers, count_if(is_induction)::BIGINT AS n_induction_heads,
-    corr(r_score, r_ind) AS spearman_induction, corr(r_score, r_abl) AS spearman_ablation,
-    (sum(CASE WHEN is_induction THEN r_score ELSE 0 END) - sum(is_induction::INTEGER) * (sum(is_induction::INTEGER) + 1) / 2.0)
-      / NULLIF(sum(is_induction::INTEGER) * (count(*) - sum(is_induction::INTEGER)), 0) AS auroc,
-    coalesce(any_value(d.n_discoveries), 0)::BIGINT AS n_discoveries,
-    count_if(prev_discovery)::BIGINT AS n_readers_with_discovery,
-    count_if(prev_discovery AND is_induction) / NULLIF(count_if(prev_discovery), 0) AS discovery_precision,
-    count_if(prev_discovery AND is_induction) / NULLIF(count_if(is_induction), 0) AS discovery_recall
-FROM ranked LEFT JOIN (SELECT model, checkpoint, metric, space, comp, count(*) AS n_discoveries
-                       FROM discoveries GROUP BY ALL) d USING (model, checkpoint, metric, space, comp)
-GROUP BY ALL"""
 
 _DUCK_TYPES = {pl.Utf8: "VARCHAR", pl.Int32: "INTEGER", pl.Int64: "BIGINT", pl.Float64: "DOUBLE", pl.Boolean: "BOOLEAN"}
 
@@ -192,13 +126,8 @@ def build_atlas(db_path: str | os.PathLike, shards: dict[str, list[str | os.Path
             for name, types in SHARD_VIEWS.items():
                 kept = [p for p in shards.get(name, []) if str(p) not in dropped]
                 con.execute(_parquet_view(name, kept, types, root))
-            con.execute(CHECKPOINTS)
-            con.execute(COMPOSITION_Z)
-            con.execute(DISCOVERIES.format(fdr=float(fdr)))
-            con.execute(INDUCTION_SUMMARY)
-            con.execute(READER_BEST.format(prev=float(prev_token_threshold), ind=float(induction_threshold),
-                                           fdr=float(fdr)))
-            con.execute(COMPOSITION_VS_BEHAVIOUR)
+            for view in DERIVED_VIEWS:
+                con.execute(derived_view_sql(view, fdr, prev_token_threshold, induction_threshold))
         finally:
             con.close()
         with atomic_path(last_good_path(db_path)) as keep:  # what queries fall back on (see last_good_path)

@@ -121,7 +121,7 @@ def _stratum(df: pl.DataFrame, stratify: NullStratify) -> pl.Series:
 def calibrate(causal: pl.DataFrame, null: pl.DataFrame, stratify: NullStratify = "none", tail: bool = True) -> pl.DataFrame:
     """p- and q-values of every causal pair (columns ``tables.CALIBRATION_SCHEMA``).
 
-    ``causal`` and ``null`` are composition tables (``tables.COMPOSITION_SCHEMA``) of one model x checkpoint,
+    ``causal`` and ``null`` are composition tables (``COMPOSITION_SCHEMA``) of one model x checkpoint,
     any metrics, spaces and comps; each group of those is calibrated on its own null."""
     if stratify not in NULL_STRATIFY:
         raise ValueError(f"stratify {stratify!r}: choose one of {NULL_STRATIFY}")

@@ -78,7 +78,8 @@ def score_block(w: AttentionWeights, metric: Metric, space: Space, pairs: list[t
     rows = len(data.get("score", []))
     const = {"model": w.meta.get("model", "?"), "checkpoint": w.meta.get("checkpoint", "final"),
              "processing": w.meta.get("processing", "none"), "space": space, "metric": metric}
-    df = pl.DataFrame({**{k: [v] * rows for k, v in const.items()}, **data}, schema_overrides=COMPOSITION_SCHEMA) if rows else pl.DataFrame(schema=COMPOSITION_SCHEMA)
+    df = (pl.DataFrame({**{k: [v] * rows for k, v in const.items()}, **data}, schema_overrides=COMPOSITION_SCHEMA)
+          if rows else pl.DataFrame(schema=COMPOSITION_SCHEMA))
     df = df.select(list(COMPOSITION_SCHEMA)).cast(COMPOSITION_SCHEMA)
     facts.update(device=str(dev), dtype=dtype, baseline_samples=baseline_samples, seed=seed,
                  seconds=round(time.perf_counter() - t0, 3), layer_pairs=[list(p) for p in pairs])

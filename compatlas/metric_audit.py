@@ -10,7 +10,7 @@ K: W_K = A2, W_Q = B2^T; V: W_V = A2, W_O = B2), and scored by the production ke
 - Axiom 2: orthogonal write and read spaces score 0.
 - Axiom 3: rotating the write space into the read space raises the score monotonically and
   smoothly (no step larger than ``MAX_STEP``).
-- Axiom 4: scores survive every change of residual basis (``invariance.TRANSFORMS``), on a
+- Axiom 4: scores survive every change of residual basis (``vocab.TRANSFORMS``), on a
   random model.
 
 Axioms 1-3 are properties of a metric on matrices. Token space evaluates the same metric in

@@ -20,7 +20,7 @@ from compatlas.tables import (
     CALIBRATION_SCHEMA, COMPOSITION_SCHEMA, HEAD_SCORES_SCHEMA, INDUCTION_TOKENS_SCHEMA, INVARIANCE_SCHEMA,
     METRIC_AUDIT_SCHEMA, TRAINING_LOSS_SCHEMA,
 )
-from compatlas.vocab import COMPS
+from compatlas.vocab import COMPS, METRICS
 
 
 
@@ -114,7 +114,7 @@ def _tokens(s: Spec, ck: str, rng, n_tokens: int = 16) -> pl.DataFrame:
     return pl.DataFrame(rows, schema=INDUCTION_TOKENS_SCHEMA)
 
 
-def write_suite(root: Path, specs: list[Spec], metrics=("frobenius", "svd_bound", "subspace"),
+def write_suite(root: Path, specs: list[Spec], metrics=METRICS,
                 spaces=("residual", "token"), seed: int = 0) -> Path:
     """Shards, meta.json files and ``root/atlas.duckdb`` for ``specs``; returns the database path."""
     rng = np.random.default_rng(seed)

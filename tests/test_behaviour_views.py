@@ -13,6 +13,7 @@ from scipy.stats import spearmanr
 
 from compatlas.atlas import build_atlas, connect
 from compatlas.tables import COMPOSITION_SCHEMA, HEAD_SCORES_SCHEMA, INDUCTION_TOKENS_SCHEMA
+from compatlas.vocab import COMPS
 from compatlas.storage import write_shard
 
 L, H = 4, 3
@@ -36,7 +37,7 @@ def _composition(rng) -> pl.DataFrame:
     rows = []
     for (l1, h1), (l2, h2) in itertools.product(itertools.product(range(L), range(H)), repeat=2):
         if l1 < l2:
-            for comp in ("Q", "K", "V"):
+            for comp in COMPS:
                 rows.append({"model": "m", "checkpoint": "final", "processing": "none", "space": "residual",
                              "metric": "frobenius", "comp": comp, "writer_layer": l1, "writer_head": h1,
                              "reader_layer": l2, "reader_head": h2, "score": float(rng.uniform()),

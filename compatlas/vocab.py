@@ -48,6 +48,11 @@ NullStratify = Literal["none", "distance"]
 the same layer distance (``compatlas.calibration``)."""
 NULL_STRATIFY: tuple[NullStratify, ...] = get_args(NullStratify)
 
+NullPairs = Literal["mirror", "mirror_and_same_layer"]
+"""Which non-causal pairs make the null: the causal pairs' anti-causal mirror image, or that and
+the same-layer pairs of distinct heads (a stricter test; ``compatlas.calibration``)."""
+NULL_PAIRS: tuple[NullPairs, ...] = get_args(NullPairs)
+
 AblationMode = Literal["zero", "mean"]
 """What an ablated head's output is replaced by (``compatlas.induction.ablation_effects``)."""
 ABLATION_MODES: tuple[AblationMode, ...] = get_args(AblationMode)

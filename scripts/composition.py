@@ -9,7 +9,7 @@ from compatlas.storage import write_shard
 from compatlas.tables import provenance
 from compatlas.weights import load_weights
 
-log = setup(snakemake.log[0])
+log = setup(snakemake.log[0], snakemake.threads)
 wc, settings = snakemake.wildcards, snakemake.params.settings
 w = load_weights(snakemake.input.tensors, snakemake.input.meta)
 layers = selected_layers({"layers": snakemake.params.layers}, w.n_layers, wc.model)

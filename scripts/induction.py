@@ -9,7 +9,7 @@ from compatlas.induction import boot_and_measure_behaviour  # noqa: E402
 from compatlas.logs import setup  # noqa: E402
 from compatlas.storage import write_shard  # noqa: E402
 
-log = setup(snakemake.log[0])
+log = setup(snakemake.log[0], snakemake.threads)
 wc = snakemake.wildcards
 tokens, heads, provenance = boot_and_measure_behaviour(wc.model, snakemake.params.entry, snakemake.params.checkpoint,
                                                        snakemake.params.settings, snakemake.input.meta,

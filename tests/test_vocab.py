@@ -24,6 +24,7 @@ SCHEMA_ENUMS: dict[str, tuple[Any, ...]] = {
     "properties.metrics.*": vocab.METRICS,
     "properties.spaces.*": vocab.SPACES,
     "properties.composition.properties.null_stratify": vocab.NULL_STRATIFY,
+    "properties.composition.properties.null_pairs": vocab.NULL_PAIRS,
     "properties.invariance.properties.transforms.*": vocab.TRANSFORMS,
     "properties.induction.properties.dtype": vocab.FORWARD_DTYPES,
     "properties.induction.properties.device_map": vocab.DEVICE_MAPS,

@@ -58,6 +58,24 @@ def checkpoint_spec(wildcards):
     return specs[wildcards.checkpoint]
 
 
+# Below this size (parameters, from the config's dimensions) a job is bound by Python start-up
+# rather than arithmetic: it gets one thread, so that two run side by side on two cores.
+SMALL_MODEL_PARAMS = 10_000_000
+
+
+def model_threads(wildcards):
+    """Threads of a model's jobs: one for a small model built or trained here, two otherwise (a
+    model loaded from the hub, a folder or a GGUF file has no size until it is loaded).
+    Slurm profiles set their own (`set-threads`)."""
+    src = config["models"][wildcards.model]["source"]
+    dims = trained_run(config, wildcards.model) if src["kind"] == "trained" else src
+    if src["kind"] not in ("build", "trained"):
+        return 2
+    d_model = dims["n_heads"] * dims["d_head"]
+    params = dims["n_layers"] * 12 * d_model**2 + 2 * dims["d_vocab"] * d_model
+    return 1 if params < SMALL_MODEL_PARAMS else 2
+
+
 def model_checkpoint_pairs():
     """Every (model, checkpoint) of the zoo."""
     return [(m, c) for m, entry in config["models"].items() for c in model_checkpoints(entry)]

@@ -40,7 +40,7 @@ from compatlas.induction import (  # noqa: E402
     ablation_effects, clean_tokens, head_attention_scores, sample_tokens, token_directions, token_set,
 )
 from compatlas.loading import boot  # noqa: E402
-from compatlas.scores import resolve_device  # noqa: E402
+from compatlas.runtime import resolve_device  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 log = logging.getLogger("bench_ablation")
@@ -87,7 +87,7 @@ def compare(model, settings: dict, sequences: int, mode: str, batch_size: int, s
 def separation(model, settings: dict, counts: list[int], mode: str, batch_size: int, threshold: float) -> list[dict]:
     """Exact ablation drops of induction heads vs the rest for the first S of max(counts)
     sequences, per S in counts (one ablation run: the per-sequence drops, prefixes of them)."""
-    from compatlas.composition import stable_seed
+    from compatlas.runtime import stable_seed
     from compatlas.induction import _cached_drops, _draw, _stats, head_z_means, induction_sequences, strengths
 
     with torch.no_grad():

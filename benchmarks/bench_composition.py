@@ -48,6 +48,8 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+from compatlas.vocab import COMPS, METRICS  # noqa: E402 -- names only; the timed parts import the kernel themselves
+
 SEED = 0
 N_BASELINE = 32  # spectrum_baseline samples
 SPEEDUP_TARGET = 20.0
@@ -179,7 +181,8 @@ def memory_block(device: str, baseline_maxrss: float, baseline_rss: float) -> di
 def child_ours(cfg: dict, workdir: Path) -> dict:
     import torch
 
-    from compatlas.composition import COMPS, head_factors, layer_pair_scores, stable_seed
+    from compatlas.composition import head_factors, layer_pair_scores
+    from compatlas.runtime import stable_seed
 
     device, shape, repeats = cfg["device"], SHAPES[cfg["gpt2_shape"]], cfg["repeats"]
     L, H = shape["n_layers"], shape["n_heads"]
@@ -251,7 +254,7 @@ def child_reference(cfg: dict, workdir: Path) -> dict:
 
     res: dict = {"per_comp": {}}
     scores = {}
-    for comp in ("Q", "K", "V"):  # sequentially, one at a time
+    for comp in COMPS:  # sequentially, one at a time
         t, s = timer(reference, comp)
         scores[comp] = s.detach().cpu().clone()
         del s
@@ -271,7 +274,7 @@ def float64_check(w32, ref32: dict, workdir: Path, FactoredMatrix, composition_s
     plus how far each float32 side is from the float64 reference on that subset."""
     import torch
 
-    from compatlas.composition import COMPS, head_factors, layer_pair_scores, layer_pairs
+    from compatlas.composition import head_factors, layer_pair_scores, layer_pairs
 
     w = w32.to("cpu", torch.float64)
     W_K, W_V = w.expanded_kv()
@@ -310,7 +313,8 @@ def float64_check(w32, ref32: dict, workdir: Path, FactoredMatrix, composition_s
 def child_big(cfg: dict, workdir: Path) -> dict:
     import torch
 
-    from compatlas.composition import COMPS, METRICS, head_factors, layer_pair_scores, stable_seed
+    from compatlas.composition import head_factors, layer_pair_scores
+    from compatlas.runtime import stable_seed
 
     device, shape = cfg["device"], SHAPES[cfg["big_shape"]]
     timer = Timer(device)
@@ -424,7 +428,7 @@ def compare_scores(workdir: Path) -> dict:
     ours = torch.load(workdir / "ours_scores.pt")
     ref = torch.load(workdir / "reference_scores.pt")
     out = {}
-    for comp in ("Q", "K", "V"):
+    for comp in COMPS:
         L = ours[comp].shape[0]
         mask = torch.arange(L)[:, None] < torch.arange(L)[None, :]  # writer layer < reader layer
         o = ours[comp].permute(0, 2, 1, 3)[mask]  # [n_layer_pairs, H1, H2]
@@ -457,7 +461,7 @@ def report(results: dict) -> None:
         print(f"\n[1] {s['name']}: {s['n_layers']} layers x {s['n_heads']} heads, d_model {s['d_model']}, d_head {s['d_head']}; "
               "frobenius, float32, random Gaussian weights (seed 0)")
         print(f"    {'comp':<6}{'ours median':>13}{'ours cold':>11}{'reference':>11}{'speedup':>10}{'max|diff|':>12}")
-        for comp in ("Q", "K", "V"):
+        for comp in COMPS:
             o = ours["per_comp"][comp] if ours else None
             r = ref["per_comp"][comp]["time_s"] if ref else None
             sp = f"{r / o['median_s']:.0f}x" if (o and r) else "-"
@@ -489,7 +493,7 @@ def report(results: dict) -> None:
                   f"{r['max_abs_diff']:.2e}   tol {DIFF_TOL:g}   {verdict(r['agreement_pass'])}")
             c = ref.get("float64_check")
             if c:
-                worst = lambda k: max(c[x][k] or 0.0 for x in ("Q", "K", "V"))  # noqa: E731
+                worst = lambda k: max(c[x][k] or 0.0 for x in COMPS)  # noqa: E731
                 print(f"    float64 check on {len(c['layer_pairs'])} random layer pairs {c['layer_pairs']}: "
                       f"|ours64 - ref64| <= {worst('ours64_vs_ref64'):.1e}; float32 error vs ref64: "
                       f"ours {worst('ours32_vs_ref64'):.1e}, reference {worst('ref32_vs_ref64'):.1e}")
@@ -504,8 +508,8 @@ def report(results: dict) -> None:
         if ours:
             sb = ours["spectrum_baseline_frobenius"]
             print(f"    spectrum_baseline, one layer pair, n={N_BASELINE}, frobenius: "
-                  + ", ".join(f"{c} {sb[c]['median_s'] * 1e3:.2f} ms" for c in ("Q", "K", "V"))
-                  + (" (+ P2 draw, once per comp and job: " + ", ".join(f"{c} {sb[c]['draw_s'] * 1e3:.1f} ms" for c in ("Q", "K", "V")) + ")"
+                  + ", ".join(f"{c} {sb[c]['median_s'] * 1e3:.2f} ms" for c in COMPS)
+                  + (" (+ P2 draw, once per comp and job: " + ", ".join(f"{c} {sb[c]['draw_s'] * 1e3:.1f} ms" for c in COMPS) + ")"
                      if "draw_s" in sb["Q"] else ""))
 
     big = results.get("big")
@@ -521,12 +525,12 @@ def report(results: dict) -> None:
             e = m["estimate_s"]
             tot += e["total_with_baselines"]
             print(f"    {metric:<11}{m['head_factors_2_layers_s']:>10.2f} s"
-                  + "".join(f"{m['layer_pair_s'][c]:>7.2f} s" for c in ("Q", "K", "V"))
+                  + "".join(f"{m['layer_pair_s'][c]:>7.2f} s" for c in COMPS)
                   + f"{sum(m['spectrum_baseline_s'].values()) * 1e3:>7.1f} ms"
                   + f"{e['head_factors'] / 3600:>8.2f} h{e['pair_scores'] / 3600:>10.2f} h"
                   + f"{e['kernel_total'] / 3600:>11.2f} h{e['total_with_baselines'] / 3600:>11.2f} h")
         print(f"    all three metrics, Q/K/V, with spectrum baselines: {tot / 3600:.2f} h on this device")
-        draws = [m["spectrum_baseline_detail"][c].get("draw_s") for m in big["metrics"].values() for c in ("Q", "K", "V")]
+        draws = [m["spectrum_baseline_detail"][c].get("draw_s") for m in big["metrics"].values() for c in COMPS]
         if all(d is not None for d in draws):
             print(f"    (P2 draws for the spectrum baseline, once per comp and job, not in the estimate: "
                   f"{min(draws) * 1e3:.0f}-{max(draws) * 1e3:.0f} ms each)")
@@ -635,7 +639,7 @@ def main() -> int:
             mem = ours["memory"]["peak_rss_mib"] / ref["memory"]["peak_rss_mib"]
             p1["ratios"] = {
                 "speedup": speedup, "speedup_cold": ref["total_s"] / ours["sum_cold_s"],
-                "speedup_per_comp": {c: ref["per_comp"][c]["time_s"] / ours["per_comp"][c]["median_s"] for c in ("Q", "K", "V")},
+                "speedup_per_comp": {c: ref["per_comp"][c]["time_s"] / ours["per_comp"][c]["median_s"] for c in COMPS},
                 "memory_ratio": mem,
                 "memory_increment_ratio": ours["memory"]["increment_mib"] / ref["memory"]["increment_mib"],
                 "max_abs_diff": max_diff,

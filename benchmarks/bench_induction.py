@@ -28,12 +28,11 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import torch  # noqa: E402
 import yaml  # noqa: E402
 
-from compatlas.composition import stable_seed  # noqa: E402
 from compatlas.induction import (  # noqa: E402
     _draw, clean_tokens, induction_sequences, sample_tokens, strengths, token_directions, token_set,
 )
 from compatlas.loading import boot  # noqa: E402
-from compatlas.scores import resolve_device  # noqa: E402
+from compatlas.runtime import resolve_device, stable_seed  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 

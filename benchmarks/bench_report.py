@@ -27,10 +27,9 @@ from synthetic_atlas import Spec, write_suite  # noqa: E402
 
 from compatlas.report import build_report  # noqa: E402
 from compatlas.report.page import js_bundle  # noqa: E402
+from compatlas.vocab import METRICS, SPACES  # noqa: E402
 
 SHAPES = [("pythia-a", 6, 8), ("pythia-b", 12, 12), ("pythia-c", 16, 16), ("pythia-d", 24, 16)]
-METRICS = ("frobenius", "svd_bound", "subspace")
-SPACES = ("residual", "token", "token_norm")
 
 
 def steps(n: int) -> list[int]:

@@ -18,9 +18,10 @@ from pathlib import Path
 
 import torch
 
-from compatlas.composition import METRICS, layer_pairs
-from compatlas.scores import score_block
+from compatlas.composition import layer_pairs
+from compatlas.composition_table import score_block
 from compatlas.token_space import add_space_factors
+from compatlas.vocab import METRICS
 from compatlas.weights import AttentionWeights
 
 SHAPES = {  # layers, heads, kv heads, d_model, d_head, vocab

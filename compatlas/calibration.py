@@ -42,15 +42,12 @@ from __future__ import annotations
 from collections import defaultdict
 from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import Literal
 
 import numpy as np
 import polars as pl
 
-Stratify = Literal["none", "distance"]
-STRATIFY: tuple[Stratify, ...] = ("none", "distance")
-NullPairs = Literal["mirror", "mirror_and_same_layer"]
-NULL_PAIRS: tuple[NullPairs, ...] = ("mirror", "mirror_and_same_layer")
+from compatlas.tables import CALIBRATION_SCHEMA
+from compatlas.vocab import NULL_PAIRS, NULL_STRATIFY, NullPairs, NullStratify
 
 TAIL_MIN_EXCEEDANCES = 10  # the tail fit needs at least this many null scores above its threshold
 TAIL_MIN_NULL = 100  # fewer null pairs than this: no tail fit, empirical p only
@@ -59,9 +56,6 @@ TAIL_SHAPE_Z = 1.645  # the shape's one-sided 95% upper bound: the tail p errs o
 
 KEY = ["model", "checkpoint", "processing", "metric", "space", "comp",
        "writer_layer", "writer_head", "reader_layer", "reader_head"]
-P_SCHEMA = {"model": pl.Utf8, "checkpoint": pl.Utf8, "processing": pl.Utf8, "metric": pl.Utf8, "space": pl.Utf8,
-            "comp": pl.Utf8, "writer_layer": pl.Int32, "writer_head": pl.Int32, "reader_layer": pl.Int32,
-            "reader_head": pl.Int32, "n_null": pl.Int64, "p_value": pl.Float64, "q_value": pl.Float64}
 
 
 def tail_survival(null: np.ndarray) -> tuple[float, float, float, float] | None:
@@ -70,7 +64,7 @@ def tail_survival(null: np.ndarray) -> tuple[float, float, float, float] | None:
 
     P(null >= x) = share * (1 + xi (x - t) / scale) ** (-1 / xi) for x > t (exponential at xi = 0).
     None when the null is too small to say anything beyond its own maximum."""
-    from scipy import stats  # imported here: the atlas and the CLI read P_SCHEMA without scipy
+    from scipy import stats  # imported here: the module imports without scipy until a p-value is fitted
 
     null = np.sort(null[np.isfinite(null)])
     n = len(null)
@@ -126,21 +120,21 @@ def bh_q_values(p: np.ndarray) -> np.ndarray:
     return q
 
 
-def _stratum(df: pl.DataFrame, stratify: Stratify) -> pl.Series:
+def _stratum(df: pl.DataFrame, stratify: NullStratify) -> pl.Series:
     if stratify == "none":
         return pl.Series(np.zeros(df.height, dtype=np.int64))
     return (df["reader_layer"] - df["writer_layer"]).abs().cast(pl.Int64)
 
 
-def calibrate(causal: pl.DataFrame, null: pl.DataFrame, stratify: Stratify = "none", tail: bool = True,
+def calibrate(causal: pl.DataFrame, null: pl.DataFrame, stratify: NullStratify = "none", tail: bool = True,
               null_pairs: NullPairs = "mirror") -> pl.DataFrame:
-    """p- and q-values of every causal pair (columns ``P_SCHEMA``).
+    """p- and q-values of every causal pair (columns ``tables.CALIBRATION_SCHEMA``).
 
-    ``causal`` and ``null`` are composition tables (``scores.SCHEMA``) of one model x checkpoint,
+    ``causal`` and ``null`` are composition tables (``COMPOSITION_SCHEMA``) of one model x checkpoint,
     any metrics, spaces and comps; each group of those is calibrated on its own null, which is
     ``null``'s anti-causal pairs (``"mirror"``) or all of its rows (``"mirror_and_same_layer"``)."""
-    if stratify not in STRATIFY:
-        raise ValueError(f"stratify {stratify!r}: choose one of {STRATIFY}")
+    if stratify not in NULL_STRATIFY:
+        raise ValueError(f"stratify {stratify!r}: choose one of {NULL_STRATIFY}")
     if null_pairs not in NULL_PAIRS:
         raise ValueError(f"null_pairs {null_pairs!r}: choose one of {NULL_PAIRS}")
     if null_pairs == "mirror":
@@ -162,11 +156,11 @@ def calibrate(causal: pl.DataFrame, null: pl.DataFrame, stratify: Stratify = "no
         parts.append(g.select(KEY).with_columns(pl.Series("n_null", n_null), pl.Series("p_value", p),
                                                 pl.Series("q_value", bh_q_values(p))))
     if not parts:
-        return pl.DataFrame(schema=P_SCHEMA)
-    return pl.concat(parts).cast(P_SCHEMA).select(list(P_SCHEMA))
+        return pl.DataFrame(schema=CALIBRATION_SCHEMA)
+    return pl.concat(parts).cast(CALIBRATION_SCHEMA).select(list(CALIBRATION_SCHEMA))
 
 
-def calibrate_shards(causal: Sequence[str], null: Sequence[str], stratify: Stratify = "none",
+def calibrate_shards(causal: Sequence[str], null: Sequence[str], stratify: NullStratify = "none",
                      tail: bool = True, null_pairs: NullPairs = "mirror") -> Iterator[pl.DataFrame]:
     """``calibrate`` over composition shards, one metric x space at a time (the blocks of one
     metric x space share a folder), so memory holds one metric x space, never a whole model."""

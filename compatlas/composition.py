@@ -25,16 +25,14 @@ Metrics (each in [0, 1]):
 
 from __future__ import annotations
 
-import hashlib
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
+from compatlas.vocab import COMPS, METRICS, Comp, Metric
 from compatlas.weights import AttentionWeights
 
-METRICS = ("frobenius", "svd_bound", "subspace")
-COMPS = ("Q", "K", "V")
 
 
 @dataclass
@@ -46,7 +44,7 @@ class HeadFactors:
     descending (for ``subspace``: 1 on the head's rank, 0 beyond).
     """
 
-    metric: str
+    metric: Metric
     emit: torch.Tensor
     writer_norm: torch.Tensor
     writer_sv: torch.Tensor
@@ -88,7 +86,7 @@ def reader_factors(w: AttentionWeights) -> dict[str, tuple[torch.Tensor, torch.T
     }
 
 
-def head_factors(w: AttentionWeights, metric: str, comps: tuple[str, ...] = COMPS) -> HeadFactors:
+def head_factors(w: AttentionWeights, metric: Metric, comps: tuple[Comp, ...] = COMPS) -> HeadFactors:
     """Precompute everything per head (QRs, SVDs of d_head x d_head cores): once per model."""
     if metric not in METRICS:
         raise ValueError(f"unknown metric {metric!r}; choose from {METRICS}")
@@ -115,7 +113,7 @@ def head_factors(w: AttentionWeights, metric: str, comps: tuple[str, ...] = COMP
     return HeadFactors(metric, emit, w_norm, w_sv, absorb, r_norm, r_sv)
 
 
-def pair_denominator(metric: str, w_norm, w_sv, r_norm, r_sv) -> torch.Tensor:
+def pair_denominator(metric: Metric, w_norm, w_sv, r_norm, r_sv) -> torch.Tensor:
     """[H1, H2] denominators: the quantity ||L R||_F (or its square, for subspace) is divided by."""
     if metric == "frobenius":
         return w_norm[:, None] * r_norm[None, :]
@@ -126,14 +124,14 @@ def pair_denominator(metric: str, w_norm, w_sv, r_norm, r_sv) -> torch.Tensor:
     return torch.minimum(r1[:, None], r2[None, :]).clamp_min(1.0)
 
 
-def finish(metric: str, sq_norm: torch.Tensor, denom: torch.Tensor) -> torch.Tensor:
+def normalised_score(metric: Metric, sq_norm: torch.Tensor, denom: torch.Tensor) -> torch.Tensor:
     """Score from the squared Frobenius norm of the core and the pair denominator."""
     if metric == "subspace":
         return sq_norm / denom
     return sq_norm.clamp_min(0).sqrt() / denom
 
 
-def layer_pair_scores(f: HeadFactors, l1: int, readers: list[int], comp: str) -> torch.Tensor:
+def layer_pair_scores(f: HeadFactors, l1: int, readers: list[int], comp: Comp) -> torch.Tensor:
     """Scores [len(readers), H1, H2] of writer layer l1 into each reader layer, one GEMM."""
     E = f.emit[l1]  # [H1, dh, d]
     H1, dh, d = E.shape
@@ -144,16 +142,11 @@ def layer_pair_scores(f: HeadFactors, l1: int, readers: list[int], comp: str) ->
     out = []
     for i, l2 in enumerate(readers):
         den = pair_denominator(f.metric, f.writer_norm[l1], f.writer_sv[l1], f.reader_norm[comp][l2], f.reader_sv[comp][l2])
-        out.append(finish(f.metric, sq[:, i], den))
+        out.append(normalised_score(f.metric, sq[:, i], den))
     return torch.stack(out)
 
 
 # ----------------------------------------------------------------------------- nulls
-
-
-def stable_seed(*parts: object) -> int:
-    """A seed from any parts (config seed, model shape, layer pair...), stable across runs and jobs."""
-    return int.from_bytes(hashlib.sha256(repr(parts).encode()).digest()[:8], "little") & (2**63 - 1)
 
 
 def haar_overlap_blocks(d: int, k: int, n: int, seed: int, dtype: torch.dtype = torch.float64,
@@ -183,7 +176,7 @@ def haar_overlap_blocks(d: int, k: int, n: int, seed: int, dtype: torch.dtype = 
     return P.to(dtype)
 
 
-def spectrum_baseline(metric: str, w_norm, w_sv, r_norm, r_sv, P2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def spectrum_baseline(metric: Metric, w_norm, w_sv, r_norm, r_sv, P2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Mean and std [H1, H2] of each pair's score with its spectra kept and singular vectors random.
 
     ``||diag(s_L) P diag(s_R)||_F^2 = s_L^2 (P o P) s_R^2`` with P a random overlap block
@@ -193,11 +186,11 @@ def spectrum_baseline(metric: str, w_norm, w_sv, r_norm, r_sv, P2: torch.Tensor)
     """
     a, b = (w_sv, r_sv) if metric == "subspace" else (w_sv.pow(2), r_sv.pow(2))
     sq = torch.einsum("wi,nij,rj->nwr", a, P2, b)
-    scores = finish(metric, sq, pair_denominator(metric, w_norm, w_sv, r_norm, r_sv))
+    scores = normalised_score(metric, sq, pair_denominator(metric, w_norm, w_sv, r_norm, r_sv))
     return scores.mean(0), scores.std(0)
 
 
-def gaussian_baseline(metric: str, comp: str, d_model: int, d_head: int, n: int, seed: int,
+def gaussian_baseline(metric: Metric, comp: Comp, d_model: int, d_head: int, n: int, seed: int,
                       dtype: torch.dtype = torch.float64, device: str | torch.device = "cpu") -> tuple[float, float]:
     """Mean and std of the score over n x n pairs of n writer and n reader heads with Gaussian factors
     of the model's shapes, computed by the same kernel as the real scores."""

@@ -32,28 +32,15 @@ from dataclasses import dataclass
 import polars as pl
 import torch
 
-from compatlas.composition import stable_seed
 from compatlas.progress import Progress
+from compatlas.runtime import stable_seed
+from compatlas.tables import HEAD_SCORES_SCHEMA, INDUCTION_TOKENS_SCHEMA
+from compatlas.vocab import ABLATION_METHODS, ABLATION_MODES, ROLES, AblationMethod, AblationMode
 
 log = logging.getLogger(__name__)
 
-ROLES = ("A", "B")
 # p(B) is clamped into [P_EPS, 1 - P_EPS] so that logodds stay finite (|logodds| <= 34.5)
 P_EPS = 1e-15
-
-TOKEN_SCHEMA = {
-    "model": pl.Utf8, "checkpoint": pl.Utf8, "filler_before": pl.Int32, "filler_between": pl.Int32,
-    "token_id": pl.Int64, "token_text": pl.Utf8, "role": pl.Utf8, "n": pl.Int64, "mean": pl.Float64,
-    "std": pl.Float64, "stderr": pl.Float64, "near_b_id": pl.Int64, "near_b_cosine": pl.Float64,
-    "near_b_mean": pl.Float64, "near_b_stderr": pl.Float64, "random_mean": pl.Float64, "random_stderr": pl.Float64,
-}
-HEAD_SCHEMA = {
-    "model": pl.Utf8, "checkpoint": pl.Utf8, "layer": pl.Int32, "head": pl.Int32,
-    "prev_token_mean": pl.Float64, "prev_token_std": pl.Float64, "duplicate_mean": pl.Float64,
-    "duplicate_std": pl.Float64, "induction_mean": pl.Float64, "induction_std": pl.Float64,
-    "n_sequences": pl.Int64, "ablation": pl.Utf8, "ablation_method": pl.Utf8, "ablation_sequences": pl.Int64,
-    "ablation_drop": pl.Float64, "ablation_drop_stderr": pl.Float64, "clean_strength": pl.Float64,
-}
 
 
 @dataclass(frozen=True)
@@ -306,7 +293,7 @@ def induction_sweep(model, token_ids: torch.Tensor, tokens: TokenSet, near: dict
                          "near_b_cosine": near[t][1] if role == "B" else None,
                          "near_b_mean": mean[1, i].item(), "near_b_stderr": se[1, i].item(),
                          "random_mean": mean[2, i].item(), "random_stderr": se[2, i].item()})
-    return pl.DataFrame(rows, schema={k: v for k, v in TOKEN_SCHEMA.items() if k not in ("model", "checkpoint")})
+    return pl.DataFrame(rows, schema={k: v for k, v in INDUCTION_TOKENS_SCHEMA.items() if k not in ("model", "checkpoint")})
 
 
 @torch.no_grad()
@@ -349,7 +336,7 @@ def head_attention_scores(model, tokens: TokenSet, *, sequences: int, length: in
     cols["layer"] = [layer for layer in range(L) for _ in range(H)]
     cols["head"] = [h for _ in range(L) for h in range(H)]
     cols["n_sequences"] = [sequences] * (L * H)
-    return pl.DataFrame(cols, schema={k: HEAD_SCHEMA[k] for k in cols})
+    return pl.DataFrame(cols, schema={k: HEAD_SCORES_SCHEMA[k] for k in cols})
 
 
 @torch.no_grad()
@@ -372,9 +359,6 @@ def head_z_means(model, seqs: torch.Tensor, batch_size: int) -> list[torch.Tenso
                              + last_position_hooks(model))
         count += batch.shape[0] * batch.shape[1]
     return [s / count for s in sums]
-
-
-ABLATION_METHODS = ("exact", "attribution", "full")
 
 
 def _ablate_hook(layer: int, heads: torch.Tensor, means: list[torch.Tensor] | None) -> Hook:
@@ -540,7 +524,7 @@ def _attribution_drops(model, seq, ctrl, target, means, batch_size, progress) ->
 
 
 def ablation_effects(model, tokens: TokenSet, *, sequences: int, before: int = 10, between: int = 10,
-                     mode: str = "zero", method: str = "exact", seed: int = 0, batch_size: int = 128) -> pl.DataFrame:
+                     mode: AblationMode = "zero", method: AblationMethod = "exact", seed: int = 0, batch_size: int = 128) -> pl.DataFrame:
     """For every head: mean drop in induction strength of B (clean minus ablated, paired over
     the same S sequences and controls) when the head's z is zeroed (``zero``) or replaced by
     its mean over these sequences and controls (``mean``).
@@ -549,7 +533,7 @@ def ablation_effects(model, tokens: TokenSet, *, sequences: int, before: int = 1
     ``full`` (the whole model per head, every position unembedded: the path before issue 15,
     the reference exact agrees with and is timed against), or ``attribution``
     (a first-order estimate for all heads from one forward and backward pass)."""
-    if mode not in ("zero", "mean"):
+    if mode not in ABLATION_MODES:
         raise ValueError(f"ablation mode {mode!r}: choose zero or mean")
     if method not in ABLATION_METHODS:
         raise ValueError(f"ablation method {method!r}: choose from {ABLATION_METHODS}")
@@ -579,7 +563,7 @@ def ablation_effects(model, tokens: TokenSet, *, sequences: int, before: int = 1
         "ablation": [mode] * (L * H), "ablation_method": [method] * (L * H), "ablation_sequences": [S] * (L * H),
         "ablation_drop": mean.flatten().tolist(),
         "ablation_drop_stderr": se.flatten().tolist(), "clean_strength": [clean.mean().item()] * (L * H),
-    }, schema={k: HEAD_SCHEMA[k] for k in ("layer", "head", "ablation", "ablation_method", "ablation_sequences",
+    }, schema={k: HEAD_SCORES_SCHEMA[k] for k in ("layer", "head", "ablation", "ablation_method", "ablation_sequences",
                                            "ablation_drop", "ablation_drop_stderr", "clean_strength")})
 
 
@@ -609,7 +593,7 @@ def token_directions(W_E: torch.Tensor, W_U: torch.Tensor | None) -> torch.Tenso
     return W_U.T
 
 
-def measure(model, tokenizer, directions: torch.Tensor, settings: dict, W_E: torch.Tensor | None = None
+def measure_behaviour(model, tokenizer, directions: torch.Tensor, settings: dict, W_E: torch.Tensor | None = None
             ) -> tuple[pl.DataFrame, pl.DataFrame, dict]:
     """Everything issue 4 measures on one model: the strength sweep (per filler setting), head
     attention scores and head ablation. ``settings`` is the config's ``induction`` section;
@@ -662,14 +646,14 @@ def forward_dtype(name: str, device: torch.device) -> torch.dtype:
     return DTYPES[name]
 
 
-def run_model(model_id: str, entry: dict, checkpoint: dict | None, settings: dict, meta_path: str,
-              workdir, device: str = "auto") -> tuple[pl.DataFrame, pl.DataFrame, dict]:
+def boot_and_measure_behaviour(model_id: str, entry: dict, checkpoint: dict | None, settings: dict, meta_path: str,
+                               workdir, device: str = "auto") -> tuple[pl.DataFrame, pl.DataFrame, dict]:
     """Boot one model (x checkpoint) and measure it: the tables of the ``induction_tokens`` and
     ``head_scores`` views, and the provenance for their shards. Only the extraction's metadata
     is read (the forward passes need the model, not the weight shard)."""
     from compatlas.loading import boot
-    from compatlas.scores import resolve_device
-    from compatlas.storage import library_versions
+    from compatlas.runtime import resolve_device
+    from compatlas.tables import provenance
     from compatlas.weights import load_meta
 
     t0 = time.perf_counter()
@@ -691,13 +675,12 @@ def run_model(model_id: str, entry: dict, checkpoint: dict | None, settings: dic
     with torch.no_grad():  # the raw embeddings (the shard's may be centred by processing)
         W_E = bridge.W_E.detach().float().cpu()
         W_U = bridge.W_U.detach().float().cpu()
-    tokens, heads, chosen = measure(bridge, bridge.tokenizer, token_directions(W_E, W_U), settings, W_E)
+    tokens, heads, chosen = measure_behaviour(bridge, bridge.tokenizer, token_directions(W_E, W_U), settings, W_E)
     label = meta.get("checkpoint", "final")
-    tokens = tokens.with_columns(model=pl.lit(model_id), checkpoint=pl.lit(label)).select(list(TOKEN_SCHEMA))
-    heads = heads.with_columns(model=pl.lit(model_id), checkpoint=pl.lit(label)).select(list(HEAD_SCHEMA))
-    provenance = {k: meta.get(k) for k in ("model", "checkpoint", "checkpoint_step", "checkpoint_tokens",
-                                             "source_kind", "source_checksum", "weights_sha256", "quantized")}
-    provenance.update(weight_processing="none (forward passes on the loaded model)", settings=settings,
-                      tokens=chosen, dtype=str(dtype).removeprefix("torch."), device_map=device_map,
-                      device=str(dev), versions=library_versions(), seconds=round(time.perf_counter() - t0, 3))
-    return tokens, heads, provenance
+    tokens = tokens.with_columns(model=pl.lit(model_id), checkpoint=pl.lit(label)).select(list(INDUCTION_TOKENS_SCHEMA))
+    heads = heads.with_columns(model=pl.lit(model_id), checkpoint=pl.lit(label)).select(list(HEAD_SCORES_SCHEMA))
+    # the forward passes run on the model as loaded, whatever processing its weight shard had
+    record = provenance(meta, processing="none", weight_processing="none (forward passes on the loaded model)",
+                        settings=settings, tokens=chosen, dtype=str(dtype).removeprefix("torch."),
+                        device_map=device_map, device=str(dev), seconds=round(time.perf_counter() - t0, 3))
+    return tokens, heads, record

@@ -16,17 +16,18 @@ import numpy as np
 import polars as pl
 import torch
 
-from compatlas.composition import COMPS, HeadFactors, head_factors, layer_pair_scores, layer_pairs, stable_seed
+from compatlas.composition import HeadFactors, head_factors, layer_pair_scores, layer_pairs
 from compatlas.progress import Progress
+from compatlas.runtime import stable_seed
+from compatlas.tables import INVARIANCE_SCHEMA
 from compatlas.token_space import to_space
+from compatlas.vocab import COMPS, TRANSFORMS, Metric, Space, Transform
 from compatlas.weights import AttentionWeights
 
 log = logging.getLogger(__name__)
 
-TRANSFORMS = ("permutation", "orthogonal", "orthogonal_scale", "diagonal", "gl")
 
-
-def random_transform(kind: str, d: int, seed: int, log10_range: float = 2.0) -> torch.Tensor:
+def random_transform(kind: Transform, d: int, seed: int, log10_range: float = 2.0) -> torch.Tensor:
     """A random d x d T of the class (float64). Scales are log-uniform in 10^[-r, r]."""
     g = torch.Generator().manual_seed(seed)
 
@@ -64,7 +65,7 @@ def apply_transform(w: AttentionWeights, T: torch.Tensor) -> AttentionWeights:
     )
 
 
-def model_scores(ws: AttentionWeights, metric: str, pairs: list[tuple[int, int]] | None = None,
+def model_scores(ws: AttentionWeights, metric: Metric, pairs: list[tuple[int, int]] | None = None,
                  factors: HeadFactors | None = None) -> dict[str, torch.Tensor]:
     """Pair scores of a model already in its space (no nulls), per comp, in a fixed pair order."""
     f = head_factors(ws, metric) if factors is None else replace(factors, metric=metric)
@@ -107,15 +108,15 @@ def sample_layers(layers: list[int], n: int) -> list[int]:
     return [layers[round(i * (len(layers) - 1) / (n - 1))] for i in range(n)] if n > 1 else [layers[0]]
 
 
-def scores_all_metrics(ws: AttentionWeights, metrics: list[str]) -> dict[str, dict[str, torch.Tensor]]:
+def scores_all_metrics(ws: AttentionWeights, metrics: list[Metric]) -> dict[str, dict[str, torch.Tensor]]:
     """Every metric's scores on one model; frobenius and svd_bound share their per-head factors."""
     shared = head_factors(ws, "frobenius") if {"frobenius", "svd_bound"} & set(metrics) else None
     return {m: model_scores(ws, m, factors=None if m == "subspace" else shared) for m in metrics}
 
 
-def audit(w: AttentionWeights, metrics: list[str], spaces: list[str], *, transforms: tuple[str, ...] = TRANSFORMS,
-          top_k: int = 20, seed: int = 0, log10_range: float = 2.0, layers: list[int] | None = None,
-          max_condition: float = 1e6) -> pl.DataFrame:
+def audit(w: AttentionWeights, metrics: list[Metric], spaces: list[Space], *,
+          transforms: tuple[Transform, ...] = TRANSFORMS, top_k: int = 20, seed: int = 0, log10_range: float = 2.0,
+          layers: list[int] | None = None, max_condition: float = 1e6) -> pl.DataFrame:
     """One row per transform class x metric x space x comp, over every head pair of the given
     layers (all by default). Runs in float64 so that what changes is the metric, not rounding."""
     w64 = (w if layers is None else w.layers(layers)).to("cpu", torch.float64)
@@ -140,6 +141,5 @@ def audit(w: AttentionWeights, metrics: list[str], spaces: list[str], *, transfo
     return pl.DataFrame(rows).with_columns(
         pl.lit(w.meta.get("model", "?")).alias("model"), pl.lit(w.meta.get("checkpoint", "final")).alias("checkpoint"),
         pl.lit(w.meta.get("processing", "none")).alias("processing"), pl.lit(log10_range).alias("log10_scale_range"),
-    ).select(["model", "checkpoint", "processing", "transform", "metric", "space", "comp", "spearman",
-              "max_abs_change", "top_k", "top_k_overlap", "top_k_kept", "log10_scale_range"])
+    ).select(list(INVARIANCE_SCHEMA))
 

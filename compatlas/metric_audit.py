@@ -10,7 +10,7 @@ K: W_K = A2, W_Q = B2^T; V: W_V = A2, W_O = B2), and scored by the production ke
 - Axiom 2: orthogonal write and read spaces score 0.
 - Axiom 3: rotating the write space into the read space raises the score monotonically and
   smoothly (no step larger than ``MAX_STEP``).
-- Axiom 4: scores survive every change of residual basis (``invariance.TRANSFORMS``), on a
+- Axiom 4: scores survive every change of residual basis (``vocab.TRANSFORMS``), on a
   random model.
 
 Axioms 1-3 are properties of a metric on matrices. Token space evaluates the same metric in
@@ -27,9 +27,11 @@ import numpy as np
 import polars as pl
 import torch
 
-from compatlas.composition import COMPS, head_factors, layer_pair_scores
-from compatlas.invariance import TRANSFORMS, apply_transform, model_scores, random_transform
+from compatlas.composition import head_factors, layer_pair_scores
+from compatlas.invariance import apply_transform, model_scores, random_transform
+from compatlas.tables import METRIC_AUDIT_SCHEMA
 from compatlas.token_space import add_space_factors, to_space
+from compatlas.vocab import COMPS, TRANSFORMS, Comp, Metric, Space
 from compatlas.weights import AttentionWeights
 
 AXIOMS = ("axiom1_full", "axiom2_zero", "axiom3_monotone_smooth", "axiom4_invariant")
@@ -47,7 +49,7 @@ def _well_conditioned(k: int, g: torch.Generator) -> torch.Tensor:
     return U @ torch.diag(torch.linspace(0.5, 2.0, k, dtype=torch.float64)) @ V.T
 
 
-def model_from_factors(A1, B1, A2, B2, comp: str, vocab: int = 64, seed: int = 0) -> AttentionWeights:
+def model_from_factors(A1, B1, A2, B2, comp: Comp, vocab: int = 64, seed: int = 0) -> AttentionWeights:
     """A 2-layer, 1-head model whose layer-0 OV is A1 B1 and whose layer-1 reader matrix for
     ``comp`` is A2 B2; W_E's columns are orthonormal and its rows of equal norm, so both token
     spaces agree with residual space (up to a rotation and a scale, which no metric sees)."""
@@ -71,7 +73,7 @@ def model_from_factors(A1, B1, A2, B2, comp: str, vocab: int = 64, seed: int = 0
     return w
 
 
-def score(metric: str, space: str, comp: str, factors) -> float:
+def score(metric: Metric, space: Space, comp: Comp, factors) -> float:
     ws, _ = to_space(model_from_factors(*factors, comp=comp), space)
     return float(layer_pair_scores(head_factors(ws, metric, (comp,)), 0, [1], comp)[0, 0, 0])
 
@@ -99,7 +101,7 @@ def constructions(seed: int = 0) -> dict[str, dict[str, tuple]]:
     return out
 
 
-def invariance_check(metric: str, space: str, seed: int = 0) -> float:
+def invariance_check(metric: Metric, space: Space, seed: int = 0) -> float:
     """Max change of any score on a random 3-layer model over every transform class."""
     g = torch.Generator().manual_seed(seed)
     rnd = lambda *s: torch.randn(*s, generator=g, dtype=torch.float64)  # noqa: E731
@@ -115,7 +117,7 @@ def invariance_check(metric: str, space: str, seed: int = 0) -> float:
     return worst
 
 
-def audit_metric(metric: str, space: str, seed: int = 0) -> list[dict]:
+def audit_metric(metric: Metric, space: Space, seed: int = 0) -> list[dict]:
     cons = constructions(seed)
     rows = []
     for axiom, expected in (("axiom1_full", 1.0), ("axiom2_zero", 0.0)):
@@ -138,7 +140,6 @@ def audit_metric(metric: str, space: str, seed: int = 0) -> list[dict]:
     return [{"metric": metric, "space": space, **r} for r in rows]
 
 
-def run_audit(metrics: list[str], spaces: list[str], seed: int = 0) -> pl.DataFrame:
+def run_audit(metrics: list[Metric], spaces: list[Space], seed: int = 0) -> pl.DataFrame:
     rows = [r for m in metrics for s in spaces for r in audit_metric(m, s, seed)]
-    return pl.DataFrame(rows, schema={"metric": pl.Utf8, "space": pl.Utf8, "axiom": pl.Utf8, "construction": pl.Utf8,
-                                      "value": pl.Float64, "expected": pl.Float64, "passed": pl.Boolean, "detail": pl.Utf8})
+    return pl.DataFrame(rows, schema=METRIC_AUDIT_SCHEMA)

@@ -37,18 +37,6 @@ def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
         tmp_path.unlink(missing_ok=True)
 
 
-def library_versions() -> dict[str, str]:
-    import importlib.metadata as md
-
-    out = {}
-    for pkg in ("compatlas", "torch", "transformer-lens", "transformers", "polars", "duckdb", "scipy"):
-        try:
-            out[pkg] = md.version(pkg)
-        except md.PackageNotFoundError:
-            out[pkg] = "not installed"
-    return out
-
-
 def write_shard(df: pl.DataFrame, path: str | os.PathLike, provenance: dict[str, Any]) -> None:
     """Write one Parquet shard atomically, with provenance in the file's key-value metadata."""
     with atomic_path(path) as tmp:

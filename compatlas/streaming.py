@@ -33,7 +33,7 @@ from typing import Any
 
 import torch
 
-from compatlas.storage import library_versions
+from compatlas.runtime import library_versions
 from compatlas.weights import AttentionWeights
 
 log = logging.getLogger(__name__)

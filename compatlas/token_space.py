@@ -21,9 +21,9 @@ from dataclasses import dataclass
 
 import torch
 
+from compatlas.vocab import SPACES, Space
 from compatlas.weights import AttentionWeights
 
-SPACES = ("residual", "token", "token_norm")
 DEFAULT_MAX_CONDITION = 1e6
 GRAM_MAX_CONDITION = 1e5  # above this, the factor comes from Householder QR (float64 accuracy)
 
@@ -108,14 +108,14 @@ def add_space_factors(w: AttentionWeights) -> None:
         w.meta[f"{space}_condition"] = float(S[0] / S[-1]) if S[-1] > 0 else float("inf")
 
 
-def space_factor(w: AttentionWeights, space: str) -> torch.Tensor:
+def space_factor(w: AttentionWeights, space: Space) -> torch.Tensor:
     """The factor R of the space's embedding (stored at extraction when available)."""
     if f"R_{space}" in w.extras:
         return w.extras[f"R_{space}"]
     return embedding_factor(w.W_E if space == "token" else normalised_embedding(w))
 
 
-def to_space(w: AttentionWeights, space: str, max_condition: float = DEFAULT_MAX_CONDITION) -> tuple[AttentionWeights, dict]:
+def to_space(w: AttentionWeights, space: Space, max_condition: float = DEFAULT_MAX_CONDITION) -> tuple[AttentionWeights, dict]:
     """The model's weights in the given space, plus facts about the basis (condition number...)."""
     if space == "residual":
         return w, {}

@@ -28,12 +28,11 @@ from typing import Any
 import polars as pl
 import torch
 
-from compatlas.composition import stable_seed
 from compatlas.progress import Progress
+from compatlas.runtime import stable_seed
+from compatlas.tables import TRAINING_LOSS_SCHEMA
 
 log = logging.getLogger(__name__)
-
-LOSS_SCHEMA = {"model": pl.Utf8, "step": pl.Int64, "tokens": pl.Int64, "loss": pl.Float64}
 
 
 def schedule(spec: dict[str, Any]) -> list[int]:
@@ -188,4 +187,4 @@ def train_segment(spec: dict[str, Any], target_step: int, previous: Path | None,
     word_tokenizer(spec["d_vocab"], out_dir / "hf_model")
     with atomic_path(out_dir / "state.pt") as tmp:  # written last: its presence means the checkpoint is whole
         torch.save({"model": model.state_dict(), "optimizer": opt.state_dict(), "step": step}, tmp)
-    return pl.DataFrame(rows, schema=LOSS_SCHEMA)
+    return pl.DataFrame(rows, schema=TRAINING_LOSS_SCHEMA)

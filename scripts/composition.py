@@ -2,10 +2,11 @@
 import polars as pl
 
 from compatlas.composition import block_pairs, null_pairs
+from compatlas.composition_table import score_block
 from compatlas.config import selected_layers
 from compatlas.logs import setup
-from compatlas.scores import score_block
 from compatlas.storage import write_shard
+from compatlas.tables import provenance
 from compatlas.weights import load_weights, shard_n_layers
 
 log = setup(snakemake.log[0], snakemake.threads)
@@ -23,11 +24,8 @@ df, facts = score_block(w, wc.metric, wc.space, pairs + null, baseline_samples=s
                         seed=settings["seed"], device=snakemake.params.device, dtype=snakemake.params.dtype,
                         max_condition=settings["max_condition"])
 causal = pl.col("writer_layer") < pl.col("reader_layer")
-provenance = {k: w.meta.get(k) for k in ("model", "checkpoint", "checkpoint_step", "processing", "source_kind",
-                                         "source_revision", "source_commit", "source_checksum", "weights_sha256", "quantized",
-                                         "versions")}
-provenance.update(metric=wc.metric, space=wc.space, block=int(wc.block), **facts)
-write_shard(df.filter(causal), snakemake.output.causal, provenance | {"layer_pairs": [list(p) for p in pairs]})
-write_shard(df.filter(~causal), snakemake.output.null, provenance | {"layer_pairs": [list(p) for p in null]})
+record = provenance(w.meta, metric=wc.metric, space=wc.space, block=int(wc.block), **facts)
+write_shard(df.filter(causal), snakemake.output.causal, record | {"layer_pairs": [list(p) for p in pairs]})
+write_shard(df.filter(~causal), snakemake.output.null, record | {"layer_pairs": [list(p) for p in null]})
 log.info("wrote %d causal and %d null rows in %.1fs", df.filter(causal).height, df.filter(~causal).height,
          facts["seconds"])

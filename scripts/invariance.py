@@ -3,6 +3,7 @@ from compatlas.config import selected_layers
 from compatlas.invariance import audit, sample_layers
 from compatlas.logs import setup
 from compatlas.storage import write_shard
+from compatlas.tables import provenance
 from compatlas.weights import load_weights
 
 log = setup(snakemake.log[0], snakemake.threads)
@@ -13,7 +14,5 @@ log.info("auditing all head pairs of layers %s x %d transforms x %d metrics x %d
          len(s["transforms"]), len(p.metrics), len(p.spaces))
 df = audit(w, p.metrics, p.spaces, transforms=tuple(s["transforms"]), top_k=s["top_k"], seed=p.seed,
            log10_range=s["log10_scale_range"], layers=layers, max_condition=p.max_condition)
-provenance = {k: w.meta.get(k) for k in ("model", "checkpoint", "processing", "source_checksum", "weights_sha256", "versions")}
-provenance.update(settings=s, layers=layers, seed=p.seed)
-write_shard(df, snakemake.output[0], provenance)
+write_shard(df, snakemake.output[0], provenance(w.meta, settings=s, layers=layers, seed=p.seed))
 log.info("wrote %d rows to %s", df.height, snakemake.output[0])

@@ -3,6 +3,7 @@ from pathlib import Path
 
 from compatlas.logs import setup
 from compatlas.storage import write_shard
+from compatlas.tables import provenance
 from compatlas.training import train_segment
 
 log = setup(snakemake.log[0])
@@ -10,6 +11,7 @@ wc = snakemake.wildcards
 previous = Path(snakemake.input[0]).parent if len(snakemake.input) else None
 out_dir = Path(snakemake.output.state).parent
 losses = train_segment(snakemake.params.spec, snakemake.params.step, previous, out_dir, wc.model)
-write_shard(losses, snakemake.output.loss, {"model": wc.model, "checkpoint": wc.checkpoint, "step": snakemake.params.step,
-                                            "spec": snakemake.params.spec, "resumed_from": str(previous)})
+meta = {"model": wc.model, "checkpoint": wc.checkpoint, "checkpoint_step": snakemake.params.step, "source_kind": "trained"}
+write_shard(losses, snakemake.output.loss, provenance(meta, step=snakemake.params.step, spec=snakemake.params.spec,
+                                                      resumed_from=str(previous)))
 log.info("%s: trained to step %d (%d steps in this segment)", wc.model, snakemake.params.step, losses.height)

@@ -15,13 +15,13 @@ from pathlib import Path
 import numpy as np
 import polars as pl
 
-from compatlas.atlas import AUDIT_SCHEMA, INVARIANCE_SCHEMA, build_atlas
-from compatlas.calibration import P_SCHEMA
-from compatlas.induction import HEAD_SCHEMA, TOKEN_SCHEMA
-from compatlas.scores import SCHEMA
-from compatlas.training import LOSS_SCHEMA
+from compatlas.atlas import build_atlas
+from compatlas.tables import (
+    CALIBRATION_SCHEMA, COMPOSITION_SCHEMA, HEAD_SCORES_SCHEMA, INDUCTION_TOKENS_SCHEMA, INVARIANCE_SCHEMA,
+    METRIC_AUDIT_SCHEMA, TRAINING_LOSS_SCHEMA,
+)
+from compatlas.vocab import COMPS, METRICS
 
-COMPS = ("Q", "K", "V")
 
 
 @dataclass
@@ -85,8 +85,8 @@ def _composition(s: Spec, ck: str, step: int | None, metrics, spaces, rng) -> tu
                                            "baseline_spectrum_mean": rng.uniform(0.1, 0.15, n),
                                            "baseline_spectrum_std": 0.03}).with_columns(keys))
                 cals.append(pl.DataFrame({**heads, "n_null": 2 * n, "p_value": p, "q_value": _bh(p)}).with_columns(keys))
-    return (pl.concat(comps).select(list(SCHEMA)).cast(SCHEMA),  # type: ignore[arg-type]
-            pl.concat(cals).select(list(P_SCHEMA)).cast(P_SCHEMA))  # type: ignore[arg-type]
+    return (pl.concat(comps).select(list(COMPOSITION_SCHEMA)).cast(COMPOSITION_SCHEMA),  # type: ignore[arg-type]
+            pl.concat(cals).select(list(CALIBRATION_SCHEMA)).cast(CALIBRATION_SCHEMA))  # type: ignore[arg-type]
 
 
 def _heads(s: Spec, ck: str, step: int | None, rng) -> pl.DataFrame:
@@ -100,7 +100,7 @@ def _heads(s: Spec, ck: str, step: int | None, rng) -> pl.DataFrame:
                          "induction_mean": ind, "induction_std": 0.05, "n_sequences": 32, "ablation": "zero",
                          "ablation_method": "exact", "ablation_sequences": 16,
                          "ablation_drop": np.where(ind > 0.4, 0.5, rng.normal(0, 0.02, L * H)),
-                         "ablation_drop_stderr": 0.02, "clean_strength": 2.0}, schema=HEAD_SCHEMA)
+                         "ablation_drop_stderr": 0.02, "clean_strength": 2.0}, schema=HEAD_SCORES_SCHEMA)
 
 
 def _tokens(s: Spec, ck: str, rng, n_tokens: int = 16) -> pl.DataFrame:
@@ -111,10 +111,10 @@ def _tokens(s: Spec, ck: str, rng, n_tokens: int = 16) -> pl.DataFrame:
                          "token_text": f" tok{t}", "role": role, "n": 8, "mean": float(rng.normal(mu, 0.8)), "std": 1.0,
                          "stderr": 0.35, "near_b_id": t + 1, "near_b_cosine": 0.8, "near_b_mean": float(rng.normal(1.2, 0.5)),
                          "near_b_stderr": 0.3, "random_mean": float(rng.normal(0, 0.1)), "random_stderr": 0.05})
-    return pl.DataFrame(rows, schema=TOKEN_SCHEMA)
+    return pl.DataFrame(rows, schema=INDUCTION_TOKENS_SCHEMA)
 
 
-def write_suite(root: Path, specs: list[Spec], metrics=("frobenius", "svd_bound", "subspace"),
+def write_suite(root: Path, specs: list[Spec], metrics=METRICS,
                 spaces=("residual", "token"), seed: int = 0) -> Path:
     """Shards, meta.json files and ``root/atlas.duckdb`` for ``specs``; returns the database path."""
     rng = np.random.default_rng(seed)
@@ -160,11 +160,11 @@ def write_suite(root: Path, specs: list[Spec], metrics=("frobenius", "svd_bound"
             mid = s.steps[len(s.steps) // 2]
             put("training_loss", pl.DataFrame({"model": s.name, "step": steps, "tokens": steps * 512,
                                                "loss": 6 - 3 / (1 + np.exp(-(steps - mid) / max(mid / 8, 1)))},
-                                              schema=LOSS_SCHEMA), s.name)
+                                              schema=TRAINING_LOSS_SCHEMA), s.name)
     put("metric_audit", pl.DataFrame([{"metric": m, "space": sp, "axiom": a, "construction": "identity d=16",
                                        "value": 0.25, "expected": 1.0, "passed": sp == "token", "detail": "{}"}
                                       for m in metrics for sp in spaces for a in ("axiom1_full", "axiom4_invariant")],
-                                     schema=AUDIT_SCHEMA), "audit")
+                                     schema=METRIC_AUDIT_SCHEMA), "audit")
     db = root / "atlas.duckdb"
     build_atlas(db, {k: v for k, v in shards.items() if v}, metas)
     return db

@@ -9,15 +9,15 @@ from pathlib import Path
 import polars as pl
 
 from compatlas.atlas import build_atlas, query
-from compatlas.scores import SCHEMA
+from compatlas.tables import COMPOSITION_SCHEMA
 from compatlas.storage import write_shard
 
 
 def shard(path: Path, model: str, score: float) -> Path:
-    row = {c: None for c in SCHEMA}
+    row = {c: None for c in COMPOSITION_SCHEMA}
     row.update(model=model, checkpoint="final", processing="none", space="residual", metric="frobenius", comp="K",
                writer_layer=0, writer_head=0, reader_layer=1, reader_head=0, score=score)
-    write_shard(pl.DataFrame([row], schema=SCHEMA), path, {"model": model})
+    write_shard(pl.DataFrame([row], schema=COMPOSITION_SCHEMA), path, {"model": model})
     return path
 
 

@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 import torch
 
-from compatlas.composition import COMPS
-from compatlas.invariance import TRANSFORMS, apply_transform, compare, random_transform, sample_layers
+from compatlas.invariance import apply_transform, compare, random_transform, sample_layers
 from compatlas.metric_audit import constructions, score
+from compatlas.vocab import COMPS, SPACES, TRANSFORMS
 from compatlas.weights import AttentionWeights
 
 D, DH = 12, 3
@@ -96,7 +96,7 @@ def test_axioms_1_to_3_agree_across_spaces():
 
     for metric in ("subspace", "frobenius"):
         verdicts = {}
-        for space in ("residual", "token", "token_norm"):
+        for space in SPACES:
             for r in audit_metric(metric, space):
                 if r["axiom"] != "axiom4_invariant":
                     verdicts.setdefault((r["axiom"], r["construction"]), set()).add(r["passed"])

@@ -12,8 +12,8 @@ import pytest
 from scipy.stats import spearmanr
 
 from compatlas.atlas import build_atlas, connect
-from compatlas.induction import HEAD_SCHEMA, TOKEN_SCHEMA
-from compatlas.scores import SCHEMA
+from compatlas.tables import COMPOSITION_SCHEMA, HEAD_SCORES_SCHEMA, INDUCTION_TOKENS_SCHEMA
+from compatlas.vocab import COMPS
 from compatlas.storage import write_shard
 
 L, H = 4, 3
@@ -30,20 +30,20 @@ def _heads(rng) -> pl.DataFrame:
                      "ablation_drop": float(rng.normal()), "ablation_drop_stderr": 0.1, "clean_strength": 1.0})
     rows[1]["prev_token_mean"] = 0.9  # head 0.1 and 1.2 are previous-token heads
     rows[H + 2]["prev_token_mean"] = 0.5
-    return pl.DataFrame(rows, schema=HEAD_SCHEMA)
+    return pl.DataFrame(rows, schema=HEAD_SCORES_SCHEMA)
 
 
 def _composition(rng) -> pl.DataFrame:
     rows = []
     for (l1, h1), (l2, h2) in itertools.product(itertools.product(range(L), range(H)), repeat=2):
         if l1 < l2:
-            for comp in ("Q", "K", "V"):
+            for comp in COMPS:
                 rows.append({"model": "m", "checkpoint": "final", "processing": "none", "space": "residual",
                              "metric": "frobenius", "comp": comp, "writer_layer": l1, "writer_head": h1,
                              "reader_layer": l2, "reader_head": h2, "score": float(rng.uniform()),
                              "baseline_gaussian_mean": 0.1, "baseline_gaussian_std": 0.01,
                              "baseline_spectrum_mean": 0.2, "baseline_spectrum_std": 0.05})
-    return pl.DataFrame(rows, schema=SCHEMA)
+    return pl.DataFrame(rows, schema=COMPOSITION_SCHEMA)
 
 
 @pytest.fixture(scope="module")
@@ -55,7 +55,7 @@ def atlas(tmp_path_factory):
                           "token_id": t, "token_text": f"t{t}", "role": r, "n": 4, "mean": float(t + (r == "B")),
                           "std": 1.0, "stderr": 0.5, "near_b_id": None, "near_b_mean": 0.5, "near_b_stderr": 0.2,
                           "random_mean": 0.0, "random_stderr": 0.1} for t in range(3) for r in ("A", "B")],
-                        schema=TOKEN_SCHEMA)
+                        schema=INDUCTION_TOKENS_SCHEMA)
     paths = {}
     for name, df in (("composition", comp), ("head_scores", heads), ("induction_tokens", toks)):
         paths[name] = [tmp / f"{name}.parquet"]

@@ -19,10 +19,10 @@ from compatlas.calibration import (
     NULL_PAIRS, NullPairs, bh_q_values, calibrate, calibrate_shards, empirical_p_values, tail_survival,
 )
 from compatlas.composition import block_pairs, layer_pairs, null_pairs
-from compatlas.scores import score_block
+from compatlas.composition_table import score_block
+from compatlas.vocab import METRICS, SPACES
 from compatlas.weights import AttentionWeights
 
-METRICS, SPACES = ("frobenius", "svd_bound", "subspace"), ("residual", "token", "token_norm")
 
 
 def test_empirical_p_is_the_counting_formula():

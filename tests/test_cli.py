@@ -77,3 +77,26 @@ def test_query_formats(capsys, tmp_path):
     assert out.splitlines() == ["a,b", "1,x"]
     rc, _, err = run(capsys, "query", "--db", str(db), "SELECT * FROM nowhere")
     assert rc == 1 and len(err.strip().splitlines()) == 1 and "nowhere" in err, err
+
+
+HEAVY = ("torch", "transformers", "transformer_lens")
+
+
+def test_query_never_imports_torch(tmp_path):
+    """`compatlas query` reads the atlas with duckdb and polars: the table schemas it needs live
+    in `compatlas.tables`, so neither the CLI nor the atlas loads torch, transformers or
+    transformer_lens (seconds of start-up for a one-line answer). Run in a fresh interpreter:
+    this one has long imported torch for other tests."""
+    import subprocess
+    import sys
+
+    from compatlas.atlas import build_atlas
+
+    db = tmp_path / "atlas.duckdb"
+    build_atlas(db, {}, [])
+    code = ("import sys\nfrom compatlas import cli\n"
+            f"rc = cli.main(['query', '--db', {str(db)!r}, 'SELECT count(*) AS n FROM composition'])\n"
+            f"print(sorted(m for m in sys.modules if m.split('.')[0] in {HEAVY!r}))\nsys.exit(rc)")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip().splitlines()[-1] == "[]", done.stdout

@@ -14,14 +14,8 @@ import numpy as np
 import pytest
 import torch
 
-from compatlas.composition import (
-    COMPS,
-    METRICS,
-    gaussian_baseline,
-    haar_overlap_blocks,
-    head_factors,
-    layer_pair_scores,
-)
+from compatlas.composition import gaussian_baseline, haar_overlap_blocks, head_factors, layer_pair_scores
+from compatlas.vocab import COMPS, METRICS
 from compatlas.weights import AttentionWeights
 
 F64 = torch.float64

@@ -12,7 +12,7 @@ import torch
 
 from compatlas.induction import (
     TokenSet, _block_list, ablation_effects, clean_tokens, head_attention_scores, induction_sequences, induction_sweep,
-    logodds, measure, nearest_tokens, sample_tokens, strengths,
+    logodds, measure_behaviour, nearest_tokens, sample_tokens, strengths,
 )
 from compatlas.loading import boot, word_tokenizer
 
@@ -207,7 +207,7 @@ def test_measure_end_to_end(built):
                 "batch_size": 64, "fillers": [[10, 10], [3, 2]], "head_scores": {"sequences": 8, "length": 10},
                 "ablation": {"mode": "zero", "sequences": 8}}
     model = built
-    tokens, heads, chosen = measure(model, None, model.W_U.T.detach(), settings, model.W_E.detach())
+    tokens, heads, chosen = measure_behaviour(model, None, model.W_U.T.detach(), settings, model.W_E.detach())
     assert tokens.height == 2 * 2 * 4 and set(tokens["filler_before"]) == {10, 3}
     assert tokens["token_text"][0] == f"t{tokens['token_id'][0]}"
     # a seeded sample of the 32 (all clean) tokens, not the first four
@@ -306,7 +306,7 @@ def test_attribution_is_the_derivative_of_the_exact_drop(built):
     """Attribution patching is first order: its drop for a head is d(strength)/d(scale) when the
     head's z is scaled, taken by central finite differences on the same sequences (exact at
     first order: zeroing z is scale 1 -> 0). Covers the lower head's gradient through the upper one."""
-    from compatlas.composition import stable_seed
+    from compatlas.runtime import stable_seed
     from compatlas.induction import _draw
 
     S, eps = 6, 1e-2
@@ -367,7 +367,7 @@ def test_attribution_matches_finite_differences_on_llama_in_float64(tmp_path):
     """The same first-order identity on a random Llama (rotary, RMSNorm, grouped KV heads),
     run in float64 (Hugging Face still takes the attention softmax in float32: hence a step of
     1e-2, whose truncation error is O(step^2)): every head, to 1%."""
-    from compatlas.composition import stable_seed
+    from compatlas.runtime import stable_seed
     from compatlas.induction import _draw
 
     model, _ = boot({"source": {"kind": "build", "architecture": "llama", "n_layers": 3, "n_heads": 4, "n_kv_heads": 2,

@@ -15,8 +15,9 @@ import pytest
 import torch
 import yaml
 
-from compatlas.composition import COMPS, head_factors, layer_pair_scores
+from compatlas.composition import head_factors, layer_pair_scores
 from compatlas.loading import gguf_file, load_and_extract
+from compatlas.vocab import COMPS
 from compatlas.weights import AttentionWeights
 
 REPO = Path(__file__).resolve().parent.parent

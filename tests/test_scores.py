@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from compatlas.composition import block_pairs, layer_pairs
-from compatlas.scores import score_block
+from compatlas.composition_table import score_block
 from compatlas.token_space import add_space_factors
 from compatlas.weights import AttentionWeights
 

@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from compatlas.composition import COMPS, METRICS
-from compatlas.scores import score_block
+from compatlas.composition_table import score_block
 from compatlas.token_space import embedding_basis, to_space
+from compatlas.vocab import COMPS, METRICS
 from compatlas.weights import AttentionWeights
 
 L, H, HKV, D, DH, VOCAB = 3, 4, 2, 16, 4, 300

@@ -8,9 +8,9 @@ import html
 import altair as alt
 import polars as pl
 
-from compatlas.report.page import METRIC_ORDER, SPACE_ORDER, note, order
+from compatlas.report.page import note, order
+from compatlas.vocab import METRICS, SPACES, TRANSFORMS
 
-TRANSFORM_ORDER = ("permutation", "orthogonal", "orthogonal_scale", "diagonal", "gl")
 AXIOM_TEXT = {
     "axiom1_full": "Axiom 1: writes only where the reader reads → 1",
     "axiom2_zero": "Axiom 2: orthogonal write/read spaces → 0",
@@ -28,12 +28,12 @@ def invariance_chart(inv: pl.DataFrame, model: str, checkpoint: str) -> alt.Face
     lo = min(0.0, float(agg["spearman"].min()))
     n_m = agg["metric"].n_unique()
     return alt.Chart(agg).mark_bar().encode(
-        x=alt.X("transform:N", sort=list(TRANSFORM_ORDER), title="change of residual basis x → x T",
+        x=alt.X("transform:N", sort=list(TRANSFORMS), title="change of residual basis x → x T",
                 axis=alt.Axis(labelAngle=-30)),
-        xOffset=alt.XOffset("space:N", sort=list(SPACE_ORDER)),
+        xOffset=alt.XOffset("space:N", sort=list(SPACES)),
         y=alt.Y("spearman:Q", title="worst Spearman with the original scores", scale=alt.Scale(domain=[lo, 1.0])),
-        color=alt.Color("space:N", sort=list(SPACE_ORDER), title="space"),
-        column=alt.Column("metric:N", sort=list(METRIC_ORDER), title=None),
+        color=alt.Color("space:N", sort=list(SPACES), title="space"),
+        column=alt.Column("metric:N", sort=list(METRICS), title=None),
         tooltip=["metric", "space", "transform", alt.Tooltip("spearman:Q", format=".4f"),
                  alt.Tooltip("change:Q", title="max |change|", format=".2e"),
                  alt.Tooltip("top_k_overlap:Q", title=f"top-{k} kept (worst)", format=".2f")],
@@ -49,8 +49,8 @@ def metric_audit_table(df: pl.DataFrame) -> str:
         return ""
     axioms = [a for a in AXIOM_TEXT if a in set(df["axiom"])]
     rows = []
-    for metric in order(df["metric"].unique(), METRIC_ORDER):
-        for space in order(df.filter(pl.col("metric") == metric)["space"].unique(), SPACE_ORDER):
+    for metric in order(df["metric"].unique(), METRICS):
+        for space in order(df.filter(pl.col("metric") == metric)["space"].unique(), SPACES):
             cells = [f"<b>{html.escape(metric)}</b>", html.escape(space)]
             for a in axioms:
                 g = df.filter((pl.col("metric") == metric) & (pl.col("space") == space) & (pl.col("axiom") == a))

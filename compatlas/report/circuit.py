@@ -8,7 +8,8 @@ import altair as alt
 import polars as pl
 
 from compatlas.report.queries import EDGE_MAX
-from compatlas.report.page import COMP_COLOURS, COMPS, CONTENT, METRIC_ORDER, SPACE_ORDER, order
+from compatlas.report.page import COMP_COLOURS, CONTENT, order
+from compatlas.vocab import COMPS, METRICS, SPACES
 
 PREV, IND, OTHER = "previous-token head", "induction head", "other head"
 
@@ -37,8 +38,8 @@ def circuit_chart(edges: pl.DataFrame, nodes: pl.DataFrame, model: str, checkpoi
     e = edges.with_columns(combo=pl.col("metric") + " · " + pl.col("space"),
                            writer="L" + pl.col("writer_layer").cast(pl.Utf8) + ".H" + pl.col("writer_head").cast(pl.Utf8),
                            reader="L" + pl.col("reader_layer").cast(pl.Utf8) + ".H" + pl.col("reader_head").cast(pl.Utf8))
-    combos = [f"{m} · {s}" for m in METRIC_ORDER for s in SPACE_ORDER
-              if f"{m} · {s}" in set(e["combo"])] + sorted(set(e["combo"]) - {f"{m} · {s}" for m in METRIC_ORDER for s in SPACE_ORDER})
+    combos = [f"{m} · {s}" for m in METRICS for s in SPACES
+              if f"{m} · {s}" in set(e["combo"])] + sorted(set(e["combo"]) - {f"{m} · {s}" for m in METRICS for s in SPACES})
     default = f"{lead[0]} · {lead[1]}"
     pick = alt.param(name="combo", value=default if default in combos else (combos[0] if combos else default),
                      bind=alt.binding_select(options=combos or [default], name="metric · space: "))

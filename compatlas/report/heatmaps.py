@@ -11,7 +11,8 @@ import altair as alt
 import numpy as np
 import polars as pl
 
-from compatlas.report.page import COMPS, by_metric_space, finite, order, table
+from compatlas.report.page import by_metric_space, finite, order, table
+from compatlas.vocab import COMPS
 
 HEATMAP_DATA = "heatmap"  # name of the heatmap's dataset in the spec's top-level "datasets"
 # Above this many cells a heatmap gets no PNG file (drawing it takes vl-convert about 13 s per

@@ -15,7 +15,8 @@ import polars as pl
 from compatlas import formation as fm
 from compatlas.report import behaviour, circuit, heatmaps, queries as q, training
 from compatlas.report.audits import invariance_chart
-from compatlas.report.page import COMPS, Page, esc, fmt, head, note, safe_name, step, table
+from compatlas.report.page import Page, esc, fmt, head, note, safe_name, step, table
+from compatlas.vocab import COMPS
 
 TOP_N = 10
 

@@ -14,7 +14,8 @@ import polars as pl
 
 from compatlas.report.behaviour import MIN_CLASS
 from compatlas.report.model import ModelData
-from compatlas.report.page import COMPS, METRIC_ORDER, SPACE_ORDER, fmt, head, table
+from compatlas.report.page import fmt, head, table
+from compatlas.vocab import COMPS, METRICS, SPACES
 
 
 def _link(d: ModelData) -> str:
@@ -69,7 +70,7 @@ def models_table(data: list[ModelData], cuts: tuple[float, float]) -> str:
 
 def finds_table(data: list[ModelData]) -> str:
     """Per model and metric x space: how K-composition with previous-token heads finds its induction heads."""
-    combos = [(m, s) for m in METRIC_ORDER for s in SPACE_ORDER if any((m, s) in d.combos for d in data)]
+    combos = [(m, s) for m in METRICS for s in SPACES if any((m, s) in d.combos for d in data)]
     rows = []
     for d in data:
         k = d.cvb.filter(pl.col("comp") == "K") if not d.cvb.is_empty() else d.cvb
@@ -109,7 +110,7 @@ def depth_chart(profile: pl.DataFrame) -> alt.FacetChart:
 def circuit_chart(recall: pl.DataFrame) -> alt.LayerChart:
     """Per model and metric x space: the share of induction heads with a K-composition discovery
     from a previous-token head."""
-    base = alt.Chart(recall).encode(x=alt.X("combo:N", title=None, sort=[f"{m} · {s}" for m in METRIC_ORDER for s in SPACE_ORDER],
+    base = alt.Chart(recall).encode(x=alt.X("combo:N", title=None, sort=[f"{m} · {s}" for m in METRICS for s in SPACES],
                                             axis=alt.Axis(labelAngle=-25)),
                                     y=alt.Y("model:N", title=None))
     return alt.layer(

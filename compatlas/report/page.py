@@ -19,10 +19,8 @@ import altair as alt
 import polars as pl
 
 from compatlas.storage import atomic_path
+from compatlas.vocab import METRICS, SPACES
 
-COMPS = ("Q", "K", "V")
-METRIC_ORDER = ("frobenius", "svd_bound", "subspace")
-SPACE_ORDER = ("residual", "token", "token_norm")
 COMP_COLOURS = {"Q": "#4c78a8", "K": "#e45756", "V": "#54a24b"}
 WIDTH = 1280  # px: no page is wider than this window
 CONTENT = WIDTH - 80  # px left for a figure inside the body's margins
@@ -36,8 +34,8 @@ def order(values: Iterable[Any], preferred: tuple[str, ...]) -> list[Any]:
 def by_metric_space(df: pl.DataFrame) -> Iterator[tuple[str, str, pl.DataFrame, dict[str, dict[str, Any]]]]:
     """Each metric x space of a per-comp table, in the usual order: (metric, space, its rows,
     its rows by comp)."""
-    for metric in order(df["metric"].unique(), METRIC_ORDER):
-        for space in order(df.filter(pl.col("metric") == metric)["space"].unique(), SPACE_ORDER):
+    for metric in order(df["metric"].unique(), METRICS):
+        for space in order(df.filter(pl.col("metric") == metric)["space"].unique(), SPACES):
             g = df.filter((pl.col("metric") == metric) & (pl.col("space") == space))
             yield metric, space, g, {r["comp"]: r for r in g.iter_rows(named=True)}
 

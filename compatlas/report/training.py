@@ -12,7 +12,8 @@ import polars as pl
 
 from compatlas import formation as fm
 from compatlas.formation import TrainingOutcome
-from compatlas.report.page import COMPS, METRIC_ORDER, SPACE_ORDER, head, note, step, table
+from compatlas.report.page import head, note, step, table
+from compatlas.vocab import COMPS, METRICS, SPACES
 
 PANEL_W = 1060
 
@@ -67,8 +68,8 @@ def trajectory_chart(t: TrainingOutcome, strength: pl.DataFrame, model: str) -> 
         c = t.curves.with_columns(marker=pl.lit(t.marker)).cast({"step": pl.Float64})
         layers = [alt.Chart().mark_line(point=alt.OverlayMarkDef(size=18)).encode(
             x=step_x(top), y=alt.Y("score:Q", title=f"score of {head(pl_, ph)} → {head(il, ih)}"),
-            color=alt.Color("metric:N", sort=list(METRIC_ORDER)),
-            strokeDash=alt.StrokeDash("space:N", sort=list(SPACE_ORDER)),
+            color=alt.Color("metric:N", sort=list(METRICS)),
+            strokeDash=alt.StrokeDash("space:N", sort=list(SPACES)),
             tooltip=["metric", "space", "comp", alt.Tooltip("step:Q", format=","), alt.Tooltip("score:Q", format=".3f"),
                      alt.Tooltip("q_value:Q", title="q", format=".2e")])]
         if t.marker is not None:

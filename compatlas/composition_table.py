@@ -1,4 +1,8 @@
-"""Score one job's block of layer pairs into a table: the unit of work of the composition rule."""
+"""The composition table of one job: a block of layer pairs scored, with both nulls, as rows.
+
+``composition`` is the kernel (per-head factors, one GEMM per layer pair); this module is the
+unit of work of the composition rule around it: the job's space, device and dtype, the null
+baselines' draws, and the flattening of [H, H] score blocks into ``COMPOSITION_SCHEMA`` rows."""
 
 from __future__ import annotations
 
@@ -11,30 +15,17 @@ import polars as pl
 import torch
 
 from compatlas.composition import (
-    COMPS, gaussian_baseline, haar_overlap_blocks, head_factors, layer_pair_scores, spectrum_baseline, stable_seed,
+    gaussian_baseline, haar_overlap_blocks, head_factors, layer_pair_scores, spectrum_baseline,
 )
+from compatlas.runtime import resolve_device, stable_seed
+from compatlas.tables import COMPOSITION_SCHEMA
 from compatlas.token_space import to_space
+from compatlas.vocab import COMPS, Metric, Space
 from compatlas.weights import AttentionWeights
 
 log = logging.getLogger(__name__)
 
-SCHEMA = {
-    "model": pl.Utf8, "checkpoint": pl.Utf8, "processing": pl.Utf8, "space": pl.Utf8, "metric": pl.Utf8,
-    "comp": pl.Utf8, "writer_layer": pl.Int32, "writer_head": pl.Int32, "reader_layer": pl.Int32,
-    "reader_head": pl.Int32, "score": pl.Float64, "baseline_gaussian_mean": pl.Float64,
-    "baseline_gaussian_std": pl.Float64, "baseline_spectrum_mean": pl.Float64, "baseline_spectrum_std": pl.Float64,
-}
-
-
-def resolve_device(device: str) -> torch.device:
-    if device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if device == "cuda" and not torch.cuda.is_available():
-        raise RuntimeError("device: cuda requested but torch sees no CUDA device")
-    return torch.device(device)
-
-
-def score_block(w: AttentionWeights, metric: str, space: str, pairs: list[tuple[int, int]], *,
+def score_block(w: AttentionWeights, metric: Metric, space: Space, pairs: list[tuple[int, int]], *,
                 baseline_samples: int = 32, seed: int = 0, device: str = "auto", dtype: str = "float32",
                 max_condition: float = 1e6) -> tuple[pl.DataFrame, dict]:
     """Q/K/V scores and both nulls for every head pair of the given (writer, reader) layer pairs.
@@ -42,7 +33,7 @@ def score_block(w: AttentionWeights, metric: str, space: str, pairs: list[tuple[
     Any pair is scored the same way, causal (writer layer < reader layer) or not: the
     anti-causal and same-layer pairs of ``composition.null_pairs`` are the empirical null of
     ``calibration``. A head is never paired with itself. Returns the table (columns
-    ``SCHEMA``) and facts for the provenance record."""
+    ``COMPOSITION_SCHEMA``) and facts for the provenance record."""
     dev, dt = resolve_device(device), getattr(torch, dtype)
     t0 = time.perf_counter()
     # factor only the layers this job's pairs touch: at 70B shapes all 80 layers' factors are ~86 GB
@@ -87,8 +78,9 @@ def score_block(w: AttentionWeights, metric: str, space: str, pairs: list[tuple[
     rows = len(data.get("score", []))
     const = {"model": w.meta.get("model", "?"), "checkpoint": w.meta.get("checkpoint", "final"),
              "processing": w.meta.get("processing", "none"), "space": space, "metric": metric}
-    df = pl.DataFrame({**{k: [v] * rows for k, v in const.items()}, **data}, schema_overrides=SCHEMA) if rows else pl.DataFrame(schema=SCHEMA)
-    df = df.select(list(SCHEMA)).cast(SCHEMA)
+    df = (pl.DataFrame({**{k: [v] * rows for k, v in const.items()}, **data}, schema_overrides=COMPOSITION_SCHEMA)
+          if rows else pl.DataFrame(schema=COMPOSITION_SCHEMA))
+    df = df.select(list(COMPOSITION_SCHEMA)).cast(COMPOSITION_SCHEMA)
     facts.update(device=str(dev), dtype=dtype, baseline_samples=baseline_samples, seed=seed,
                  seconds=round(time.perf_counter() - t0, 3), layer_pairs=[list(p) for p in pairs])
     return df, facts

@@ -1,0 +1,51 @@
+"""What a job needs from its surroundings: seeds, the device, the library versions.
+
+Small helpers every stage shares (composition, calibration, invariance, induction, training),
+kept apart from any one of them so that none imports another just for a seed. Only the
+standard library at import time: torch is imported inside ``resolve_device``, so the CLI and
+the atlas can record versions without loading it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.metadata
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
+
+# The libraries whose versions every shard and every extraction records.
+VERSIONED_PACKAGES = ("compatlas", "torch", "transformer-lens", "transformers", "polars", "duckdb", "scipy")
+
+
+def stable_seed(*parts: object) -> int:
+    """A seed from any parts (config seed, model shape, layer pair...), stable across runs and jobs.
+
+    Python's ``hash`` is salted per process; a digest of the parts' ``repr`` is not, so two jobs
+    (or a rerun) that draw for the same parts draw the same numbers."""
+    return int.from_bytes(hashlib.sha256(repr(parts).encode()).digest()[:8], "little") & (2**63 - 1)
+
+
+def resolve_device(device: str) -> torch.device:
+    """The torch device for the config's ``device``: ``auto`` is CUDA when torch sees a GPU,
+    else the CPU; an explicit ``cuda`` without a GPU is an error, never a silent CPU run."""
+    import torch
+
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError("device: cuda requested but torch sees no CUDA device")
+    return torch.device(device)
+
+
+def library_versions() -> dict[str, str]:
+    """Installed versions of ``VERSIONED_PACKAGES`` (``not installed`` for a missing one), read
+    from the package metadata without importing the packages."""
+    out = {}
+    for pkg in VERSIONED_PACKAGES:
+        try:
+            out[pkg] = importlib.metadata.version(pkg)
+        except importlib.metadata.PackageNotFoundError:
+            out[pkg] = "not installed"
+    return out

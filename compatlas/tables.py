@@ -1,0 +1,125 @@
+"""Every table compatlas writes: its columns, their order and types, and the provenance record.
+
+The writers (``composition_table``, ``calibration``, ``invariance``, ``metric_audit``,
+``induction``, ``training``) build their frames with these schemas, and the atlas types its
+views with the same dicts, so a view never disagrees with its shards and an empty view (no
+shards yet) has the right columns. A schema dict's order is the column order of the shards.
+
+Every shard carries a provenance record in its Parquet metadata (``storage.write_shard``),
+made by ``provenance`` alone, so all shards answer the same questions the same way: which
+model and checkpoint, from which source and weights, processed how, by which library
+versions, plus what the writer adds (its metric, space, settings, seconds...).
+
+Imports only polars and the standard library: the atlas and the CLI read these without
+loading torch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import polars as pl
+
+from compatlas.runtime import library_versions
+
+Schema = dict[str, type[pl.DataType]]
+
+# ----------------------------------------------------------------------------- composition
+
+# One row per scored head pair (``composition_table.score_block``): the causal pairs (writer
+# layer < reader layer) make the ``composition`` view, the others ``composition_null``.
+COMPOSITION_SCHEMA: Schema = {
+    "model": pl.Utf8, "checkpoint": pl.Utf8, "processing": pl.Utf8, "space": pl.Utf8, "metric": pl.Utf8,
+    "comp": pl.Utf8, "writer_layer": pl.Int32, "writer_head": pl.Int32, "reader_layer": pl.Int32,
+    "reader_head": pl.Int32, "score": pl.Float64, "baseline_gaussian_mean": pl.Float64,
+    "baseline_gaussian_std": pl.Float64, "baseline_spectrum_mean": pl.Float64, "baseline_spectrum_std": pl.Float64,
+}
+
+# p- and q-values of every causal pair against its null pairs (``calibration.calibrate``).
+CALIBRATION_SCHEMA: Schema = {
+    "model": pl.Utf8, "checkpoint": pl.Utf8, "processing": pl.Utf8, "metric": pl.Utf8, "space": pl.Utf8,
+    "comp": pl.Utf8, "writer_layer": pl.Int32, "writer_head": pl.Int32, "reader_layer": pl.Int32,
+    "reader_head": pl.Int32, "n_null": pl.Int64, "p_value": pl.Float64, "q_value": pl.Float64,
+}
+
+# ----------------------------------------------------------------------------- audits
+
+# One row per transform class x metric x space x comp (``invariance.audit``).
+INVARIANCE_SCHEMA: Schema = {
+    "model": pl.Utf8, "checkpoint": pl.Utf8, "processing": pl.Utf8, "transform": pl.Utf8,
+    "metric": pl.Utf8, "space": pl.Utf8, "comp": pl.Utf8, "spearman": pl.Float64,
+    "max_abs_change": pl.Float64, "top_k": pl.Int64, "top_k_overlap": pl.Float64,
+    "top_k_kept": pl.Boolean, "log10_scale_range": pl.Float64,
+}
+
+# One row per metric x space x axiom check (``metric_audit.run_audit``).
+METRIC_AUDIT_SCHEMA: Schema = {
+    "metric": pl.Utf8, "space": pl.Utf8, "axiom": pl.Utf8, "construction": pl.Utf8, "value": pl.Float64,
+    "expected": pl.Float64, "passed": pl.Boolean, "detail": pl.Utf8,
+}
+
+# ----------------------------------------------------------------------------- behaviour
+
+# Induction powers per measured token, role and filler setting (``induction.induction_sweep``).
+INDUCTION_TOKENS_SCHEMA: Schema = {
+    "model": pl.Utf8, "checkpoint": pl.Utf8, "filler_before": pl.Int32, "filler_between": pl.Int32,
+    "token_id": pl.Int64, "token_text": pl.Utf8, "role": pl.Utf8, "n": pl.Int64, "mean": pl.Float64,
+    "std": pl.Float64, "stderr": pl.Float64, "near_b_id": pl.Int64, "near_b_cosine": pl.Float64,
+    "near_b_mean": pl.Float64, "near_b_stderr": pl.Float64, "random_mean": pl.Float64, "random_stderr": pl.Float64,
+}
+
+# Attention scores and ablation drop per head (``induction.head_attention_scores`` joined
+# with ``induction.ablation_effects``).
+HEAD_SCORES_SCHEMA: Schema = {
+    "model": pl.Utf8, "checkpoint": pl.Utf8, "layer": pl.Int32, "head": pl.Int32,
+    "prev_token_mean": pl.Float64, "prev_token_std": pl.Float64, "duplicate_mean": pl.Float64,
+    "duplicate_std": pl.Float64, "induction_mean": pl.Float64, "induction_std": pl.Float64,
+    "n_sequences": pl.Int64, "ablation": pl.Utf8, "ablation_method": pl.Utf8, "ablation_sequences": pl.Int64,
+    "ablation_drop": pl.Float64, "ablation_drop_stderr": pl.Float64, "clean_strength": pl.Float64,
+}
+
+# The loss of every step of the pipeline's own training runs (``training.train_segment``).
+TRAINING_LOSS_SCHEMA: Schema = {"model": pl.Utf8, "step": pl.Int64, "tokens": pl.Int64, "loss": pl.Float64}
+
+# ----------------------------------------------------------------------------- the atlas
+
+# The atlas's views over shards: view name -> the schema of its shards.
+SHARD_VIEWS: dict[str, Schema] = {
+    "composition": COMPOSITION_SCHEMA, "composition_null": COMPOSITION_SCHEMA, "calibration": CALIBRATION_SCHEMA,
+    "invariance": INVARIANCE_SCHEMA, "metric_audit": METRIC_AUDIT_SCHEMA,
+    "induction_tokens": INDUCTION_TOKENS_SCHEMA, "head_scores": HEAD_SCORES_SCHEMA,
+    "training_loss": TRAINING_LOSS_SCHEMA,
+}
+
+# The atlas's ``models`` table: one row per model x checkpoint, from the extraction's metadata
+# (``versions`` as JSON text).
+MODELS_SCHEMA: Schema = {
+    "model": pl.Utf8, "checkpoint": pl.Utf8, "checkpoint_step": pl.Int64, "checkpoint_tokens": pl.Int64,
+    "architecture": pl.Utf8, "hf_architecture": pl.Utf8, "n_layers": pl.Int64, "n_heads": pl.Int64,
+    "n_kv_heads": pl.Int64, "d_model": pl.Int64, "d_head": pl.Int64, "d_vocab": pl.Int64, "norm_type": pl.Utf8,
+    "tied_embeddings": pl.Boolean, "has_unembed": pl.Boolean, "token_condition": pl.Float64,
+    "token_norm_condition": pl.Float64, "processing": pl.Utf8, "quantized": pl.Boolean, "source_kind": pl.Utf8,
+    "source_name": pl.Utf8, "source_path": pl.Utf8, "source_revision": pl.Utf8, "source_commit": pl.Utf8,
+    "source_checksum": pl.Utf8, "weights_sha256": pl.Utf8, "versions": pl.Utf8,
+}
+
+# The atlas's ``excluded_shards`` table: shards left out of their view because they do not open.
+EXCLUDED_SHARDS_SCHEMA: Schema = {"view": pl.Utf8, "path": pl.Utf8, "error": pl.Utf8}
+
+# ----------------------------------------------------------------------------- provenance
+
+# What identifies the weights a shard was computed from, copied from the extraction's metadata
+# (or from an upstream shard's provenance, which carries the same keys).
+MODEL_PROVENANCE = ("model", "checkpoint", "checkpoint_step", "checkpoint_tokens", "processing", "source_kind",
+                    "source_revision", "source_commit", "source_checksum", "weights_sha256", "quantized")
+
+
+def provenance(meta: Mapping[str, Any] | None, **facts: Any) -> dict[str, Any]:
+    """The provenance record of a shard: ``MODEL_PROVENANCE`` from ``meta`` (None where it has
+    no such key; left out for a shard of no model, ``meta=None``), the library versions of the
+    writing process, then ``facts``, the writer's own (they win over ``meta``'s keys)."""
+    record = {k: meta.get(k) for k in MODEL_PROVENANCE} if meta is not None else {}
+    record["versions"] = library_versions()
+    record.update(facts)
+    return record

@@ -1,0 +1,26 @@
+-- The payoff table: does a metric (in a space, for a comp) pick out the heads that do induction?
+-- Spearman = Pearson on average ranks; AUROC = Mann-Whitney U / (n_pos n_neg) from the same ranks.
+-- Discovery precision / recall: of "the reader has a discovery from a previous-token head" for
+-- "the reader is an induction head".
+CREATE VIEW composition_vs_behaviour AS
+WITH ranked AS (
+    SELECT *,
+      rank() OVER (PARTITION BY model, checkpoint, metric, space, comp ORDER BY best_score)
+        + (count(*) OVER (PARTITION BY model, checkpoint, metric, space, comp, best_score) - 1) / 2.0 AS r_score,
+      rank() OVER (PARTITION BY model, checkpoint, metric, space, comp ORDER BY induction_mean)
+        + (count(*) OVER (PARTITION BY model, checkpoint, metric, space, comp, induction_mean) - 1) / 2.0 AS r_ind,
+      rank() OVER (PARTITION BY model, checkpoint, metric, space, comp ORDER BY ablation_drop)
+        + (count(*) OVER (PARTITION BY model, checkpoint, metric, space, comp, ablation_drop) - 1) / 2.0 AS r_abl
+    FROM reader_best_composition)
+SELECT model, checkpoint, metric, space, comp,
+    count(*) AS n_readers, count_if(is_induction)::BIGINT AS n_induction_heads,
+    corr(r_score, r_ind) AS spearman_induction, corr(r_score, r_abl) AS spearman_ablation,
+    (sum(CASE WHEN is_induction THEN r_score ELSE 0 END) - sum(is_induction::INTEGER) * (sum(is_induction::INTEGER) + 1) / 2.0)
+      / NULLIF(sum(is_induction::INTEGER) * (count(*) - sum(is_induction::INTEGER)), 0) AS auroc,
+    coalesce(any_value(d.n_discoveries), 0)::BIGINT AS n_discoveries,
+    count_if(prev_discovery)::BIGINT AS n_readers_with_discovery,
+    count_if(prev_discovery AND is_induction) / NULLIF(count_if(prev_discovery), 0) AS discovery_precision,
+    count_if(prev_discovery AND is_induction) / NULLIF(count_if(is_induction), 0) AS discovery_recall
+FROM ranked LEFT JOIN (SELECT model, checkpoint, metric, space, comp, count(*) AS n_discoveries
+                       FROM discoveries GROUP BY ALL) d USING (model, checkpoint, metric, space, comp)
+GROUP BY ALL;

@@ -1,0 +1,94 @@
+"""The closed sets of compatlas's vocabulary, each named once: a ``Literal`` type and its tuple.
+
+Every module that checks, loops over or orders these values imports them from here, so the
+kernel, the workflow, the report and the tests cannot disagree on what a metric or a space
+is. The order of each tuple is the order tables, loops and the report use. The config schema
+(``workflow/schemas/config.schema.yaml``) repeats some of them as enums, because JSON Schema
+cannot import Python; ``tests/test_vocab.py`` checks every enum there against this module.
+
+This module imports nothing but ``typing``: the CLI, the report and the Snakefile read it
+without loading torch. (The pattern is TransformerLens's ``head_detector.py``:
+``HeadName = Literal[...]``, ``HEAD_NAMES = get_args(HeadName)``.)
+"""
+
+from __future__ import annotations
+
+from typing import Literal, get_args
+
+Metric = Literal["frobenius", "svd_bound", "subspace"]
+"""How a writer/reader head pair's composition is scored (``compatlas.composition``)."""
+METRICS: tuple[Metric, ...] = get_args(Metric)
+
+Space = Literal["residual", "token", "token_norm"]
+"""The basis the scores are taken in: the residual stream, or the token basis of W_E
+(``token_norm``: W_E's rows as the first attention norm sees them); ``compatlas.token_space``."""
+SPACES: tuple[Space, ...] = get_args(Space)
+
+Comp = Literal["Q", "K", "V"]
+"""Which input of the reader head reads the writer's output: its query, key or value."""
+COMPS: tuple[Comp, ...] = get_args(Comp)
+
+Transform = Literal["permutation", "orthogonal", "orthogonal_scale", "diagonal", "gl"]
+"""Classes of change of residual basis ``x -> x T`` of the invariance audit (``compatlas.invariance``)."""
+TRANSFORMS: tuple[Transform, ...] = get_args(Transform)
+
+SourceKind = Literal["hub", "local", "gguf", "build", "trained"]
+"""Where a model's weights come from (``compatlas.loading``). ``trained`` is never written in a
+config: the config turns each training run into a model of that kind."""
+SOURCE_KINDS: tuple[SourceKind, ...] = get_args(SourceKind)
+CONFIG_SOURCE_KINDS: tuple[SourceKind, ...] = tuple(k for k in SOURCE_KINDS if k != "trained")
+
+Processing = Literal["none", "compat"]
+"""Weight processing before extraction: raw weights, or TransformerLens's compatibility mode
+(norms folded, writing weights centred)."""
+PROCESSINGS: tuple[Processing, ...] = get_args(Processing)
+
+NullStratify = Literal["none", "distance"]
+"""Which null pairs a causal pair is calibrated against: all of its group's, or only those at
+the same layer distance (``compatlas.calibration``)."""
+NULL_STRATIFY: tuple[NullStratify, ...] = get_args(NullStratify)
+
+NullPairs = Literal["mirror", "mirror_and_same_layer"]
+"""Which non-causal pairs make the null: the causal pairs' anti-causal mirror image, or that and
+the same-layer pairs of distinct heads (a stricter test; ``compatlas.calibration``)."""
+NULL_PAIRS: tuple[NullPairs, ...] = get_args(NullPairs)
+
+AblationMode = Literal["zero", "mean"]
+"""What an ablated head's output is replaced by (``compatlas.induction.ablation_effects``)."""
+ABLATION_MODES: tuple[AblationMode, ...] = get_args(AblationMode)
+
+AblationMethod = Literal["exact", "attribution", "full"]
+"""How the ablation drop is computed. ``full`` (whole-model reruns) is the reference the
+tests and benchmarks compare ``exact`` with; the config offers ``exact`` and ``attribution``."""
+ABLATION_METHODS: tuple[AblationMethod, ...] = get_args(AblationMethod)
+CONFIG_ABLATION_METHODS: tuple[AblationMethod, ...] = ("exact", "attribution")
+
+Architecture = Literal["gpt2", "llama"]
+"""The shapes a built or trained small model takes (GPT-2: learned positions, LayerNorm;
+Llama: rotary, RMSNorm)."""
+ARCHITECTURES: tuple[Architecture, ...] = get_args(Architecture)
+
+TrainingData = Literal["repeat", "copy"]
+"""The synthetic sequences a training run learns induction on (``compatlas.training``)."""
+TRAINING_DATA: tuple[TrainingData, ...] = get_args(TrainingData)
+
+Device = Literal["auto", "cpu", "cuda"]
+"""Where the kernels run (``compatlas.runtime.resolve_device``)."""
+DEVICES: tuple[Device, ...] = get_args(Device)
+
+ForwardDtype = Literal["auto", "float32", "bfloat16", "float16"]
+"""Precision of the induction forward passes (``auto``: bfloat16 on a GPU, float32 on the CPU)."""
+FORWARD_DTYPES: tuple[ForwardDtype, ...] = get_args(ForwardDtype)
+
+Role = Literal["A", "B"]
+"""The token an induction power is measured for: the first (A) or second (B) of ``A B .. A``."""
+ROLES: tuple[Role, ...] = get_args(Role)
+
+ScoreDtype = Literal["float32", "float64"]
+"""Precision of the composition kernels (``dtype`` in the config)."""
+SCORE_DTYPES: tuple[ScoreDtype, ...] = get_args(ScoreDtype)
+
+DeviceMap = Literal["none", "auto", "balanced"]
+"""How a model larger than one GPU is spread over the node's GPUs for forward passes
+(Hugging Face's ``device_map``; ``none``: one device)."""
+DEVICE_MAPS: tuple[DeviceMap, ...] = get_args(DeviceMap)

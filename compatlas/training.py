@@ -36,21 +36,6 @@ log = logging.getLogger(__name__)
 LOSS_SCHEMA = {"model": pl.Utf8, "step": pl.Int64, "tokens": pl.Int64, "loss": pl.Float64}
 
 
-def schedule(spec: dict[str, Any]) -> list[int]:
-    """Checkpoint steps: 0, the powers of ``log_base`` up to ``log_until``, and every
-    ``every`` steps up to ``steps`` (which is always included)."""
-    steps = spec["steps"]
-    out = {0, steps}
-    if spec.get("log_until"):
-        p = 1
-        while p <= min(spec["log_until"], steps):
-            out.add(p)
-            p *= spec["log_base"]
-    if spec.get("every"):
-        out.update(range(spec["every"], steps + 1, spec["every"]))
-    return sorted(out)
-
-
 def build_model(spec: dict[str, Any]):
     """An attention-only model: Llama-style (rotary positions, RMSNorm) by default, or GPT-2
     style (learned positions, LayerNorm); MLP weights zeroed and frozen (they then add 0).

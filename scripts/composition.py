@@ -2,8 +2,8 @@
 import polars as pl
 
 from compatlas.composition import block_pairs, null_pairs
-from compatlas.config import selected_layers
 from compatlas.logs import setup
+from compatlas.plan import scored_layers
 from compatlas.scores import score_block
 from compatlas.storage import write_shard
 from compatlas.weights import load_weights
@@ -11,7 +11,7 @@ from compatlas.weights import load_weights
 log = setup(snakemake.log[0])
 wc, settings = snakemake.wildcards, snakemake.params.settings
 w = load_weights(snakemake.input.tensors, snakemake.input.meta)
-layers = selected_layers({"layers": snakemake.params.layers}, w.n_layers, wc.model)
+layers = scored_layers(snakemake.params.layers, w.n_layers, wc.model)
 blocks, block = snakemake.params.blocks, int(wc.block)
 pairs, null = block_pairs(layers, blocks, block), null_pairs(layers, blocks, block)
 log.info("%s/%s %s %s block %s: %d layer pairs, %d null layer pairs", wc.model, wc.checkpoint, wc.metric, wc.space,

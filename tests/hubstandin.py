@@ -263,7 +263,7 @@ def tiny_repo(folder: Path, architecture: str, seed: int, dtype: str = "float32"
     import torch
     from transformers import GPT2Config, GPT2LMHeadModel, GPTNeoXConfig, GPTNeoXForCausalLM
 
-    from compatlas.loading import word_tokenizer
+    from compatlas.small_models import word_tokenizer
 
     torch.manual_seed(seed)
     if architecture == "gpt2":

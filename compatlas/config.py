@@ -1,8 +1,11 @@
 """Configuration: validated against workflow/schemas/config.schema.yaml before any job runs.
 
-Validation only says whether a config is well formed and fills in the schema's defaults, on a
-copy; what the pipeline does with it (models, checkpoints, layers, overrides) is resolved once
-from the validated copy, in ``compatlas.plan``.
+``validate_config`` says whether a config is well formed and fills in the schema's defaults, on
+a copy (the user's dict is left as written). What the pipeline does with it (models, checkpoints,
+layers, overrides) is resolved once from the validated copy, in ``compatlas.plan``, which calls
+``check_model`` on each model once its checkpoints are known: a step the family never published,
+a layer outside the model (read from a local folder's config.json or a GGUF header), two
+checkpoints with one label.
 
 Errors name the config key and the problem in one line, e.g.
 ``config error at models.toy.source.architecture: 'gpt3' is not one of ['gpt2', 'llama']``.

@@ -4,8 +4,8 @@
 
 One line per shard (its path relative to the folders): ``same`` when the two have the same
 columns, dtypes and values (polars ``DataFrame.equals``, nulls equal, floats exactly), else
-what differs; and, either way, the Parquet metadata keys whose values differ (the provenance:
-library versions, timings and paths are expected to). Shards present in one folder only are
+what differs; and, either way, the Parquet metadata keys whose values differ (the provenance,
+one JSON object, key by key: library versions and timings are expected to). Shards present in one folder only are
 listed. Exit 1 on any data difference or missing shard, 0 otherwise (metadata differences
 alone do not fail).
 """
@@ -13,18 +13,34 @@ alone do not fail).
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from pathlib import Path
+from typing import Any
 
 import polars as pl
 import pyarrow.parquet as pq
 
 
-def metadata(path: Path) -> dict[str, str]:
-    """The key-value metadata of a Parquet file (compatlas writes its provenance there),
-    decoded; the schema blob pyarrow adds is left out."""
+def metadata(path: Path) -> dict[str, Any]:
+    """The key-value metadata of a Parquet file, decoded; a value that is a JSON object (compatlas
+    writes its provenance as one, under ``compatlas``) is opened one level, its keys named
+    ``compatlas.<key>``. The schema blob pyarrow adds is left out."""
     raw = pq.read_metadata(path).metadata or {}
-    return {k.decode(): v.decode(errors="replace") for k, v in raw.items() if k != b"ARROW:schema"}
+    out: dict[str, Any] = {}
+    for k, v in raw.items():
+        if k == b"ARROW:schema":
+            continue
+        key, text = k.decode(), v.decode(errors="replace")
+        try:
+            value = json.loads(text)
+        except ValueError:
+            value = text
+        if isinstance(value, dict):
+            out.update({f"{key}.{inner}": json.dumps(x, sort_keys=True) for inner, x in value.items()})
+        else:
+            out[key] = text
+    return out
 
 
 def compare(base: Path, new: Path) -> tuple[bool, str]:

@@ -1,14 +1,17 @@
 """Which head pairs compose beyond chance: p-values against the model's own non-causal pairs.
 
-A reader head in a layer below its writer's, or beside it in the same layer, can never read
-that writer's output, yet the pair shares every geometric property of the model: the same
-subspaces, norms, anisotropy, basis and quantisation. Scored by the same kernel, these
-non-causal pairs are an empirical null for the causal ones (writer layer < reader layer):
+A reader head in a layer below its writer's can never read that writer's output, yet the pair
+shares every geometric property of the model: the same subspaces, norms, anisotropy, basis and
+quantisation. Scored by the same kernel, these anti-causal pairs are an empirical null for the
+causal ones (writer layer < reader layer). The default null is the causal set's mirror image:
+each causal pair (writer in layer a, reader in layer b > a) has exactly one twin per head pair,
+writer in b and reader in a, so the null holds the same layers at the same distances, in the
+same proportions, as the pairs it calibrates:
 
     p = (1 + #{null >= score}) / (1 + N)
 
 within one model x checkpoint x metric x space x comp (and, with ``stratify="distance"``,
-within one layer distance |reader - writer|, where same-layer pairs have no causal twin).
+within one layer distance |reader - writer|).
 Beyond the null's maximum the empirical p is floored at 1 / (1 + N), whatever the score; there
 the tail of the null is modelled instead, and p is the smaller of the floor and the tail's p
 (a generalised Pareto fit to the largest null scores, as in Knijnenburg et al. 2009, "Fewer
@@ -24,9 +27,14 @@ q-values are Benjamini-Hochberg adjusted p-values over the causal pairs of the s
 the pairs with q <= FDR are the discoveries, of which the expected share of false ones is at
 most FDR (BH holds for independent or positively dependent p-values).
 
-Same-layer pairs are included by default: heads of one layer run in parallel and cannot read
-each other either. Self pairs (a head with itself) are not: a head's own W_OV and W_QK are
-trained together and are not exchangeable with other pairs.
+Same-layer pairs of distinct heads cannot read each other either, and the composition jobs
+score them, but they are out of the default null (``null_pairs="mirror"``): no causal pair has
+layer distance 0, and heads of one layer are trained side by side on the same input, so they
+share channels more than any causal pair's heads do (on SmolLM2 the null's maximum in token
+space is such a pair). Pooling them in would compare every causal pair with a population it
+does not contain; ``null_pairs="mirror_and_same_layer"`` does so anyway, a stricter test.
+Self pairs (a head with itself) are never in the null: a head's own W_OV and W_QK are trained
+together and are not exchangeable with other pairs.
 """
 
 from __future__ import annotations
@@ -41,6 +49,8 @@ import polars as pl
 
 Stratify = Literal["none", "distance"]
 STRATIFY: tuple[Stratify, ...] = ("none", "distance")
+NullPairs = Literal["mirror", "mirror_and_same_layer"]
+NULL_PAIRS: tuple[NullPairs, ...] = ("mirror", "mirror_and_same_layer")
 
 TAIL_MIN_EXCEEDANCES = 10  # the tail fit needs at least this many null scores above its threshold
 TAIL_MIN_NULL = 100  # fewer null pairs than this: no tail fit, empirical p only
@@ -122,13 +132,19 @@ def _stratum(df: pl.DataFrame, stratify: Stratify) -> pl.Series:
     return (df["reader_layer"] - df["writer_layer"]).abs().cast(pl.Int64)
 
 
-def calibrate(causal: pl.DataFrame, null: pl.DataFrame, stratify: Stratify = "none", tail: bool = True) -> pl.DataFrame:
+def calibrate(causal: pl.DataFrame, null: pl.DataFrame, stratify: Stratify = "none", tail: bool = True,
+              null_pairs: NullPairs = "mirror") -> pl.DataFrame:
     """p- and q-values of every causal pair (columns ``P_SCHEMA``).
 
     ``causal`` and ``null`` are composition tables (``scores.SCHEMA``) of one model x checkpoint,
-    any metrics, spaces and comps; each group of those is calibrated on its own null."""
+    any metrics, spaces and comps; each group of those is calibrated on its own null, which is
+    ``null``'s anti-causal pairs (``"mirror"``) or all of its rows (``"mirror_and_same_layer"``)."""
     if stratify not in STRATIFY:
         raise ValueError(f"stratify {stratify!r}: choose one of {STRATIFY}")
+    if null_pairs not in NULL_PAIRS:
+        raise ValueError(f"null_pairs {null_pairs!r}: choose one of {NULL_PAIRS}")
+    if null_pairs == "mirror":
+        null = null.filter(pl.col("writer_layer") != pl.col("reader_layer"))
     groups = ["model", "checkpoint", "processing", "metric", "space", "comp"]
     causal = causal.with_columns(_stratum(causal, stratify).alias("_stratum"))
     null = null.with_columns(_stratum(null, stratify).alias("_stratum"))
@@ -151,7 +167,7 @@ def calibrate(causal: pl.DataFrame, null: pl.DataFrame, stratify: Stratify = "no
 
 
 def calibrate_shards(causal: Sequence[str], null: Sequence[str], stratify: Stratify = "none",
-                     tail: bool = True) -> Iterator[pl.DataFrame]:
+                     tail: bool = True, null_pairs: NullPairs = "mirror") -> Iterator[pl.DataFrame]:
     """``calibrate`` over composition shards, one metric x space at a time (the blocks of one
     metric x space share a folder), so memory holds one metric x space, never a whole model."""
     by_folder: dict[str, tuple[list[str], list[str]]] = defaultdict(lambda: ([], []))
@@ -163,4 +179,4 @@ def calibrate_shards(causal: Sequence[str], null: Sequence[str], stratify: Strat
         if not c_paths:
             raise ValueError(f"null shards of {folder} have no causal shards beside them")
         scores = pl.read_parquet(c_paths)
-        yield calibrate(scores, pl.read_parquet(n_paths) if n_paths else scores.clear(), stratify, tail)
+        yield calibrate(scores, pl.read_parquet(n_paths) if n_paths else scores.clear(), stratify, tail, null_pairs)

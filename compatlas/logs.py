@@ -7,7 +7,11 @@ import sys
 from pathlib import Path
 
 
-def setup(log_path: str | None) -> logging.Logger:
+def setup(log_path: str | None, threads: int | None = None) -> logging.Logger:
+    """Log to ``log_path`` and stderr; with ``threads``, torch (if the script imported it) uses
+    that many, the cores Snakemake gave the job, not every core of the machine."""
+    if threads and "torch" in sys.modules:
+        sys.modules["torch"].set_num_threads(threads)
     handlers: list[logging.Handler] = [logging.StreamHandler(sys.stderr)]
     if log_path:
         Path(log_path).parent.mkdir(parents=True, exist_ok=True)

@@ -8,7 +8,7 @@ from compatlas.scores import score_block
 from compatlas.storage import write_shard
 from compatlas.weights import load_weights
 
-log = setup(snakemake.log[0])
+log = setup(snakemake.log[0], snakemake.threads)
 wc, settings = snakemake.wildcards, snakemake.params.settings
 w = load_weights(snakemake.input.tensors, snakemake.input.meta)
 layers = scored_layers(snakemake.params.layers, w.n_layers, wc.model)

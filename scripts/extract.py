@@ -11,7 +11,7 @@ from compatlas.logs import setup  # noqa: E402
 from compatlas.token_space import add_space_factors  # noqa: E402
 from compatlas.weights import save_weights  # noqa: E402
 
-log = setup(snakemake.log[0])
+log = setup(snakemake.log[0], snakemake.threads)
 w, _ = load_and_extract(snakemake.wildcards.model, snakemake.params.entry, snakemake.params.checkpoint,
                         Path(snakemake.params.workdir))
 add_space_factors(w)  # token-space QR of W_E: once per model

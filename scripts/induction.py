@@ -9,7 +9,7 @@ from compatlas.induction import run_model  # noqa: E402
 from compatlas.logs import setup  # noqa: E402
 from compatlas.storage import write_shard  # noqa: E402
 
-log = setup(snakemake.log[0])
+log = setup(snakemake.log[0], snakemake.threads)
 wc = snakemake.wildcards
 tokens, heads, provenance = run_model(wc.model, snakemake.params.entry, snakemake.params.checkpoint,
                                       snakemake.params.settings, snakemake.input.meta,

@@ -5,7 +5,7 @@ from compatlas.plan import scored_layers
 from compatlas.storage import write_shard
 from compatlas.weights import load_weights
 
-log = setup(snakemake.log[0])
+log = setup(snakemake.log[0], snakemake.threads)
 p, s = snakemake.params, snakemake.params.settings
 w = load_weights(snakemake.input.tensors, snakemake.input.meta)
 layers = sample_layers(scored_layers(p.layers, w.n_layers, snakemake.wildcards.model), s["layers"])

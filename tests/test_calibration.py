@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from compatlas.calibration import (
-    bh_q_values, calibrate, calibrate_shards, empirical_p_values, tail_survival,
+    NULL_PAIRS, NullPairs, bh_q_values, calibrate, calibrate_shards, empirical_p_values, tail_survival,
 )
 from compatlas.composition import block_pairs, layer_pairs, null_pairs
 from compatlas.scores import score_block
@@ -108,12 +108,14 @@ def random_weights(seed: int, L: int = 6, H: int = 6, Hkv: int = 6, d: int = 48,
                             W_U=randn(d, vocab), ln1_w=1 + 0.1 * randn(L, d), meta={"model": "random", "norm_type": "RMS"})
 
 
-def score_and_calibrate(w: AttentionWeights, metric: str, space: str) -> pl.DataFrame:
+def score_and_calibrate(w: AttentionWeights, metric: str, space: str,
+                        designs: tuple[NullPairs, ...] = ("mirror",)) -> dict[NullPairs, pl.DataFrame]:
+    """p and q of every causal pair, once per null design, from one scoring of all pairs."""
     layers = list(range(w.n_layers))
     df, _ = score_block(w, metric, space, layer_pairs(layers) + null_pairs(layers, 1, 0), baseline_samples=2,
                         device="cpu", dtype="float64")
     causal = pl.col("writer_layer") < pl.col("reader_layer")
-    return calibrate(df.filter(causal), df.filter(~causal))
+    return {design: calibrate(df.filter(causal), df.filter(~causal), null_pairs=design) for design in designs}
 
 
 def test_null_pairs_mirror_each_block_and_share_the_same_layer_pairs():
@@ -136,7 +138,8 @@ def test_null_rows_exclude_self_pairs():
 def test_random_models_are_calibrated_in_every_metric_space_and_comp():
     """On random models the share of causal pairs with p <= 0.01 is 0.01 within the spread of chance.
 
-    6 layers x 6 heads: 540 causal and N = 720 null pairs per metric x space x comp. With scores
+    6 layers x 6 heads: 540 causal pairs per metric x space x comp, against N = 540 mirror pairs
+    (the default null) or N = 720 with the same-layer pairs (both designs checked). With scores
     exchangeable, P(p <= 0.01) = floor(0.01 (N + 1)) / (N + 1) exactly, and since all causal pairs
     share one null the count is beta-binomial (conformal p-values), not binomial; pairs that
     share a head add a little more (measured over 60 models in 3 metric x space cells: variance
@@ -145,23 +148,28 @@ def test_random_models_are_calibrated_in_every_metric_space_and_comp():
     on both sides: neither liberal nor needlessly conservative."""
     from scipy import stats
 
-    n_models, m, n_null, alpha = 8, 540, 720, 0.01
-    a = math.floor(alpha * (n_null + 1))
-    per_model = stats.betabinom(m, a, n_null + 1 - a)
-    mean, sd = n_models * per_model.mean(), math.sqrt(n_models * per_model.var() * 1.35)
+    n_models, m, alpha = 8, 540, 0.01
+    n_nulls: dict[NullPairs, int] = {"mirror": 540, "mirror_and_same_layer": 720}
     rows = []
     for seed in range(n_models):
         w = random_weights(seed)
         for metric in METRICS:
             for space in SPACES:
-                pq = score_and_calibrate(w, metric, space)
-                assert (pq["n_null"] == n_null).all()
-                rows.append(pq.group_by("comp").agg(pl.len().alias("m"), (pl.col("p_value") <= alpha).sum().alias("k"))
-                            .with_columns(pl.lit(metric).alias("metric"), pl.lit(space).alias("space")))
-    cells = pl.concat(rows).group_by("metric", "space", "comp").agg(pl.col("m").sum(), pl.col("k").sum())
-    assert cells.height == 27 and (cells["m"] == n_models * m).all()
-    for k, name in zip(cells["k"], cells["metric"] + "/" + cells["space"] + "/" + cells["comp"]):
-        assert abs(k - mean) <= 4 * sd, f"{name}: {k} of {n_models * m} causal pairs with p <= {alpha} (expected {mean:.1f} +- {sd:.1f})"
+                for design, pq in score_and_calibrate(w, metric, space, NULL_PAIRS).items():
+                    assert (pq["n_null"] == n_nulls[design]).all()
+                    rows.append(pq.group_by("comp").agg(pl.len().alias("m"), (pl.col("p_value") <= alpha).sum().alias("k"))
+                                .with_columns(pl.lit(metric).alias("metric"), pl.lit(space).alias("space"),
+                                              pl.lit(design).alias("design")))
+    cells = pl.concat(rows).group_by("design", "metric", "space", "comp").agg(pl.col("m").sum(), pl.col("k").sum())
+    assert cells.height == 2 * 27 and (cells["m"] == n_models * m).all()
+    for design, n_null in n_nulls.items():
+        a = math.floor(alpha * (n_null + 1))
+        per_model = stats.betabinom(m, a, n_null + 1 - a)
+        mean, sd = n_models * per_model.mean(), math.sqrt(n_models * per_model.var() * 1.35)
+        cell = cells.filter(pl.col("design") == design)
+        for k, name in zip(cell["k"], cell["metric"] + "/" + cell["space"] + "/" + cell["comp"]):
+            assert abs(k - mean) <= 4 * sd, (f"{design} {name}: {k} of {n_models * m} causal pairs with p <= {alpha} "
+                                             f"(expected {mean:.1f} +- {sd:.1f})")
 
 
 def plant_k_circuit(w: AttentionWeights, writer: tuple[int, int], reader: tuple[int, int], rank: int = 2,
@@ -182,7 +190,7 @@ def test_a_planted_circuit_is_the_discovery_in_every_metric_and_space():
     plant_k_circuit(w, writer=(1, 3), reader=(4, 5))
     for metric in METRICS:
         for space in SPACES:
-            found = score_and_calibrate(w, metric, space).filter((pl.col("comp") == "K") & (pl.col("q_value") <= 0.05))
+            found = score_and_calibrate(w, metric, space)["mirror"].filter((pl.col("comp") == "K") & (pl.col("q_value") <= 0.05))
             pairs = set(zip(found["writer_layer"], found["writer_head"], found["reader_layer"], found["reader_head"]))
             assert (1, 3, 4, 5) in pairs, f"{metric}/{space}: the planted pair is no discovery"
             assert len(pairs) <= 2, f"{metric}/{space}: {sorted(pairs)}"

@@ -82,6 +82,9 @@ def test_calibration_views(pipeline_run: Path):
                                [model]).fetchall()
         causal = expected_rows(n_layers, n_heads)
         assert {c for (c,) in per_cell} == {causal + n_layers * n_heads * (n_heads - 1)}, model
+        # the default null (composition.null_pairs: mirror) is the anti-causal mirror alone
+        n_null = con.execute("SELECT DISTINCT n_null FROM calibration WHERE model = ?", [model]).fetchall()
+        assert n_null == [(causal,)], model
     assert con.execute("SELECT count(*) FROM discoveries WHERE q_value > 0.05").fetchone()[0] == 0
     assert {row[0] for row in con.execute("DESCRIBE discoveries").fetchall()} >= {"score", "z_spectrum", "p_value", "q_value"}
 

@@ -19,7 +19,7 @@ rule invariance:
         "../envs/compatlas.yaml"
     log:
         f"{LOGS}/invariance/{{model}}/{{checkpoint}}.log",
-    threads: 2
+    threads: model_threads
     resources:
         mem_mb=8000,
         runtime=60,

@@ -19,7 +19,7 @@ rule composition:
         "../envs/compatlas.yaml"
     log:
         f"{LOGS}/composition/{{model}}/{{checkpoint}}/{{metric}}-{{space}}-{{block}}.log",
-    threads: 2
+    threads: model_threads
     resources:
         mem_mb=4000,
         runtime=30,
@@ -37,6 +37,7 @@ rule calibrate:
         CALIBRATION,
     params:
         stratify=setting("composition", "null_stratify"),
+        null_pairs=setting("composition", "null_pairs"),
     conda:
         "../envs/compatlas.yaml"
     log:

@@ -15,7 +15,7 @@ rule extract:
         "../envs/compatlas.yaml"
     log:
         f"{LOGS}/extract/{{model}}/{{checkpoint}}.log",
-    threads: 2
+    threads: model_threads
     resources:
         mem_mb=8000,
         runtime=60,

@@ -18,7 +18,7 @@ rule induction:
         "../envs/compatlas.yaml"
     log:
         f"{LOGS}/induction/{{model}}/{{checkpoint}}.log",
-    threads: 2
+    threads: model_threads
     resources:
         mem_mb=8000,
         runtime=120,

@@ -32,7 +32,7 @@ PNG_WORKERS = max(1, min(2, os.cpu_count() or 1))
 INTRO = ("How strongly each attention head (the <i>writer</i>) writes into what a head of a later layer (the "
          "<i>reader</i>) reads, through its queries (Q-composition), keys (K) or values (V). The answer leads with "
          "calibration: a pair is a <b>discovery</b> when its score stands above this model's own non-causal pairs "
-         "(a reader at or below its writer's layer, which can never read it) at the configured false discovery rate "
+         "(its mirror images: a reader in a layer below its writer's, which can never read it) at the configured false discovery rate "
          "(Benjamini-Hochberg q-value). Each model's page has its circuit, heatmaps, training and behaviour.")
 
 

@@ -91,8 +91,8 @@ def heatmap_chart(df: pl.DataFrame, model: str, checkpoint: str, metric: str, sp
         colour = alt.Color("col:Q", title=["-log10 p", "(vs non-causal pairs)"],
                            scale=alt.Scale(scheme="inferno", reverse=True, domain=[0, cmax], clamp=True),
                            legend=alt.Legend(gradientLength=min(height, 220), titleFontSize=11))
-        what = ("Colour: -log10 p of the pair's score against this model's own non-causal pairs (a reader at or "
-                "below its writer's layer); q (Benjamini-Hochberg) in the tooltip"
+        what = ("Colour: -log10 p of the pair's score against this model's own non-causal pairs (a reader in a "
+                "layer below its writer's); q (Benjamini-Hochberg) in the tooltip"
                 + (f", discoveries: q <= {q_cut:g}." if q_cut is not None else "."))
         col_expr = "datum.lp / 100"
     else:

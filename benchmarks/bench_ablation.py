@@ -158,7 +158,7 @@ def main() -> int:
     args = p.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", stream=sys.stderr)
 
-    config = validate_config(yaml.safe_load((REPO / "config" / "config.yaml").read_text()), check_sources=False)
+    config = validate_config(yaml.safe_load((REPO / "config" / "config.yaml").read_text()))
     dev = resolve_device(args.device)
     sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
     out = {"device": str(dev), "host": platform.node(), "cpu_threads": torch.get_num_threads(), "mode": args.mode,

@@ -62,7 +62,7 @@ def write_model(folder: Path, s: dict, seed: int = 0) -> int:
     from safetensors.torch import save_file
     from transformers import LlamaConfig
 
-    from compatlas.loading import word_tokenizer
+    from compatlas.small_models import word_tokenizer
 
     folder.mkdir(parents=True, exist_ok=True)
     LlamaConfig(num_hidden_layers=s["n_layers"], hidden_size=s["d_model"], num_attention_heads=s["n_heads"],

@@ -114,7 +114,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.cmd == "validate":
         import yaml
 
-        from compatlas.config import ConfigError, validate_config
+        from compatlas.config import ConfigError
+        from compatlas.plan import build_plan
 
         try:
             config = yaml.safe_load(Path(args.config).read_text()) or {}
@@ -130,7 +131,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{args.config}: a config is a mapping of keys, not a {type(config).__name__}", file=sys.stderr)
             return 1
         try:
-            validate_config(config)
+            build_plan(config)
         except ConfigError as e:
             print(f"{args.config}: {e}", file=sys.stderr)
             return 1

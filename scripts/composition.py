@@ -3,15 +3,15 @@ import polars as pl
 
 from compatlas.composition import block_pairs, null_pairs
 from compatlas.composition_table import score_block
-from compatlas.config import selected_layers
 from compatlas.logs import setup
+from compatlas.plan import scored_layers
 from compatlas.storage import write_shard
 from compatlas.tables import provenance
 from compatlas.weights import load_weights, shard_n_layers
 
 log = setup(snakemake.log[0], snakemake.threads)
 wc, settings = snakemake.wildcards, snakemake.params.settings
-layers = selected_layers({"layers": snakemake.params.layers}, shard_n_layers(snakemake.input.tensors), wc.model)
+layers = scored_layers(snakemake.params.layers, shard_n_layers(snakemake.input.tensors), wc.model)
 blocks, block = snakemake.params.blocks, int(wc.block)
 pairs, null = block_pairs(layers, blocks, block), null_pairs(layers, blocks, block)
 # read only the layers this block touches: at 70B shapes the whole shard is 47 GiB, a layer 0.6 GB

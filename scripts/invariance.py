@@ -1,7 +1,7 @@
 """Snakemake adapter: the invariance audit of one model (x checkpoint)."""
-from compatlas.config import selected_layers
 from compatlas.invariance import audit, sample_layers
 from compatlas.logs import setup
+from compatlas.plan import scored_layers
 from compatlas.storage import write_shard
 from compatlas.tables import provenance
 from compatlas.weights import load_weights
@@ -9,7 +9,7 @@ from compatlas.weights import load_weights
 log = setup(snakemake.log[0], snakemake.threads)
 p, s = snakemake.params, snakemake.params.settings
 w = load_weights(snakemake.input.tensors, snakemake.input.meta)
-layers = sample_layers(selected_layers({"layers": p.layers}, w.n_layers, snakemake.wildcards.model), s["layers"])
+layers = sample_layers(scored_layers(p.layers, w.n_layers, snakemake.wildcards.model), s["layers"])
 log.info("auditing all head pairs of layers %s x %d transforms x %d metrics x %d spaces", layers,
          len(s["transforms"]), len(p.metrics), len(p.spaces))
 df = audit(w, p.metrics, p.spaces, transforms=tuple(s["transforms"]), top_k=s["top_k"], seed=p.seed,

@@ -263,7 +263,7 @@ def tiny_repo(folder: Path, architecture: str, seed: int, dtype: str = "float32"
     import torch
     from transformers import GPT2Config, GPT2LMHeadModel, GPTNeoXConfig, GPTNeoXForCausalLM
 
-    from compatlas.loading import word_tokenizer
+    from compatlas.small_models import word_tokenizer
 
     torch.manual_seed(seed)
     if architecture == "gpt2":
@@ -293,25 +293,25 @@ def served_state(rev: Revision) -> dict:
 
 
 def _extract_main(cases_path: str) -> None:
-    """Run the extract rule's code (scripts/extract.py) on hub models, as a job would: validate the config, then for
+    """Run the extract rule's code (scripts/extract.py) on hub models, as a job would: plan the config, then for
     each (model, checkpoint label) load_and_extract + save_weights into <out>/<model>/<label>/.
     Run in a subprocess whose environment points HF_ENDPOINT at the stand-in."""
     import logging
     import sys
 
-    from compatlas.config import model_checkpoints, validate_config
+    from compatlas.plan import build_plan, thaw
     from compatlas.loading import ModelLoadError, load_and_extract
     from compatlas.token_space import add_space_factors
     from compatlas.weights import save_weights
 
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(levelname)s %(name)s: %(message)s")
     spec = json.loads(Path(cases_path).read_text())
-    config = validate_config(spec["config"])
+    plan = build_plan(spec["config"])
     out = Path(spec["out"])
     failed = False
     for model, label in spec["cases"]:
-        entry = {k: v for k, v in config["models"][model].items() if k != "checkpoints"}
-        ckpt = model_checkpoints(config["models"][model])[label]
+        entry = thaw(plan.models[model].entry)
+        ckpt = plan.models[model].checkpoint(label).spec()
         try:
             w, _ = load_and_extract(model, entry, ckpt, out / "work" / model / label)
         except ModelLoadError as e:  # the line a job ends with; go on with the other cases

@@ -204,34 +204,6 @@ def test_hub_killed_mid_download_names_the_cause_in_one_line(tmp_path: Path):
     assert "ConnectError" in proc.stderr or "RemoteProtocolError" in proc.stderr
 
 
-def test_unpublished_step_and_revision_with_value_fail_at_validation():
-    from compatlas.config import ConfigError, validate_config
-
-    def check(models: dict, match: str):
-        with pytest.raises(ConfigError, match=match):
-            validate_config({"models": models}, check_sources=False)
-
-    pythia = {"kind": "hub", "name": "EleutherAI/pythia-70m"}
-    check({"p": {"source": pythia, "checkpoints": [{"value": 1001}]}},
-          r"^config error at models.p.checkpoints.0.value: 1001 is not a published checkpoint of EleutherAI/pythia-70m")
-    check({"p": {"source": pythia, "checkpoints": [{"index": 154}]}},
-          r"^config error at models.p.checkpoints.0.index: 154 is out of range")
-    check({"p": {"source": {**pythia, "revision": "main"}, "checkpoints": [{"value": 1000}]}},
-          r"^config error at models.p.source.revision: .*checkpoint `value`")
-    check({"p": {"source": pythia, "checkpoints": [{"value": 1000, "revision": "step1000"}]}},
-          r"^config error at models.p.checkpoints.0: a checkpoint names one of value, index or revision")
-
-
-def test_last_checkpoint_is_the_latest_step_whatever_the_order():
-    from compatlas.config import last_checkpoint, model_checkpoints, validate_config
-
-    cfg = {"models": {"p": {"source": {"kind": "hub", "name": "EleutherAI/pythia-70m"},
-                            "checkpoints": [{"revision": "step143000"}, {"index": 3}, {"value": 1000}]}}}
-    entry = validate_config(cfg, check_sources=False)["models"]["p"]
-    assert list(model_checkpoints(entry)) == ["index3", "step1000", "step143000"]  # index 3 is step 4
-    assert last_checkpoint(entry) == "step143000"
-
-
 def test_pipeline_extract_rule_runs_offline_from_a_warm_cache(hub: StandInHub, extracted: Path, tmp_path: Path):
     """One extract job through Snakemake with HF_HUB_OFFLINE=1 and the cache the first run filled:
     the setting reaches the job, no request reaches the hub, and the provenance (commit,

@@ -14,7 +14,8 @@ from compatlas.induction import (
     TokenSet, _block_list, ablation_effects, clean_tokens, head_attention_scores, induction_sequences, induction_sweep,
     logodds, measure_behaviour, nearest_tokens, sample_tokens, strengths,
 )
-from compatlas.loading import boot, word_tokenizer
+from compatlas.loading import boot
+from compatlas.small_models import word_tokenizer
 
 V, P = 32, 32                      # vocabulary, positions
 TOK, PREV, POS, OUT, SINK = 0, V, 2 * V, 2 * V + P, 3 * V + P

@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from compatlas import streaming
-from compatlas.loading import dir_checksum, boot, extract, load_and_extract, word_tokenizer
+from compatlas.loading import boot, dir_checksum, extract, load_and_extract
+from compatlas.small_models import word_tokenizer
 from compatlas.weights import WEIGHT_KEYS
 
 V = 96  # vocabulary: larger than d_model, as in real models

@@ -1,10 +1,8 @@
-"""The pipeline's own training runs (schedule, data, reproducibility, resumable segments, loss
-falls), the config that turns a run into a model with checkpoints, and the formation
-analysis of the report on synthetic curves."""
+"""The pipeline's own training runs (data, reproducibility, resumable segments, loss falls)
+and the formation analysis of the report on synthetic curves. The config that turns a run
+into a model with checkpoints is tested in test_config.py."""
 
 from __future__ import annotations
-
-import copy
 
 import numpy as np
 import polars as pl
@@ -13,21 +11,16 @@ import torch
 import yaml
 
 from compatlas import formation as fm
-from compatlas.config import model_checkpoints, validate_config
-from compatlas.training import induction_batch, schedule, train_segment
+from compatlas.config import validate_config
+from compatlas.training import induction_batch, train_segment
 
 def _demo_spec() -> dict:
     """The default demo run's training spec, defaults filled in."""
-    return validate_config(yaml.safe_load(open("config/config.yaml")), check_sources=False)["training"]["induction-2l"]
+    return validate_config(yaml.safe_load(open("config/config.yaml")))["training"]["induction-2l"]
 
 
 SPEC = {"n_layers": 2, "n_heads": 2, "d_head": 8, "d_vocab": 32, "seq_len": 24, "batch_size": 8, "lr": 3e-3,
         "weight_decay": 0.01, "seed": 0, "min_span": 4, "max_span": 8, "architecture": "llama"}
-
-
-def test_schedule_is_log_plus_linear():
-    assert schedule({"steps": 100, "log_base": 2, "log_until": 8, "every": 50}) == [0, 1, 2, 4, 8, 50, 100]
-    assert schedule({"steps": 30, "log_base": 4, "log_until": 0, "every": 20}) == [0, 20, 30]
 
 
 def test_repeat_batch_repeats_a_span_of_varying_period_and_is_seeded():
@@ -136,20 +129,6 @@ def test_default_run_forms_a_previous_token_and_an_induction_head(tmp_path):
     assert losses[500] < losses[150] - 2.0, losses
 
 
-def test_training_runs_become_models_with_checkpoints():
-    cfg = yaml.safe_load(open("tests/data/tiny.yaml"))
-    validated = validate_config(copy.deepcopy(cfg))
-    entry = validated["models"]["tiny-trained"]
-    ckpts = model_checkpoints(entry)
-    assert list(ckpts) == ["step0", "step10", "step20"]
-    assert ckpts["step10"]["step"] == 10 and ckpts["step10"]["tokens"] == 10 * 8 * 24
-    assert entry["source"] == {"kind": "trained", "run": "tiny-trained", "path": "results/train/tiny-trained"}
-    assert validate_config(validated) == validated  # validating twice changes nothing
-    cfg["training"]["tiny-trained"]["max_span"] = 20
-    with pytest.raises(Exception, match="training.tiny-trained"):
-        validate_config(cfg)
-
-
 def _sigmoid(steps, at, lo=0.0, hi=1.0):
     return lo + (hi - lo) / (1 + np.exp(-(np.asarray(steps, float) - at) / 30))
 
@@ -184,26 +163,6 @@ def test_eventual_heads():
     last = pl.DataFrame({"layer": [0, 0, 1, 1], "head": [0, 1, 0, 1], "induction_mean": [0.1, 0.0, 0.2, 0.7],
                          "prev_token_mean": [0.2, 0.8, 0.9, 0.1]})
     assert fm.eventual_heads(last) == ((1, 1), (0, 1))  # prev head from an earlier layer only
-
-
-def test_hub_checkpoint_series_select_published_steps():
-    cfg = {"models": {
-        "p": {"source": {"kind": "hub", "name": "EleutherAI/pythia-70m"}, "checkpoint_series": {"range": [0, 4000]},
-              "checkpoints": [{"value": 143000}]},
-        "q": {"source": {"kind": "hub", "name": "EleutherAI/pythia-160m"}, "checkpoint_series": {"steps": [512, 2000]}},
-        "c": {"source": {"kind": "hub", "name": "stanford-crfm/alias-gpt2-small-x21"},
-              "checkpoint_series": {"range": [100, 400], "every": 2}}}}
-    out = validate_config(cfg, check_sources=False)["models"]
-    assert list(model_checkpoints(out["p"])) == [f"step{s}" for s in
-                                                 (0, 1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1000, 2000, 3000, 4000, 143000)]
-    assert model_checkpoints(out["p"])["step2000"] == {"label": "step2000", "checkpoint_value": 2000, "step": 2000,
-                                                       "tokens": 2000 * 2_097_152}
-    assert list(model_checkpoints(out["q"])) == ["step512", "step2000"]
-    assert list(model_checkpoints(out["c"])) == ["step100", "step200", "step300", "step400"]  # every 2nd of 50-step series
-    bad = {"models": {"q": {"source": {"kind": "hub", "name": "EleutherAI/pythia-160m"},
-                            "checkpoint_series": {"steps": [513]}}}}
-    with pytest.raises(Exception, match=r"models.q.checkpoint_series.steps: \[513\] are not published"):
-        validate_config(bad, check_sources=False)
 
 
 def test_loss_drop_step_finds_the_steepest_fall():
@@ -261,18 +220,3 @@ def test_training_outcome_from_the_views():
     assert training_outcome(con, "absent") is None
 
 
-@pytest.mark.parametrize("name", ["config.yaml", "cluster-hub.yaml", "training-sweep.yaml", "optional.yaml"])
-def test_shipped_configs_validate(name):
-    validate_config(yaml.safe_load(open(f"config/{name}")), check_sources=False)
-
-
-def test_the_sweep_runs_the_demo_recipe():
-    """README's sweep table claims its 2-layer runs are the default run's recipe, seed aside."""
-    def recipe(spec):
-        return {k: v for k, v in spec.items() if k not in ("description", "seed", "schedule", "spaces")}  # not training
-
-    demo = _demo_spec()
-    sweep = validate_config(yaml.safe_load(open("config/training-sweep.yaml")), check_sources=False)["training"]
-    assert {n: s["seed"] for n, s in sweep.items() if s["n_layers"] == 2} == {f"attn2l-s{i}": i for i in range(4)}
-    for spec in sweep.values():
-        assert recipe(spec) == {**recipe(demo), "n_layers": spec["n_layers"]}

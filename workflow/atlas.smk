@@ -16,9 +16,9 @@ rule atlas:
         f"{RESULTS}/atlas.duckdb",
     params:
         thresholds={
-            "prev_token_threshold": config["induction"]["prev_token_threshold"],
-            "induction_threshold": config["induction"]["induction_threshold"],
-            "fdr": config["composition"]["fdr"],
+            "prev_token_threshold": setting("induction", "prev_token_threshold"),
+            "induction_threshold": setting("induction", "induction_threshold"),
+            "fdr": setting("composition", "fdr"),
         },
     conda:
         "../envs/compatlas.yaml"

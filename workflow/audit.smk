@@ -9,12 +9,12 @@ rule invariance:
     output:
         INVARIANCE,
     params:
-        settings=config["invariance"],
-        metrics=config["metrics"],
-        spaces=lambda wc: model_spaces(wc.model),
-        layers=lambda wc: config["models"][wc.model].get("layers"),
-        seed=config["composition"]["seed"],
-        max_condition=config["composition"]["max_condition"],
+        settings=setting("invariance"),
+        metrics=setting("metrics"),
+        spaces=model_spaces,
+        layers=model_layers,
+        seed=setting("composition", "seed"),
+        max_condition=setting("composition", "max_condition"),
     conda:
         "../envs/compatlas.yaml"
     log:
@@ -31,9 +31,9 @@ rule metric_audit:
     output:
         f"{RESULTS}/metric_audit/metric_audit.parquet",
     params:
-        metrics=config["metrics"],
-        spaces=config["spaces"],
-        seed=config["composition"]["seed"],
+        metrics=setting("metrics"),
+        spaces=setting("spaces"),
+        seed=setting("composition", "seed"),
     conda:
         "../envs/compatlas.yaml"
     log:

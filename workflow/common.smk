@@ -1,22 +1,27 @@
-# Helpers shared by the rules: config validation, the grid, and what each rule reads.
+# Helpers shared by the rules: the plan (the config validated and resolved once), the grid, and
+# what each rule reads. Rules take every setting from PLAN, never from `config`; the values they
+# hand a job as params are thawed to the plain lists and dicts the config holds, since Snakemake
+# reruns a job whose params' repr changed.
 import os
 import sys
 
 from snakemake.exceptions import WorkflowError
 
 from compatlas.composition import METRICS
-from compatlas.config import ConfigError, induction_settings, last_checkpoint, model_checkpoints, trained_run, validate_config
+from compatlas.config import ConfigError
+from compatlas.plan import build_plan, thaw
 from compatlas.token_space import SPACES
 
-# Validate (and fill defaults) before any job is scheduled: one line naming the config file, the
-# key and the problem (not this file's line, which a WorkflowError would point at).
+# Validate and plan before any job is scheduled: one line naming the config file, the key and the
+# problem (not this file's line, which a WorkflowError would point at). `config` is left as the
+# user wrote it.
 try:
-    validate_config(config)
+    PLAN = build_plan(config)
 except ConfigError as e:
     print(f"{', '.join(map(str, workflow.configfiles)) or 'config'}: {e}", file=sys.stderr)
     raise SystemExit(1)
 
-RESULTS = config["results"]
+RESULTS = PLAN.results
 LOGS = f"{RESULTS}/logs"
 
 WEIGHTS_TENSORS = f"{RESULTS}/weights/{{model}}/{{checkpoint}}/weights.safetensors"
@@ -42,20 +47,30 @@ wildcard_constraints:
 def model_entry(wildcards):
     """The model's config entry as jobs see it: without the checkpoint list, so that adding a
     checkpoint does not change (and rerun) the jobs of the others."""
-    return {k: v for k, v in config["models"][wildcards.model].items() if k != "checkpoints"}
+    return thaw(PLAN.models[wildcards.model].entry)
 
 
 def segment_spec(wildcards):
     """What a training segment depends on: the run without its length and schedule."""
-    spec = trained_run(config, wildcards.model)
-    return {k: v for k, v in spec.items() if k not in ("steps", "schedule", "description", "spaces", "blocks")}
+    return PLAN.models[wildcards.model].segment_spec()
+
+
+def checkpoint_plan(wildcards):
+    try:
+        return PLAN.models[wildcards.model].checkpoint(wildcards.checkpoint)
+    except KeyError as e:
+        raise WorkflowError(f"model {wildcards.model} has no checkpoint {wildcards.checkpoint!r}") from e
 
 
 def checkpoint_spec(wildcards):
-    specs = model_checkpoints(config["models"][wildcards.model])
-    if wildcards.checkpoint not in specs:
-        raise WorkflowError(f"model {wildcards.model} has no checkpoint {wildcards.checkpoint!r}")
-    return specs[wildcards.checkpoint]
+    """The checkpoint as the loaders take it (label, step, tokens, what selects its revision)."""
+    return checkpoint_plan(wildcards).spec()
+
+
+def model_layers(wildcards):
+    """The config's [first, last] layers of the model, or None for all (jobs learn the size from
+    the weights: a hub model's is not known before it is loaded)."""
+    return thaw(PLAN.models[wildcards.model].layer_range)
 
 
 # Below this size (parameters, from the config's dimensions) a job is bound by Python start-up
@@ -67,35 +82,42 @@ def model_threads(wildcards):
     """Threads of a model's jobs: one for a small model built or trained here, two otherwise (a
     model loaded from the hub, a folder or a GGUF file has no size until it is loaded).
     Slurm profiles set their own (`set-threads`)."""
-    src = config["models"][wildcards.model]["source"]
-    dims = trained_run(config, wildcards.model) if src["kind"] == "trained" else src
-    if src["kind"] not in ("build", "trained"):
+    m = PLAN.models[wildcards.model]
+    if m.kind not in ("build", "trained"):
         return 2
+    dims = m.training if m.kind == "trained" else m.source
     d_model = dims["n_heads"] * dims["d_head"]
     params = dims["n_layers"] * 12 * d_model**2 + 2 * dims["d_vocab"] * d_model
     return 1 if params < SMALL_MODEL_PARAMS else 2
 
 
-def model_checkpoint_pairs():
-    """Every (model, checkpoint) of the zoo."""
-    return [(m, c) for m, entry in config["models"].items() for c in model_checkpoints(entry)]
+def model_spaces(wildcards):
+    return thaw(PLAN.models[wildcards.model].spaces)
 
 
-def model_blocks(model):
-    return config["models"][model].get("blocks", config["composition"]["blocks"])
+def model_blocks(wildcards):
+    return PLAN.models[wildcards.model].blocks
 
 
-def model_spaces(model):
-    return config["models"][model].get("spaces", config["spaces"])
+def model_induction(wildcards):
+    """The induction settings with the model's overrides applied."""
+    return thaw(PLAN.models[wildcards.model].induction)
+
+
+def setting(section, key=None):
+    """A global setting of the validated config (defaults filled), as a plain value for params."""
+    value = PLAN.config[section]
+    return thaw(value if key is None else value[key])
 
 
 def grid_shards(path, model, ckpt):
     """``path`` (SHARD or NULL_SHARD) for every metric, space and block of one model x checkpoint.
     The DAG is static (blocks come from the config, not from the model's layer count), so dry
     runs and incremental reruns see every job."""
+    m = PLAN.models[model]
     # (a line may not start with `checkpoint=` in a .smk file: it is a keyword)
-    grid = dict(model=model, checkpoint=ckpt, metric=config["metrics"], space=model_spaces(model))
-    return expand(path, block=range(model_blocks(model)), **grid)
+    grid = dict(model=model, checkpoint=ckpt, metric=PLAN.metrics, space=m.spaces)
+    return expand(path, block=range(m.blocks), **grid)
 
 
 def model_composition_shards(path):
@@ -105,51 +127,51 @@ def model_composition_shards(path):
 
 def all_shards(path):
     """Input function: ``path`` of every model x checkpoint x metric x space x block of the grid."""
-    return lambda wc: [s for m, c in model_checkpoint_pairs() for s in grid_shards(path, m, c)]
+    return lambda wc: [s for m, c in PLAN.pairs() for s in grid_shards(path, m.name, c.label)]
 
 
 def calibration_shards(wildcards):
-    return [CALIBRATION.format(model=m, checkpoint=c) for m, c in model_checkpoint_pairs()]
+    return [CALIBRATION.format(model=m.name, checkpoint=c.label) for m, c in PLAN.pairs()]
 
 
 def invariance_shards(wildcards):
     """The audit characterises a metric on a model, not a training stage: each model's last
     checkpoint only."""
-    if not config["invariance"]["enabled"]:
+    if not PLAN.config["invariance"]["enabled"]:
         return []
-    return [INVARIANCE.format(model=m, checkpoint=last_checkpoint(e)) for m, e in config["models"].items()]
+    return [INVARIANCE.format(model=m.name, checkpoint=m.last.label) for m in PLAN.models.values()]
 
 
 def previous_train_state(wildcards):
     """The train rule resumes the checkpoint before this one (none for the first)."""
-    labels = list(model_checkpoints(config["models"][wildcards.model]))
-    i = labels.index(wildcards.checkpoint)
-    return [] if i == 0 else [TRAIN_STATE.format(model=wildcards.model, checkpoint=labels[i - 1])]
+    previous = PLAN.models[wildcards.model].previous(wildcards.checkpoint)
+    return [] if previous is None else [TRAIN_STATE.format(model=wildcards.model, checkpoint=previous.label)]
 
 
 def extract_inputs(wildcards):
     """A trained model's checkpoint is made by the train rule; other sources need nothing."""
-    if trained_run(config, wildcards.model) is None:
+    if PLAN.models[wildcards.model].training is None:
         return []
     return [TRAIN_STATE.format(**wildcards)]
 
 
 def training_loss_shards(wildcards):
-    return [TRAIN_LOSS.format(model=m, checkpoint=c) for m, c in model_checkpoint_pairs()
-            if trained_run(config, m) is not None]
+    return [TRAIN_LOSS.format(model=m.name, checkpoint=c.label) for m, c in PLAN.pairs() if m.training is not None]
 
 
 def all_metas(wildcards):
-    return [WEIGHTS_META.format(model=m, checkpoint=c) for m, c in model_checkpoint_pairs()]
-
-
-def induction_enabled(model):
-    return induction_settings(config, model)["enabled"]
+    return [WEIGHTS_META.format(model=m.name, checkpoint=c.label) for m, c in PLAN.pairs()]
 
 
 def induction_shards(path):
     """The induction rule's output `path` for every (model, checkpoint) with induction enabled."""
-    return [path.format(model=m, checkpoint=c) for m, c in model_checkpoint_pairs() if induction_enabled(m)]
+    return [path.format(model=m.name, checkpoint=c.label) for m, c in PLAN.pairs() if m.induction["enabled"]]
+
+
+def report_config():
+    """The config as the report's footer prints it: the settings as validated (defaults filled)
+    and the names of the models, training runs' included."""
+    return {**thaw(PLAN.config), "models": list(PLAN.models)}
 
 
 # One run at a time on a results folder (compatlas/runlock.py): Snakemake's own lock covers

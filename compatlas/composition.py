@@ -1,8 +1,9 @@
 """Q-, K- and V-composition scores for every writer/reader head pair, kept factored.
 
-Conventions (docs/math.md#conventions, row vectors): the writer head h1 has ``OV1 = W_V1 W_O1``; the reader
-matrix ``R = A B`` is ``QK2 = W_Q2 W_K2^T`` (Q), ``QK2^T = W_K2 W_Q2^T`` (K) or
-``OV2 = W_V2 W_O2`` (V). Composition looks at ``L R`` with ``L = OV1``.
+Conventions (row vectors; docs/math.md#conventions): the writer head h1 has
+``OV1 = W_V1 W_O1``; the reader matrix ``R = A B`` is ``QK2 = W_Q2 W_K2^T`` (Q),
+``QK2^T = W_K2 W_Q2^T`` (K) or ``OV2 = W_V2 W_O2`` (V). Composition looks at ``L R`` with
+``L = OV1``.
 
 Never a d_model x d_model product per pair: with thin QRs ``W_V1 = Q R_V1`` and
 ``B^T = Q R_B``, ``||W_V1 (W_O1 A) B||_F = ||R_V1 W_O1 A R_B^T||_F``. So each writer head

@@ -10,9 +10,10 @@ level helpers and module-scoped fixtures can call them too):
 
 - ``random_weights``: seeded random ``AttentionWeights`` (the extracted-shard layout), Gaussian
   factors with optional per-head spectra and scales, embedding, unembedding and norm weights;
-- ``tiny_hf_model``: a tiny randomly initialised Hugging Face model of one architecture.
+- ``tiny_hf_model``: a tiny randomly initialised Hugging Face model of one architecture;
+- ``data_config``, ``tiny_config``: a fresh copy of one of the test configs in ``tests/data/``.
 
-torch, transformers and compatlas are imported inside the factories: collecting a test module
+torch, transformers, yaml and compatlas are imported inside the factories: collecting a test module
 that needs none of them (the CLI, the config, the envs) stays as light as before.
 
 Fixtures: ``one_torch_thread`` (module scope) and ``float64_default`` (function scope), for the
@@ -20,6 +21,7 @@ modules that ask for them with ``pytestmark = pytest.mark.usefixtures(...)``.
 """
 
 import os
+from pathlib import Path
 
 import pytest
 
@@ -149,3 +151,16 @@ def tiny_hf_model(arch: str, vocab: int, **config):
                                "intermediate_size": 64, "vocab_size": vocab, "max_position_embeddings": 32, **config})
         return tf.BertForMaskedLM(cfg) if arch == "bert" else tf.BertModel(cfg, add_pooling_layer=False)
     raise ValueError(f"unknown tiny architecture {arch!r}; choose from {TINY_ARCHS}")
+
+
+def data_config(name: str = "tiny") -> dict:
+    """A fresh copy of ``tests/data/<name>.yaml``: ``tiny`` (two built models, a training run,
+    every metric: the end-to-end tests) or ``slurm`` (the real-Slurm test's grid)."""
+    import yaml
+
+    return yaml.safe_load((Path(__file__).resolve().parent / "data" / f"{name}.yaml").read_text())
+
+
+def tiny_config() -> dict:
+    """A fresh copy of ``tests/data/tiny.yaml``."""
+    return data_config("tiny")

@@ -111,7 +111,8 @@ def random_weights(seed: int, *, L: int, H: int, Hkv: int, d: int, dh: int, spec
         return W_E * torch.logspace(-embed_decades, embed_decades, d, dtype=f64) if embed_decades else W_E
 
     W_E = embedding() if embed_first else None
-    W_Q, W_K, W_V, W_O = factor(H, d, dh, True), factor(Hkv, d, dh, True), factor(Hkv, d, dh, True), factor(H, dh, d, False)
+    W_Q, W_K = factor(H, d, dh, True), factor(Hkv, d, dh, True)
+    W_V, W_O = factor(Hkv, d, dh, True), factor(H, dh, d, False)
     W_E = embedding() if W_E is None else W_E
     W_U = randn(d, vocab) if unembed else None
     ln1_w = 1 + ln1 * randn(L, d) if ln1 else None
@@ -131,21 +132,21 @@ def tiny_hf_model(arch: str, vocab: int, **config):
     import transformers as tf
 
     if arch == "gpt2":
-        cfg = tf.GPT2Config(**{"n_layer": 3, "n_head": 4, "n_embd": 32, "vocab_size": vocab, "n_positions": 32, **config})
-        return tf.GPT2LMHeadModel(cfg)
+        return tf.GPT2LMHeadModel(tf.GPT2Config(**{
+            "n_layer": 3, "n_head": 4, "n_embd": 32, "vocab_size": vocab, "n_positions": 32, **config}))
     if arch == "llama-gqa":
         return tf.LlamaForCausalLM(tf.LlamaConfig(**{
-            "num_hidden_layers": 3, "num_attention_heads": 4, "num_key_value_heads": 2, "hidden_size": 32, "head_dim": 8,
-            "intermediate_size": 64, "vocab_size": vocab, "max_position_embeddings": 32, "tie_word_embeddings": False,
-            **config}))
+            "num_hidden_layers": 3, "num_attention_heads": 4, "num_key_value_heads": 2, "hidden_size": 32,
+            "head_dim": 8, "intermediate_size": 64, "vocab_size": vocab, "max_position_embeddings": 32,
+            "tie_word_embeddings": False, **config}))
     if arch == "pythia":
         return tf.GPTNeoXForCausalLM(tf.GPTNeoXConfig(**{
             "num_hidden_layers": 3, "num_attention_heads": 4, "hidden_size": 32, "intermediate_size": 64,
             "vocab_size": vocab, "max_position_embeddings": 32, **config}))
     if arch == "gemma":
         return tf.GemmaForCausalLM(tf.GemmaConfig(**{
-            "num_hidden_layers": 3, "num_attention_heads": 4, "num_key_value_heads": 1, "hidden_size": 32, "head_dim": 8,
-            "intermediate_size": 64, "vocab_size": vocab, "max_position_embeddings": 32, **config}))
+            "num_hidden_layers": 3, "num_attention_heads": 4, "num_key_value_heads": 1, "hidden_size": 32,
+            "head_dim": 8, "intermediate_size": 64, "vocab_size": vocab, "max_position_embeddings": 32, **config}))
     if arch in ("bert", "bert-bare"):
         cfg = tf.BertConfig(**{"num_hidden_layers": 3, "num_attention_heads": 4, "hidden_size": 32,
                                "intermediate_size": 64, "vocab_size": vocab, "max_position_embeddings": 32, **config})

@@ -1,9 +1,9 @@
 """Head ablation: exact on the cached residual stream vs rerunning the whole model per head,
 and attribution patching against exact ablation. Same run, same sequences.
 
-Targets (issue 15): the exact path (``method="exact"``: the blocks below the ablated head's
+Targets: the exact path (``method="exact"``: the blocks below the ablated head's
 layer run once per batch) is at least 2x faster than the reference that reruns the whole
-model per head (``method="full"``, the path before issue 15), with the same drops (max
+model per head (``method="full"``, the original path), with the same drops (max
 difference printed; the tests hold it to 1e-6); attribution patching (one forward and one
 backward pass for all heads) is reported by its Spearman correlation with exact ablation over
 heads, on SmolLM2 and on the trained 2-layer model (``--trained``, trained here in ~15 s).

@@ -12,7 +12,7 @@ The model: a synthetic Llama with Llama-2-70B attention shapes (d_model 8192, 64
 sharded bfloat16 safetensors (about 4.5 GB) one tensor at a time, never holding the model.
 Each extraction runs through the pipeline's entry point (``loading.load_and_extract`` on a
 ``local`` source, then ``weights.save_weights``, as the extract rule does) in a child process
-of its own; its peak RSS is the child's ``ru_maxrss``. Target (issue 15): streaming's peak RSS
+of its own; its peak RSS is the child's ``ru_maxrss``. Target: streaming's peak RSS
 at most 1.5x the bytes of the float32 tensors it extracts, with ``none`` and ``compat``.
 
 Today's path holds the whole model in float32 (about 9 GB at 2 layers, before processing

@@ -1,6 +1,6 @@
 """Batched induction sweep vs one sequence at a time, same run, same sequences.
 
-Target (issue 4): the batched sweep runs at least 10x more sequences per second than a loop
+Target: the batched sweep runs at least 10x more sequences per second than a loop
 of single-sequence forward passes. Both sides call the production code
 (``compatlas.induction.strengths``: a sequence and its control per induction sample), the
 loop with ``batch_size=1``; the strengths must agree.

@@ -7,7 +7,7 @@ Suite: 4 models (6 x 8, 12 x 12, 16 x 16 and 24 x 16 layers x heads), 30 checkpo
 four models with 3 checkpoints, and the largest model alone with 30, are the references measured
 in the same run: the report's cost should follow the models, not the checkpoints.
 
-Targets (issue 13, 2 cores): the report in under 2 minutes, the overview under 5 MB, each model
+Targets (2 cores): the report in under 2 minutes, the overview under 5 MB, each model
 page under 10 MB.
 
     python benchmarks/bench_report.py [--checkpoints 30] [--dir /tmp/bench-report] [--no-png] [--reuse]

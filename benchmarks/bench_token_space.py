@@ -1,6 +1,6 @@
 """Token space vs residual space: the cost of a whole model's composition, same run.
 
-Target (issue 3): token space costs at most 1.5x residual space. Token space pays one QR of
+Target: token space costs at most 1.5x residual space. Token space pays one QR of
 W_E per model (the factor is stored at extraction) and one basis change per job; the kernel
 is the same. Timed: score_block over every layer pair (scores + both nulls), per metric.
 

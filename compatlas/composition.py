@@ -1,8 +1,9 @@
 """Q-, K- and V-composition scores for every writer/reader head pair, kept factored.
 
-Conventions (math.md, row vectors): the writer head h1 has ``OV1 = W_V1 W_O1``; the reader
-matrix ``R = A B`` is ``QK2 = W_Q2 W_K2^T`` (Q), ``QK2^T = W_K2 W_Q2^T`` (K) or
-``OV2 = W_V2 W_O2`` (V). Composition looks at ``L R`` with ``L = OV1``.
+Conventions (row vectors; docs/math.md#conventions): the writer head h1 has
+``OV1 = W_V1 W_O1``; the reader matrix ``R = A B`` is ``QK2 = W_Q2 W_K2^T`` (Q),
+``QK2^T = W_K2 W_Q2^T`` (K) or ``OV2 = W_V2 W_O2`` (V). Composition looks at ``L R`` with
+``L = OV1``.
 
 Never a d_model x d_model product per pair: with thin QRs ``W_V1 = Q R_V1`` and
 ``B^T = Q R_B``, ``||W_V1 (W_O1 A) B||_F = ||R_V1 W_O1 A R_B^T||_F``. So each writer head
@@ -15,7 +16,7 @@ Metrics (each in [0, 1]):
 
 - ``frobenius``: ``||L R||_F / (||L||_F ||R||_F)`` (Mathematical Framework).
 - ``svd_bound``: ``||L R||_F / sqrt(sum_i s_i(L)^2 s_i(R)^2)``, both spectra sorted
-  descending (seed 002; von Neumann's trace inequality makes it <= 1).
+  descending (Lieberum's tighter denominator; von Neumann's trace inequality makes it <= 1).
 - ``subspace``: mean squared cosine of the principal angles between the writer's output
   subspace (row space of W_O1) and the reader's input subspace (column space of A), over
   ``min(rank1, rank2)`` angles. Deliberately magnitude-free: it asks *where* a head writes

@@ -1,5 +1,6 @@
-"""Composition over training (seed 000): when do induction heads form, and which composition
-score tracks the formation rather than rising early for no behavioural reason?
+"""Composition over training (docs/math.md#composition-over-training): when do induction heads
+form, and which composition score tracks the formation rather than rising early for no
+behavioural reason (the K-composition puzzle of "Composition Measures in Transformers")?
 
 Definitions (the report states them):
 - The *eventual* induction head is the head after the first layer with the highest
@@ -113,7 +114,7 @@ def statement(v: pl.DataFrame) -> str:
 
 @dataclass
 class TrainingOutcome:
-    """What the seed-000 analysis finds for one model with a checkpoint series."""
+    """What the composition-over-training analysis finds for one model with a checkpoint series."""
     heads: pl.DataFrame                 # head_scores at every checkpoint, with its step
     pair: tuple[tuple[int, int], tuple[int, int]] | None  # (induction head, previous-token head)
     formation: float | None             # formation step (formation_step)
@@ -139,7 +140,7 @@ def eventual_pair(heads: pl.DataFrame) -> tuple[tuple[int, int], tuple[int, int]
 
 
 def training_outcome(heads: pl.DataFrame, loss: pl.DataFrame, curves: pl.DataFrame) -> TrainingOutcome | None:
-    """The seed-000 analysis of one run from data frames: ``heads`` (head scores at every
+    """The composition-over-training analysis of one run from data frames: ``heads`` (head scores at every
     checkpoint, with ``step``), ``loss`` (step, loss; may be empty) and ``curves`` (the
     ``eventual_pair``'s composition: metric, space, comp, step, score). None with fewer than
     two checkpoints."""

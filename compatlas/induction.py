@@ -1,7 +1,8 @@
 """Induction behaviour, measured by forward passes: what the weights-based scores are checked against.
 
-- ``induction_sweep``: seed 004's induction strength. Sequences ``r.. A B r.. A``; the control
-  shuffles every token but the last; strength = logodds(p(B) | sequence) - logodds(p(B) | control).
+- ``induction_sweep``: the induction-strength log-odds (Roger 2023; docs/math.md). Sequences
+  ``r.. A B r.. A``; the control shuffles every token but the last;
+  strength = logodds(p(B) | sequence) - logodds(p(B) | control).
   A power of token a: mean strength over S sequences with A = a (B power: with B = b), with
   the nearby-B token B* and a random token R scored on the same sequences.
 - ``head_attention_scores``: previous-token, duplicate-token and induction attention per head.
@@ -9,7 +10,7 @@
   zeroed or replaced by its mean. ``exact`` reruns only the blocks from the ablated head's
   layer up, on the clean residual stream cached once per batch; ``attribution`` estimates
   every head's drop from one forward and one backward pass (attribution patching).
-- Tokens (seed 004, issue 11): A and B are a seeded random sample of the vocabulary's
+- Tokens: A and B are a seeded random sample of the vocabulary's
   ``clean_tokens`` (no special, added, control, unreachable or duplicate-embedding tokens).
 
 Works on any transformer_lens model with ``run_with_hooks`` and the hook names
@@ -112,7 +113,7 @@ def target_logprobs(model, seqs: torch.Tensor, targets: torch.Tensor, batch_size
                     progress: Progress | None = None, full_logits: bool = False) -> torch.Tensor:
     """log p(target) at the last position, float64 [S, k]; forward passes in batches.
     ``hooks(rows)`` gives the forward hooks for the batch covering ``rows``; ``full_logits``
-    unembeds every position (the path before issue 15, kept as the benchmarks' reference)."""
+    unembeds every position (the original path, kept as the benchmarks' reference)."""
     device = _device(model)
     last = [] if full_logits else last_position_hooks(model)
     batch_size = max(1, min(batch_size, LOGITS_BUDGET // (seqs.shape[1] * model.cfg.d_vocab))) if full_logits \
@@ -373,7 +374,7 @@ def _ablate_hook(layer: int, heads: torch.Tensor, means: list[torch.Tensor] | No
 
 
 def _full_drops(model, seq, ctrl, target, clean, means, batch_size, progress) -> torch.Tensor:
-    """Reference path, as before issue 15: the whole model reruns per ablated head (heads of a
+    """Reference path (the original one): the whole model reruns per ablated head (heads of a
     layer side by side in a batch), every position unembedded."""
     L, H, S = model.cfg.n_layers, model.cfg.n_heads, len(seq)
     per_pass = max(1, min(batch_size, LOGITS_BUDGET // (seq.shape[1] * model.cfg.d_vocab)) // S)
@@ -530,7 +531,7 @@ def ablation_effects(model, tokens: TokenSet, *, sequences: int, before: int = 1
     its mean over these sequences and controls (``mean``).
 
     ``method``: ``exact`` (blocks below the ablated layer run once per batch, _cached_drops),
-    ``full`` (the whole model per head, every position unembedded: the path before issue 15,
+    ``full`` (the whole model per head, every position unembedded: the original path,
     the reference exact agrees with and is timed against), or ``attribution``
     (a first-order estimate for all heads from one forward and backward pass)."""
     if mode not in ABLATION_MODES:
@@ -572,8 +573,8 @@ def ablation_effects(model, tokens: TokenSet, *, sequences: int, before: int = 1
 
 def token_set(tokenizer, pool: torch.Tensor, prepend_bos: str | bool = "auto") -> TokenSet:
     """The sweep's pool (clean tokens, see ``clean_tokens``) and BOS. ``prepend_bos='auto'``
-    prepends BOS when the tokenizer itself adds one to encoded text (seed 004: "if the model
-    expects one")."""
+    prepends BOS when the tokenizer itself adds one to encoded text (the induction-strength
+    setup: BOS "if the model expects one")."""
     bos_id = getattr(tokenizer, "bos_token_id", None)
     if prepend_bos == "auto":
         adds = tokenizer is not None and bos_id is not None and tokenizer("a").input_ids[:1] == [bos_id]
@@ -595,7 +596,7 @@ def token_directions(W_E: torch.Tensor, W_U: torch.Tensor | None) -> torch.Tenso
 
 def measure_behaviour(model, tokenizer, directions: torch.Tensor, settings: dict, W_E: torch.Tensor | None = None
             ) -> tuple[pl.DataFrame, pl.DataFrame, dict]:
-    """Everything issue 4 measures on one model: the strength sweep (per filler setting), head
+    """Every forward-pass measurement of one model: the strength sweep (per filler setting), head
     attention scores and head ablation. ``settings`` is the config's ``induction`` section;
     ``directions`` the rows nearby-B is measured in (token_directions), ``W_E`` the embedding
     (duplicate rows excluded; ``directions`` if not given). Returns the token and head tables

@@ -1,4 +1,5 @@
-"""The invariance audit (Axiom 4, seed 001): do scores survive a change of residual basis?
+"""The invariance audit (Snell's Axiom 4, docs/math.md#the-invariance-audit): do scores survive a
+change of residual basis?
 
 ``x -> x T`` leaves the network's function unchanged when every writer is multiplied by T on
 the right and every reader by T^-1 on the left (norms ignored: the linear setting):

@@ -1,4 +1,4 @@
-"""Exact token-space composition at residual-space cost (seed 001, math.md).
+"""Exact token-space composition at residual-space cost (docs/math.md#token-space-exactly).
 
 With ``W_E = Q_E R_E`` (``Q_E`` orthonormal columns), ``||W_E X W_E^T||_F = ||R_E X R_E^T||_F``
 for every d_model x d_model ``X``, and singular values agree. So token space is the residual

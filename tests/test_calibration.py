@@ -14,6 +14,7 @@ import numpy as np
 import polars as pl
 import pytest
 import torch
+from conftest import random_weights as shared_random_weights
 
 from compatlas.calibration import (
     NULL_PAIRS, NullPairs, bh_q_values, calibrate, calibrate_shards, empirical_p_values, tail_survival,
@@ -94,18 +95,8 @@ def random_weights(seed: int, L: int = 6, H: int = 6, Hkv: int = 6, d: int = 48,
                    vocab: int = 300) -> AttentionWeights:
     """Gaussian heads with a random spectrum and scale per head (so the metrics' normalisations
     matter), iid across layers: causal and non-causal pairs are exchangeable."""
-    g = torch.Generator().manual_seed(seed)
-
-    def randn(*shape):
-        return torch.randn(*shape, generator=g, dtype=torch.float64)
-
-    def factor(heads, rows, cols, right):
-        W, spec, scale = randn(L, heads, rows, cols), torch.exp(0.5 * randn(L, heads, dh)), torch.exp(0.5 * randn(L, heads, 1, 1))
-        return (W * spec[..., None, :] if right else W * spec[..., :, None]) * scale
-
-    return AttentionWeights(W_Q=factor(H, d, dh, True), W_K=factor(Hkv, d, dh, True), W_V=factor(Hkv, d, dh, True),
-                            W_O=factor(H, dh, d, False), W_E=randn(vocab, d) * torch.logspace(-0.5, 0.5, d, dtype=torch.float64),
-                            W_U=randn(d, vocab), ln1_w=1 + 0.1 * randn(L, d), meta={"model": "random", "norm_type": "RMS"})
+    return shared_random_weights(seed, L=L, H=H, Hkv=Hkv, d=d, dh=dh, spectrum=0.5, scale=0.5, vocab=vocab,
+                                 embed_decades=0.5, unembed=True, ln1=0.1, meta={"model": "random", "norm_type": "RMS"})
 
 
 def score_and_calibrate(w: AttentionWeights, metric: str, space: str,

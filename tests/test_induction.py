@@ -9,6 +9,7 @@ import math
 
 import pytest
 import torch
+from conftest import tiny_hf_model
 
 from compatlas.induction import (
     TokenSet, _block_list, ablation_effects, clean_tokens, head_attention_scores, induction_sequences, induction_sweep,
@@ -26,12 +27,9 @@ COPY = 4.0                          # what the induction head writes for B: p(B)
 
 
 def _hf_gpt2():
-    from transformers import GPT2Config, GPT2LMHeadModel
-
     torch.manual_seed(0)
-    cfg = GPT2Config(n_layer=2, n_head=N_HEADS, n_embd=D_MODEL, vocab_size=V, n_positions=P, tie_word_embeddings=False,
-                     resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
-    return GPT2LMHeadModel(cfg).eval()
+    return tiny_hf_model("gpt2", V, n_layer=2, n_head=N_HEADS, n_embd=D_MODEL, n_positions=P, tie_word_embeddings=False,
+                         resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0).eval()
 
 
 def _boot(hf, folder, dtype=torch.float32):
@@ -220,7 +218,7 @@ def test_measure_end_to_end(built):
     assert set(heads["ablation_method"]) == {"exact"} and set(heads["ablation_sequences"]) == {8}
 
 
-# ----------------------------------------------------------------------------- which tokens (seed 004, issue 11)
+# ----------------------------------------------------------------------------- which tokens (clean tokens)
 
 
 def test_sample_tokens_is_seeded_and_uniform():
@@ -267,7 +265,7 @@ def test_nearest_token_skips_exact_duplicates_and_reports_cosine():
     assert ids[3].item() != 3
 
 
-# ----------------------------------------------------------------------------- ablation paths (issue 15)
+# ----------------------------------------------------------------------------- ablation: exact, full, attribution
 
 
 @pytest.mark.parametrize("mode", ["zero", "mean"])

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from conftest import machine_slowdown
+from conftest import machine_slowdown, tiny_config
 
 from compatlas.atlas import connect
 
@@ -28,10 +28,6 @@ def run_snakemake(workdir: Path, config: dict, *extra: str, check: bool = True) 
     if check and proc.returncode != 0:
         raise AssertionError(f"snakemake failed ({proc.returncode}):\n{proc.stderr[-4000:]}")
     return proc
-
-
-def tiny_config() -> dict:
-    return yaml.safe_load((REPO / "tests" / "data" / "tiny.yaml").read_text())
 
 
 def sha(path: Path) -> str:

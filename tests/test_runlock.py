@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from conftest import tiny_config
 
 from compatlas import runlock
 
@@ -69,7 +70,7 @@ def test_heartbeat_keeps_a_live_lock_fresh(tmp_path: Path):
 
 def test_snakemake_run_on_a_results_folder_in_use_stops_before_any_job(tmp_path: Path):
     shared = tmp_path / "shared-results"
-    cfg = yaml.safe_load((REPO / "tests" / "data" / "tiny.yaml").read_text())
+    cfg = tiny_config()
     cfg["results"] = str(shared)
     work = tmp_path / "b"
     work.mkdir()

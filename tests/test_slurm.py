@@ -36,7 +36,7 @@ from pathlib import Path
 
 import pyarrow.parquet as pq
 import pytest
-from conftest import machine_slowdown
+from conftest import data_config, machine_slowdown
 import yaml
 
 from compatlas.atlas import connect
@@ -341,7 +341,7 @@ def composition_counts(work: Path) -> dict[tuple[str, str], int]:
 
 
 def base_config() -> dict:
-    return yaml.safe_load((REPO / "tests" / "data" / "slurm.yaml").read_text())
+    return data_config("slurm")
 
 
 def grown_config() -> dict:

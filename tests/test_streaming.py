@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import TINY_ARCHS, tiny_hf_model
 
 from compatlas import streaming
 from compatlas.loading import boot, dir_checksum, extract, load_and_extract
@@ -30,29 +31,7 @@ def _randomise(model: torch.nn.Module, seed: int) -> torch.nn.Module:
     return model
 
 
-def _hf(arch: str):
-    from transformers import (BertConfig, BertForMaskedLM, BertModel, GemmaConfig, GemmaForCausalLM, GPT2Config,
-                              GPT2LMHeadModel, GPTNeoXConfig, GPTNeoXForCausalLM, LlamaConfig, LlamaForCausalLM)
-
-    if arch == "gpt2":
-        return GPT2LMHeadModel(GPT2Config(n_layer=3, n_head=4, n_embd=32, vocab_size=V, n_positions=32))
-    if arch == "llama-gqa":
-        return LlamaForCausalLM(LlamaConfig(num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
-                                            hidden_size=32, head_dim=8, intermediate_size=64, vocab_size=V,
-                                            max_position_embeddings=32, tie_word_embeddings=False))
-    if arch == "pythia":
-        return GPTNeoXForCausalLM(GPTNeoXConfig(num_hidden_layers=3, num_attention_heads=4, hidden_size=32,
-                                                intermediate_size=64, vocab_size=V, max_position_embeddings=32))
-    if arch == "gemma":
-        return GemmaForCausalLM(GemmaConfig(num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=1,
-                                            hidden_size=32, head_dim=8, intermediate_size=64, vocab_size=V,
-                                            max_position_embeddings=32))
-    cfg = BertConfig(num_hidden_layers=3, num_attention_heads=4, hidden_size=32, intermediate_size=64,
-                     vocab_size=V, max_position_embeddings=32)
-    return BertForMaskedLM(cfg) if arch == "bert" else BertModel(cfg, add_pooling_layer=False)
-
-
-ARCHS = ["gpt2", "llama-gqa", "pythia", "gemma", "bert", "bert-bare"]
+ARCHS = list(TINY_ARCHS)
 
 
 @pytest.fixture(scope="module")
@@ -61,7 +40,7 @@ def saved(tmp_path_factory) -> dict[str, Path]:
     for i, arch in enumerate(ARCHS):
         folder = tmp_path_factory.mktemp(arch)
         torch.manual_seed(i)
-        model = _randomise(_hf(arch), seed=100 + i)
+        model = _randomise(tiny_hf_model(arch, V), seed=100 + i)
         if arch == "llama-gqa":  # bfloat16 shards, each tensor in one file, like a large hub checkpoint
             model.to(torch.bfloat16).save_pretrained(folder, max_shard_size="20KB")
             assert len(list(folder.glob("*.safetensors"))) > 1

@@ -1,10 +1,11 @@
 """Token space: the QR route equals brute force over d_vocab x d_vocab matrices, and the
-invariances math.md derives hold (token space survives every GL(n) change of residual basis)."""
+invariances docs/math.md derives hold (token space survives every GL(n) change of residual basis)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
+from conftest import random_weights
 
 from compatlas.composition_table import score_block
 from compatlas.token_space import embedding_basis, to_space
@@ -14,22 +15,14 @@ from compatlas.weights import AttentionWeights
 L, H, HKV, D, DH, VOCAB = 3, 4, 2, 16, 4, 300
 
 
-@pytest.fixture(autouse=True)
-def float64_by_default():
-    # for this module's tests only: set at import time it leaked into every test collected after it
-    before = torch.get_default_dtype()
-    torch.set_default_dtype(torch.float64)
-    yield
-    torch.set_default_dtype(before)
+# float64 as the default dtype, for this module's tests only (conftest)
+pytestmark = pytest.mark.usefixtures("float64_default")
 
 
 def random_model(seed: int = 0) -> AttentionWeights:
-    g = torch.Generator().manual_seed(seed)
-    r = lambda *s: torch.randn(*s, generator=g)  # noqa: E731
     # uneven column scales in W_E, so token space differs from residual space
-    W_E = r(VOCAB, D) * torch.logspace(-1, 1, D)
-    return AttentionWeights(W_Q=r(L, H, D, DH), W_K=r(L, HKV, D, DH), W_V=r(L, HKV, D, DH), W_O=r(L, H, DH, D),
-                            W_E=W_E, W_U=r(D, VOCAB), meta={"model": "t", "norm_type": "RMS"})
+    return random_weights(seed, L=L, H=H, Hkv=HKV, d=D, dh=DH, vocab=VOCAB, embed_decades=1.0, unembed=True,
+                          embed_first=True, meta={"model": "t", "norm_type": "RMS"})
 
 
 def brute_token_scores(w: AttentionWeights, metric: str, comp: str, l1: int, l2: int) -> torch.Tensor:

@@ -148,7 +148,7 @@ def test_verdicts_tell_tracking_from_early_rise():
         "metric": ["frobenius"] * len(STEPS) + ["svd_bound"] * len(STEPS),
         "space": ["residual"] * 2 * len(STEPS), "comp": ["K"] * 2 * len(STEPS),
         "step": np.concatenate([STEPS, STEPS]),
-        # frobenius: the seed-000 shape, high early then falls; svd_bound: jumps at the formation
+        # frobenius: the K-composition puzzle's shape, high early then falls; svd_bound: jumps at the formation
         "score": np.concatenate([np.where(STEPS < 100, 0.9, 0.3) + 0 * STEPS, _sigmoid(STEPS, 500, 0.2, 0.8)]),
     })
     v = {r["metric"]: r for r in fm.verdicts(curves, f).iter_rows(named=True)}

@@ -7,10 +7,9 @@ import sys
 
 from snakemake.exceptions import WorkflowError
 
-from compatlas.composition import METRICS
 from compatlas.config import ConfigError
 from compatlas.plan import build_plan, thaw
-from compatlas.token_space import SPACES
+from compatlas.vocab import METRICS, SPACES
 
 # Validate and plan before any job is scheduled: one line naming the config file, the key and the
 # problem (not this file's line, which a WorkflowError would point at). `config` is left as the

@@ -61,8 +61,9 @@ def metric_audit_table(df: pl.DataFrame) -> str:
             rows.append("<tr>" + "".join(f"<td>{c}</td>" for c in cells) + "</tr>")
     head = "".join(f"<th>{html.escape(h)}</th>" for h in ["metric", "space", *[AXIOM_TEXT[a] for a in axioms]])
     return ("<h2 id='axioms'>Which metric satisfies which axiom?</h2>"
-            + note("Canonical constructions (seeds 000, 002): identity with identity at d = 4, 16, 64; the rank-1 "
-                   "constant-rows/columns pair; a writer inside / orthogonal to the reader's subspace; a 21-step "
+            + note("Canonical constructions (the Frobenius score's pathologies and Lieberum's axioms): "
+                   "identity with identity at d = 4, 16, 64; the rank-1 constant-rows/columns pair; "
+                   "a writer inside / orthogonal to the reader's subspace; a 21-step "
                    "rotation of the write space into the read space (value = rise from orthogonal to aligned); a "
                    "random model under every transform class (value = max change). "
                    "<code>SELECT * FROM metric_audit</code>.")

@@ -1,6 +1,7 @@
-"""Induction behaviour of one model (forward passes, seed 004): the A and B power histograms,
-B against the nearby-B token and a random token, the head scores and ablation (a checkpoint
-slider where the model has several), and how well composition picks out induction heads."""
+"""Induction behaviour of one model (forward passes: the induction-strength log-odds, head
+scores, ablation): the A and B power histograms, B against the nearby-B token and a random
+token, the head scores and ablation (a checkpoint slider where the model has several), and how
+well composition picks out induction heads."""
 
 from __future__ import annotations
 
@@ -22,7 +23,8 @@ def _fillers(toks: pl.DataFrame) -> pl.DataFrame:
 
 
 def powers_chart(toks: pl.DataFrame, model: str, checkpoint: str) -> alt.Chart:
-    """Histograms of A power and B power over tokens (seed 004, result 1)."""
+    """Histograms of A power and B power over tokens (Roger 2023, result 1: induction works much
+    better for some tokens than for others)."""
     t = _fillers(toks).filter(pl.col("mean").is_finite()).select("fillers", "role", "mean")
     n_f = t["fillers"].n_unique()
     return alt.Chart(t).mark_bar(opacity=0.75, binSpacing=0).encode(

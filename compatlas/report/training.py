@@ -1,7 +1,7 @@
-"""Training as trajectories (seed 000): for a model with a checkpoint series, the loss, the
-eventual heads' scores and induction strength, and the eventual pair's composition on one
-figure over a log step axis, with the formation (or loss-drop) step marked; and the overview's
-one line per run."""
+"""Training as trajectories (docs/math.md#composition-over-training): for a model with a
+checkpoint series, the loss, the eventual heads' scores and induction strength, and the
+eventual pair's composition on one figure over a log step axis, with the formation (or
+loss-drop) step marked; and the overview's one line per run."""
 
 from __future__ import annotations
 

@@ -13,6 +13,7 @@ import math
 import numpy as np
 import pytest
 import torch
+from conftest import random_weights, tiny_hf_model
 
 from compatlas.composition import gaussian_baseline, haar_overlap_blocks, head_factors, layer_pair_scores
 from compatlas.vocab import COMPS, METRICS
@@ -25,15 +26,8 @@ TOL = 1e-10
 # ----------------------------------------------------------------------------- helpers
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_torch_thread():
-    """Every matrix here is tiny: intra-op threads only add synchronisation (and, on a busy
-    2-core machine, spin-wait stalls of ~0.1 s per call). Restored after this module."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
+# every matrix here is tiny: one intra-op thread (conftest)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def gen(seed: int) -> torch.Generator:
@@ -87,19 +81,7 @@ def pair_score(metric: str, comp: str, W_V1, W_O1, A2, Bt2, seed: int = 0) -> fl
 def random_model(seed: int, L: int, H: int, Hkv: int, d: int, dh: int) -> AttentionWeights:
     """Gaussian factors with a random, non-flat spectrum per head and a random scale per head,
     so that normalisations and the sorted-spectrum denominator are actually exercised."""
-    g = gen(seed)
-
-    def factor(heads: int, rows: int, cols: int, right: bool) -> torch.Tensor:
-        W = randn(g, L, heads, rows, cols)
-        spec = torch.exp(0.7 * randn(g, L, heads, dh))  # along the d_head axis
-        scale = torch.exp(randn(g, L, heads, 1, 1))
-        W = W * spec[..., None, :] if right else W * spec[..., :, None]
-        return W * scale
-
-    return weights(
-        W_Q=factor(H, d, dh, True), W_K=factor(Hkv, d, dh, True),
-        W_V=factor(Hkv, d, dh, True), W_O=factor(H, dh, d, False),
-    )
+    return random_weights(seed, L=L, H=H, Hkv=Hkv, d=d, dh=dh, spectrum=0.7, scale=1.0)
 
 
 def kernel_all_pairs(w: AttentionWeights, metric: str, comp: str) -> torch.Tensor:
@@ -344,13 +326,7 @@ def _boot_bridge(kind: str, root):
 
     transformers.logging.set_verbosity_error()
     torch.manual_seed(1234)
-    if kind == "gpt2":
-        cfg = transformers.GPT2Config(n_layer=3, n_head=4, n_embd=32, vocab_size=64, n_positions=32)
-        model = transformers.GPT2LMHeadModel(cfg)
-    else:
-        cfg = transformers.LlamaConfig(num_attention_heads=4, num_key_value_heads=2, hidden_size=32,
-                                       num_hidden_layers=3, intermediate_size=64, vocab_size=64)
-        model = transformers.LlamaForCausalLM(cfg)
+    model = tiny_hf_model("gpt2" if kind == "gpt2" else "llama-gqa", 64)
     d = root / kind
     model.save_pretrained(d)
     tk = Tokenizer(models.WordLevel(vocab={f"t{i}": i for i in range(64)}, unk_token="t0"))

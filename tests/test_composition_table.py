@@ -5,22 +5,18 @@ from __future__ import annotations
 
 import polars as pl
 import pytest
-import torch
+from conftest import random_weights
 
 from compatlas.composition import block_pairs, layer_pairs
 from compatlas.composition_table import score_block
 from compatlas.token_space import add_space_factors
-from compatlas.weights import AttentionWeights
 
 KEY = ["comp", "writer_layer", "writer_head", "reader_layer", "reader_head"]
 
 
 @pytest.mark.parametrize("space", ["residual", "token"])
 def test_blocks_equal_one_whole_job(space):
-    g = torch.Generator().manual_seed(0)
-    r = lambda *s: torch.randn(*s, generator=g, dtype=torch.float64)  # noqa: E731
-    w = AttentionWeights(W_Q=r(5, 4, 16, 4), W_K=r(5, 2, 16, 4), W_V=r(5, 2, 16, 4), W_O=r(5, 4, 4, 16),
-                         W_E=r(80, 16), meta={"norm_type": "RMS"})
+    w = random_weights(0, L=5, H=4, Hkv=2, d=16, dh=4, vocab=80, meta={"norm_type": "RMS"})
     add_space_factors(w)
     layers = list(range(5))
     kw = dict(baseline_samples=8, device="cpu", dtype="float64")

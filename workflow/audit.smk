@@ -20,6 +20,7 @@ rule invariance:
     log:
         f"{LOGS}/invariance/{{model}}/{{checkpoint}}.log",
     threads: model_threads
+    priority: model_priority
     resources:
         mem_mb=8000,
         runtime=60,

@@ -90,6 +90,12 @@ def model_threads(wildcards):
     return 1 if params < SMALL_MODEL_PARAMS else 2
 
 
+def model_priority(wildcards):
+    """A large model's jobs start first: they are the run's longest chain, and the small models'
+    many short jobs fill the cores around them."""
+    return 1 if model_threads(wildcards) > 1 else 0
+
+
 def model_spaces(wildcards):
     return thaw(PLAN.models[wildcards.model].spaces)
 

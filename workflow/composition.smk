@@ -20,6 +20,7 @@ rule composition:
     log:
         f"{LOGS}/composition/{{model}}/{{checkpoint}}/{{metric}}-{{space}}-{{block}}.log",
     threads: model_threads
+    priority: model_priority
     resources:
         mem_mb=4000,
         runtime=30,

@@ -16,6 +16,7 @@ rule extract:
     log:
         f"{LOGS}/extract/{{model}}/{{checkpoint}}.log",
     threads: model_threads
+    priority: model_priority
     resources:
         mem_mb=8000,
         runtime=60,

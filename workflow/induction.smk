@@ -19,6 +19,7 @@ rule induction:
     log:
         f"{LOGS}/induction/{{model}}/{{checkpoint}}.log",
     threads: model_threads
+    priority: model_priority
     resources:
         mem_mb=8000,
         runtime=120,

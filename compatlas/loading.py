@@ -33,6 +33,7 @@ from typing import Any
 import torch
 
 from compatlas.runtime import library_versions
+from compatlas.vocab import SourceKind
 from compatlas.weights import AttentionWeights, file_sha256
 
 log = logging.getLogger(__name__)
@@ -240,7 +241,7 @@ def _build_folder(source: dict[str, Any], checkpoint: dict[str, Any] | None, wor
 
 
 # source kind -> the save_pretrained folder of a model x checkpoint, with its provenance
-FOLDERS: dict[str, Callable[[dict[str, Any], dict[str, Any] | None, Path], tuple[Path, dict[str, Any]]]] = {
+FOLDERS: dict[SourceKind, Callable[[dict[str, Any], dict[str, Any] | None, Path], tuple[Path, dict[str, Any]]]] = {
     "local": _local_folder, "build": _build_folder, "trained": _trained_folder}
 
 
@@ -314,7 +315,7 @@ def _boot_gguf(entry: dict[str, Any], checkpoint: dict[str, Any] | None, workdir
 
 
 # source kind -> its loader: (entry, checkpoint, workdir, dtype, placement) -> (bridge, provenance)
-LOADERS: dict[str, Callable[..., tuple[Any, dict[str, Any]]]] = {
+LOADERS: dict[SourceKind, Callable[..., tuple[Any, dict[str, Any]]]] = {
     "hub": _boot_hub, "local": _boot_folder, "build": _boot_folder, "trained": _boot_folder, "gguf": _boot_gguf}
 
 

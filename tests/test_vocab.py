@@ -97,3 +97,10 @@ def test_vocab_imports_nothing_heavy():
     code = "import sys, compatlas.vocab, compatlas.tables, compatlas.runtime; print(sorted(sys.modules))"
     loaded = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert not {"torch", "transformers", "transformer_lens", "numpy"} & set(eval(loaded))  # noqa: S307
+
+
+def test_every_source_kind_has_a_loader():
+    """The loader table covers the closed set of source kinds, no more, no less."""
+    from compatlas.loading import LOADERS
+
+    assert set(LOADERS) == set(vocab.SOURCE_KINDS)

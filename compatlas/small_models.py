@@ -11,12 +11,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import torch
 
-Architecture = Literal["gpt2", "llama"]
-ARCHITECTURES: tuple[Architecture, ...] = ("gpt2", "llama")
+from compatlas.vocab import ARCHITECTURES, Architecture
 
 
 @dataclass(frozen=True)

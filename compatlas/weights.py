@@ -19,7 +19,7 @@ import json
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 import torch
 
@@ -176,20 +176,19 @@ def shard_n_layers(tensors_path: str | os.PathLike) -> int:
     return _header(tensors_path)[0]["W_Q"]["shape"][0]
 
 
-def _read_layers(tensors_path: str | os.PathLike, name: str, layers: list[int]) -> torch.Tensor:
-    """Some layers of a per-layer tensor, read into a fresh tensor with plain reads: each layer is
-    one contiguous byte range, and no page of the other layers (nor a memory map of the file,
-    which would count twice in the job's resident memory) is touched."""
-    header, start = _header(tensors_path)
+def _read_layers(f: BinaryIO, header: dict[str, Any], start: int, name: str, layers: list[int]) -> torch.Tensor:
+    """Some layers of a per-layer tensor of the open shard ``f`` (``header`` and data ``start``
+    from ``_header``), read into a fresh tensor with plain reads: each layer is one contiguous
+    byte range, and no page of the other layers (nor a memory map of the file, which would count
+    twice in the job's resident memory) is touched."""
     info = header[name]
     shape, dtype = info["shape"], _DTYPES[info["dtype"]]
     out = torch.empty((len(layers), *shape[1:]), dtype=dtype)
     per_layer = out[0].numel() * out.element_size()
-    with open(tensors_path, "rb") as f:
-        for i, layer in enumerate(layers):
-            f.seek(start + info["data_offsets"][0] + layer * per_layer)
-            if f.readinto(memoryview(out[i].view(torch.uint8).numpy())) != per_layer:
-                raise CorruptShardError(f"weight shard {tensors_path}: {name} layer {layer} is truncated")
+    for i, layer in enumerate(layers):
+        f.seek(start + info["data_offsets"][0] + layer * per_layer)
+        if f.readinto(memoryview(out[i].view(torch.uint8).numpy())) != per_layer:
+            raise CorruptShardError(f"weight shard {f.name}: {name} layer {layer} is truncated")
     return out
 
 
@@ -197,7 +196,7 @@ def load_weights(tensors_path: str | os.PathLike, meta_path: str | os.PathLike, 
                  layers: list[int] | None = None) -> AttentionWeights:
     """Read a weight shard back; a truncated or altered file raises CorruptShardError naming it.
 
-    With ``layers``, only those layers' attention tensors are read (safetensors slices): a
+    With ``layers``, only those layers' attention tensors are read (``_read_layers``): a
     composition job at Llama-2-70B shapes holds the few layers its block touches (0.6 GB each in
     float32) instead of all 80 (47 GiB). The per-model tensors (W_E, W_U, extras) are read whole."""
     from safetensors import SafetensorError, safe_open
@@ -212,13 +211,14 @@ def load_weights(tensors_path: str | os.PathLike, meta_path: str | os.PathLike, 
                 "delete it and rerun the extract rule"
             )
     try:
-        with safe_open(str(tensors_path), framework="pt") as f:
-            names = set(f.keys())
-            missing = [k for k in ("W_Q", "W_K", "W_V", "W_O", "W_E") if k not in names]  # a shard always has W_E
-            if missing:
-                raise CorruptShardError(f"weight shard {tensors_path} lacks {missing}")
-            tensors = {k: _read_layers(tensors_path, k, layers) if layers is not None and k in PER_LAYER_KEYS
-                       else f.get_tensor(k) for k in names}
+        header, start = _header(tensors_path)
+        names = set(header) - {"__metadata__"}
+        missing = [k for k in ("W_Q", "W_K", "W_V", "W_O", "W_E") if k not in names]  # a shard always has W_E
+        if missing:
+            raise CorruptShardError(f"weight shard {tensors_path} lacks {missing}")
+        sliced = names & set(PER_LAYER_KEYS) if layers is not None else set()
+        with safe_open(str(tensors_path), framework="pt") as st, open(tensors_path, "rb") as f:
+            tensors = {k: _read_layers(f, header, start, k, layers) if k in sliced else st.get_tensor(k) for k in names}
     except (SafetensorError, OSError, ValueError) as e:
         raise CorruptShardError(f"cannot read weight shard {tensors_path}: {e}") from e
     extras = {k.removeprefix("extra."): v for k, v in tensors.items() if k.startswith("extra.")}

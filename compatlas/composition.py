@@ -218,6 +218,11 @@ def layer_pairs(layers: list[int]) -> list[tuple[int, int]]:
     return [(a, b) for i, a in enumerate(layers) for b in layers[i + 1:]]
 
 
+def touched_layers(pairs: list[tuple[int, int]]) -> list[int]:
+    """The layers some (writer, reader) layer pairs touch, in order: all a job must read and factor."""
+    return sorted({layer for pair in pairs for layer in pair})
+
+
 def block_pairs(layers: list[int], blocks: int, block: int) -> list[tuple[int, int]]:
     """The layer pairs of job ``block`` out of ``blocks``: contiguous shares, sizes differing by
     at most one (contiguous keeps a writer's readers together, one GEMM each)."""

@@ -15,7 +15,7 @@ import polars as pl
 import torch
 
 from compatlas.composition import (
-    gaussian_baseline, haar_overlap_blocks, head_factors, layer_pair_scores, spectrum_baseline,
+    gaussian_baseline, haar_overlap_blocks, head_factors, layer_pair_scores, spectrum_baseline, touched_layers,
 )
 from compatlas.runtime import resolve_device, stable_seed
 from compatlas.tables import COMPOSITION_SCHEMA
@@ -37,7 +37,7 @@ def score_block(w: AttentionWeights, metric: Metric, space: Space, pairs: list[t
     dev, dt = resolve_device(device), getattr(torch, dtype)
     t0 = time.perf_counter()
     # factor only the layers this job's pairs touch: at 70B shapes all 80 layers' factors are ~86 GB
-    touched = sorted({layer for pair in pairs for layer in pair}) or list((w.layer_ids or range(w.n_layers))[:1])
+    touched = touched_layers(pairs) or list((w.layer_ids or range(w.n_layers))[:1])
     local = {layer: i for i, layer in enumerate(touched)}
     w_s, facts = to_space(w.layers(touched), space, max_condition)
     w_s = w_s.to(dev, dt)

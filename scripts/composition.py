@@ -1,7 +1,7 @@
 """Snakemake adapter: score one block of layer pairs, and its null pairs, into two Parquet shards."""
 import polars as pl
 
-from compatlas.composition import block_pairs, null_pairs
+from compatlas.composition import block_pairs, null_pairs, touched_layers
 from compatlas.composition_table import score_block
 from compatlas.logs import setup
 from compatlas.plan import scored_layers
@@ -15,8 +15,7 @@ layers = scored_layers(snakemake.params.layers, shard_n_layers(snakemake.input.t
 blocks, block = snakemake.params.blocks, int(wc.block)
 pairs, null = block_pairs(layers, blocks, block), null_pairs(layers, blocks, block)
 # read only the layers this block touches: at 70B shapes the whole shard is 47 GiB, a layer 0.6 GB
-w = load_weights(snakemake.input.tensors, snakemake.input.meta,
-                 layers=sorted({layer for pair in pairs + null for layer in pair}) or layers[:1])
+w = load_weights(snakemake.input.tensors, snakemake.input.meta, layers=touched_layers(pairs + null) or layers[:1])
 log.info("%s/%s %s %s block %s: %d layer pairs, %d null layer pairs", wc.model, wc.checkpoint, wc.metric, wc.space,
          wc.block, len(pairs), len(null))
 # one call: the causal and the null pairs share the per-head factors and the nulls' draws

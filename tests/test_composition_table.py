@@ -31,7 +31,7 @@ def test_blocks_equal_one_whole_job(space):
 def test_a_job_reading_only_its_layers_scores_the_same(tmp_path):
     """``load_weights(layers=...)`` reads a block's layers from the shard (safetensors slices) and
     the block scores exactly as from the whole model; the per-layer tensors are those layers'."""
-    from compatlas.composition import null_pairs
+    from compatlas.composition import null_pairs, touched_layers
     from compatlas.weights import load_weights, save_weights, shard_n_layers
 
     w = random_weights(1, L=6, H=4, Hkv=2, d=16, dh=4, vocab=80, ln1=1.0, meta={"norm_type": "RMS"})
@@ -41,7 +41,7 @@ def test_a_job_reading_only_its_layers_scores_the_same(tmp_path):
     layers, kw = [1, 2, 3, 5], dict(baseline_samples=4, device="cpu", dtype="float64")
     for b in range(3):
         pairs = block_pairs(layers, 3, b) + null_pairs(layers, 3, b)
-        touched = sorted({layer for pair in pairs for layer in pair})
+        touched = touched_layers(pairs)
         part = load_weights(tmp_path / "w.safetensors", tmp_path / "meta.json", layers=touched)
         assert part.layer_ids == tuple(touched) and part.n_layers == len(touched)
         assert part.W_K.equal(w.W_K[touched]) and part.ln1_w.equal(w.ln1_w[touched])

@@ -116,6 +116,16 @@ class ModelPlan:
         """The latest checkpoint (largest step), the one the audits and "last" mean."""
         return self.checkpoints[-1]
 
+    @property
+    def parameters(self) -> int | None:
+        """About how many parameters a model built or trained here has (12 d_model^2 per layer,
+        embedding and unembedding); None for a loaded model, whose size is known once loaded."""
+        if self.kind not in ("build", "trained"):
+            return None
+        dims = self.training if self.kind == "trained" else self.source
+        d_model = dims["n_heads"] * dims["d_head"]
+        return dims["n_layers"] * 12 * d_model**2 + 2 * dims["d_vocab"] * d_model
+
     def checkpoint(self, label: str) -> CheckpointPlan:
         for c in self.checkpoints:
             if c.label == label:

@@ -231,6 +231,16 @@ def test_a_model_without_checkpoints_has_one_final():
     assert m.checkpoints == (CheckpointPlan("final"),) and m.last.spec() == {"label": "final"}
 
 
+def test_sizes_are_known_for_models_made_here_only():
+    models = build_plan(tiny(), check_sources=False).models
+    # tiny-gpt2: 3 layers, d_model 2 x 8 = 16, vocabulary 64: 3 x 12 x 16^2 + 2 x 64 x 16
+    assert models["tiny-gpt2"].parameters == 9216 + 2048
+    # tiny-trained: 2 layers, d_model 16, vocabulary 32
+    assert models["tiny-trained"].parameters == 6144 + 1024
+    hub = build_plan({"models": {"g": {"source": {"kind": "hub", "name": "gpt2"}}}}, check_sources=False)
+    assert hub.models["g"].parameters is None
+
+
 def test_hub_checkpoint_series_select_published_steps():
     cfg = {"models": {
         "p": {"source": {"kind": "hub", "name": "EleutherAI/pythia-70m"}, "checkpoint_series": {"range": [0, 4000]},

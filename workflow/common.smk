@@ -81,13 +81,8 @@ def model_threads(wildcards):
     """Threads of a model's jobs: one for a small model built or trained here, two otherwise (a
     model loaded from the hub, a folder or a GGUF file has no size until it is loaded).
     Slurm profiles set their own (`set-threads`)."""
-    m = PLAN.models[wildcards.model]
-    if m.kind not in ("build", "trained"):
-        return 2
-    dims = m.training if m.kind == "trained" else m.source
-    d_model = dims["n_heads"] * dims["d_head"]
-    params = dims["n_layers"] * 12 * d_model**2 + 2 * dims["d_vocab"] * d_model
-    return 1 if params < SMALL_MODEL_PARAMS else 2
+    params = PLAN.models[wildcards.model].parameters
+    return 1 if params is not None and params < SMALL_MODEL_PARAMS else 2
 
 
 def model_priority(wildcards):

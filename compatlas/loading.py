@@ -32,9 +32,8 @@ from typing import Any
 
 import torch
 
-from compatlas.runtime import library_versions
 from compatlas.vocab import SourceKind
-from compatlas.weights import AttentionWeights, file_sha256
+from compatlas.weights import AttentionWeights, extracted_weights, file_sha256
 
 log = logging.getLogger(__name__)
 
@@ -359,23 +358,13 @@ def extract(bridge, processing: str) -> AttentionWeights:
         except (AttributeError, RuntimeError):
             W_U = None  # encoders without an unembedding
         ln1 = None
-        norm_type = str(getattr(cfg, "normalization_type", None))
         if processing == "none":
             ws = [_norm_weight(b.ln1) if hasattr(b, "ln1") else None for b in bridge.blocks]
             if all(w is not None and w.shape == (cfg.d_model,) for w in ws):
                 ln1 = torch.stack(ws).cpu()
         ln_final = _norm_weight(bridge.ln_final) if processing == "none" and hasattr(bridge, "ln_final") else None
-    tied = W_U is not None and W_U.shape == W_E.T.shape and torch.equal(W_U, W_E.T)
-    meta = {
-        "architecture": type(bridge.adapter).__name__.removesuffix("ArchitectureAdapter"),
-        "hf_architecture": (getattr(bridge.original_model.config, "architectures", None) or ["?"])[0],
-        "n_layers": W_Q.shape[0], "n_heads": W_Q.shape[1], "n_kv_heads": W_K.shape[1],
-        "d_model": W_Q.shape[2], "d_head": W_Q.shape[3], "d_vocab": W_E.shape[0],
-        "norm_type": norm_type, "tied_embeddings": bool(tied), "has_unembed": W_U is not None,
-        "processing": processing, "versions": library_versions(),
-    }
-    return AttentionWeights(W_Q=W_Q, W_K=W_K, W_V=W_V, W_O=W_O, W_E=W_E, W_U=W_U,
-                            ln1_w=ln1, ln_final_w=ln_final, meta=meta)
+    return extracted_weights(W_Q, W_K, W_V, W_O, W_E, W_U, ln1, ln_final, adapter=bridge.adapter,
+                             hf_config=bridge.original_model.config, cfg=cfg, processing=processing)
 
 
 def load_and_extract(model_id: str, entry: dict[str, Any], checkpoint: dict[str, Any] | None,

@@ -33,8 +33,7 @@ from typing import Any
 
 import torch
 
-from compatlas.runtime import library_versions
-from compatlas.weights import AttentionWeights
+from compatlas.weights import AttentionWeights, extracted_weights
 
 log = logging.getLogger(__name__)
 
@@ -356,17 +355,7 @@ def stream_extract(folder: Path, processing: str) -> AttentionWeights:
     if processing == "none" and all(w is not None and w.shape == (cfg.d_model,) for w in ln1_ws):
         ln1 = torch.stack(ln1_ws)
     ln_final = ln_final_w if processing == "none" else None
-    tied = W_U is not None and W_U.shape == W_E.T.shape and torch.equal(W_U, W_E.T)
-    meta = {
-        "architecture": type(adapter).__name__.removesuffix("ArchitectureAdapter"),
-        "hf_architecture": (getattr(hf_config, "architectures", None) or ["?"])[0],
-        "n_layers": W_Q.shape[0], "n_heads": W_Q.shape[1], "n_kv_heads": W_K.shape[1],
-        "d_model": W_Q.shape[2], "d_head": W_Q.shape[3], "d_vocab": W_E.shape[0],
-        "norm_type": str(getattr(cfg, "normalization_type", None)), "tied_embeddings": bool(tied),
-        "has_unembed": W_U is not None, "processing": processing, "versions": library_versions(),
-        "extraction": "streaming",
-    }
-    w = AttentionWeights(W_Q=W_Q, W_K=W_K, W_V=W_V, W_O=W_O, W_E=W_E, W_U=W_U, ln1_w=ln1,
-                         ln_final_w=ln_final, meta=meta)
+    w = extracted_weights(W_Q, W_K, W_V, W_O, W_E, W_U, ln1, ln_final, adapter=adapter, hf_config=hf_config, cfg=cfg,
+                          processing=processing, extraction="streaming")
     w.validate()
     return w

@@ -23,6 +23,7 @@ from typing import Any, BinaryIO
 
 import torch
 
+from compatlas.runtime import library_versions
 from compatlas.storage import atomic_path
 
 WEIGHT_KEYS = ("W_Q", "W_K", "W_V", "W_O", "W_E", "W_U", "ln1_w", "ln_final_w")
@@ -123,6 +124,25 @@ class AttentionWeights:
 
         return AttentionWeights(**{k: cast(getattr(self, k)) for k in WEIGHT_KEYS}, meta=self.meta,
                                 extras={k: cast(v) for k, v in self.extras.items()}, layer_ids=self.layer_ids)
+
+
+def extracted_weights(W_Q: torch.Tensor, W_K: torch.Tensor, W_V: torch.Tensor, W_O: torch.Tensor, W_E: torch.Tensor,
+                      W_U: torch.Tensor | None, ln1_w: torch.Tensor | None, ln_final_w: torch.Tensor | None, *,
+                      adapter: Any, hf_config: Any, cfg: Any, processing: str, **extra: Any) -> AttentionWeights:
+    """Freshly extracted weights with the metadata every extraction path records: the
+    TransformerLens adapter and HF architecture, the shapes, the norm, tied embeddings, the
+    processing and library versions, plus ``extra``."""
+    tied = W_U is not None and W_U.shape == W_E.T.shape and torch.equal(W_U, W_E.T)
+    meta = {
+        "architecture": type(adapter).__name__.removesuffix("ArchitectureAdapter"),
+        "hf_architecture": (getattr(hf_config, "architectures", None) or ["?"])[0],
+        "n_layers": W_Q.shape[0], "n_heads": W_Q.shape[1], "n_kv_heads": W_K.shape[1],
+        "d_model": W_Q.shape[2], "d_head": W_Q.shape[3], "d_vocab": W_E.shape[0],
+        "norm_type": str(getattr(cfg, "normalization_type", None)), "tied_embeddings": bool(tied),
+        "has_unembed": W_U is not None, "processing": processing, "versions": library_versions(), **extra,
+    }
+    return AttentionWeights(W_Q=W_Q, W_K=W_K, W_V=W_V, W_O=W_O, W_E=W_E, W_U=W_U, ln1_w=ln1_w,
+                            ln_final_w=ln_final_w, meta=meta)
 
 
 def file_sha256(path: str | os.PathLike, chunk: int = 1 << 22) -> str:

@@ -116,8 +116,7 @@ def build_atlas(db_path: str | os.PathLike, shards: dict[str, list[str | os.Path
     models = models_frame(meta_paths)
     with atomic_path(db_path) as tmp:
         tmp.unlink()  # duckdb wants to create the file itself
-        con = duckdb.connect(str(tmp))
-        con.execute(f"SET file_search_path = '{str(root).replace(chr(39), chr(39) * 2)}'")  # views bind here
+        con = connect(tmp, read_only=False)  # tmp sits beside db_path: the views bind relative to root
         try:
             con.register("models_df", models.to_arrow())
             con.execute("CREATE TABLE models AS SELECT * FROM models_df")

@@ -12,6 +12,13 @@ matrix ``A R_B^T`` [d_model, d_head], and the d_head x d_head cores of all head 
 layer pair come out of one matrix product. Singular values of ``OV`` and ``QK`` are those
 of their d_head x d_head cores ``R_A R_B^T``.
 
+Grouped-query attention: the K and V readers' ``A`` (``W_K``, ``W_V``) is shared by the g query
+heads of a KV group, so ``absorb = A R_B^T`` splits into the shared ``A`` [d_model, d_head] and a
+per-query-head ``post = R_B^T`` [d_head, d_head]: the d_model-long product ``emit A`` is computed
+once per KV head and each query head adds only a d_head x d_head one. For ``subspace`` the
+reader's basis is that of ``A`` itself, shared by the whole group. K and V cost about 1/g + d_head/d_model
+of the full product (SmolLM2, g = 3: 0.45; Llama-2-70B, g = 8: 0.14).
+
 Metrics (each in [0, 1]):
 
 - ``frobenius``: ``||L R||_F / (||L||_F ||R||_F)`` (Mathematical Framework).
@@ -26,7 +33,7 @@ Metrics (each in [0, 1]):
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -40,7 +47,9 @@ from compatlas.weights import AttentionWeights
 class HeadFactors:
     """Per-head factors of one model for one metric: everything pair scores need.
 
-    ``emit``: [L, H, d_head, d_model]; ``absorb[c]``: [L, H, d_model, d_head];
+    ``emit``: [L, H, d_head, d_model]; ``absorb[c]``: [L, H / group[c], d_model, d_head], one
+    per query head, or per KV head where a KV group shares it; ``post[c]``: None or
+    [L, H, d_head, d_head], the per-query-head right factor of a shared ``absorb``;
     ``*_norm``: [L, H] Frobenius norms; ``*_sv``: [L, H, d_head] singular values,
     descending (for ``subspace``: 1 on the head's rank, 0 beyond).
     """
@@ -52,6 +61,8 @@ class HeadFactors:
     absorb: dict[str, torch.Tensor]
     reader_norm: dict[str, torch.Tensor]
     reader_sv: dict[str, torch.Tensor]
+    post: dict[str, torch.Tensor | None] = field(default_factory=dict)
+    group: dict[str, int] = field(default_factory=dict)
 
 
 def _r_factor(A: torch.Tensor) -> torch.Tensor:
@@ -77,13 +88,14 @@ def _core_spectrum(R_A: torch.Tensor, R_B: torch.Tensor) -> tuple[torch.Tensor, 
 
 
 def reader_factors(w: AttentionWeights) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
-    """(A, B^T) of each reader matrix R = A B, per comp, one per query head."""
+    """(A, B^T) of each reader matrix R = A B, per comp: A of K and V per KV head (shared by
+    its query heads), everything else per query head."""
     W_K, W_V = w.expanded_kv()
     W_Q, W_O = w.W_Q, w.W_O
     return {
         "Q": (W_Q, W_K),  # QK = W_Q W_K^T
-        "K": (W_K, W_Q),  # QK^T = W_K W_Q^T
-        "V": (W_V, W_O.transpose(-2, -1)),  # OV = W_V W_O
+        "K": (w.W_K, W_Q),  # QK^T = W_K W_Q^T
+        "V": (w.W_V, W_O.transpose(-2, -1)),  # OV = W_V W_O
     }
 
 
@@ -94,24 +106,32 @@ def head_factors(w: AttentionWeights, metric: Metric, comps: tuple[Comp, ...] = 
     _, W_V = w.expanded_kv()
     W_Ot = w.W_O.transpose(-2, -1)  # [L, H, d_model, d_head]
     readers = reader_factors(w)
-    absorb, r_norm, r_sv = {}, {}, {}
+    absorb, r_norm, r_sv, post, group = {}, {}, {}, {}, {}
     if metric == "subspace":
         U_O, keep_O = _orthonormal_basis(W_Ot)
         emit = U_O.transpose(-2, -1)
         w_norm, w_sv = keep_O.sum(-1).sqrt(), keep_O
         for c in comps:
-            U_A, keep_A = _orthonormal_basis(readers[c][0])
-            absorb[c], r_norm[c], r_sv[c] = U_A, keep_A.sum(-1).sqrt(), keep_A
+            A = readers[c][0]
+            g = w.n_heads // A.shape[1]
+            U_A, keep_A = _orthonormal_basis(A)
+            keep_A = keep_A.repeat_interleave(g, dim=1)
+            absorb[c], r_norm[c], r_sv[c], post[c], group[c] = U_A, keep_A.sum(-1).sqrt(), keep_A, None, g
     else:
         R_V, R_O = _r_factor(W_V), _r_factor(W_Ot)
         emit = R_V @ w.W_O
         w_norm, w_sv = _core_spectrum(R_V, R_O)
         for c in comps:
             A, Bt = readers[c]
-            R_A, R_B = _r_factor(A), _r_factor(Bt)
-            absorb[c] = A @ R_B.transpose(-2, -1)
+            g = w.n_heads // A.shape[1]
+            R_A, R_B = _r_factor(A).repeat_interleave(g, dim=1), _r_factor(Bt)
             r_norm[c], r_sv[c] = _core_spectrum(R_A, R_B)
-    return HeadFactors(metric, emit, w_norm, w_sv, absorb, r_norm, r_sv)
+            if g == 1:
+                absorb[c], post[c] = A @ R_B.transpose(-2, -1), None
+            else:  # shared A, per-query-head R_B^T: see the module docstring
+                absorb[c], post[c] = A, R_B.transpose(-2, -1)
+            group[c] = g
+    return HeadFactors(metric, emit, w_norm, w_sv, absorb, r_norm, r_sv, post, group)
 
 
 def pair_denominator(metric: Metric, w_norm, w_sv, r_norm, r_sv) -> torch.Tensor:
@@ -136,10 +156,20 @@ def layer_pair_scores(f: HeadFactors, l1: int, readers: list[int], comp: Comp) -
     """Scores [len(readers), H1, H2] of writer layer l1 into each reader layer, one GEMM."""
     E = f.emit[l1]  # [H1, dh, d]
     H1, dh, d = E.shape
-    F = f.absorb[comp][readers]  # [nR, H2, d, dh]
-    nR, H2 = F.shape[:2]
-    core = E.reshape(H1 * dh, d) @ F.permute(2, 0, 1, 3).reshape(d, nR * H2 * dh)
-    sq = core.reshape(H1, dh, nR, H2, dh).pow(2).sum(dim=(1, 4))  # [H1, nR, H2]
+    F = f.absorb[comp][readers]  # [nR, H2 / g, d, dh]
+    nR, Hg = F.shape[:2]
+    g, post = f.group.get(comp, 1), f.post.get(comp)
+    core = E.reshape(H1 * dh, d) @ F.permute(2, 0, 1, 3).reshape(d, nR * Hg * dh)
+    # squared Frobenius norms of the d_head x d_head blocks: squared in place, summed along the
+    # contiguous axis first (the products are the bulk of the memory traffic)
+    if post is None:  # per query head, or a subspace basis shared by the KV group
+        sq = core.square_().view(H1, dh, nR * Hg, dh).sum(-1).sum(1)
+        sq = sq.view(H1, nR, Hg).repeat_interleave(g, dim=2)  # [H1, nR, H2]
+    else:  # each query head j of KV head k: core[.., k, :] @ post[k * g + j]
+        core = core.view(H1 * dh, nR, Hg, dh).permute(1, 2, 0, 3)  # [nR, Hg, H1 dh, dh]
+        P = post[readers].reshape(nR, Hg, g, dh, dh).permute(0, 1, 3, 2, 4).reshape(nR, Hg, dh, g * dh)
+        sq = (core @ P).square_().view(nR, Hg, H1, dh, g, dh).sum(-1).sum(3)  # [nR, Hg, H1, g]
+        sq = sq.permute(2, 0, 1, 3).reshape(H1, nR, Hg * g)  # [H1, nR, H2]
     out = []
     for i, l2 in enumerate(readers):
         den = pair_denominator(f.metric, f.writer_norm[l1], f.writer_sv[l1], f.reader_norm[comp][l2], f.reader_sv[comp][l2])

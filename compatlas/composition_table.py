@@ -55,11 +55,14 @@ def score_block(w: AttentionWeights, metric: Metric, space: Space, pairs: list[t
     n = H * H
     for l1, readers in sorted(by_writer.items()):
         for c in COMPS:
-            s = layer_pair_scores(f, local[l1], [local[r] for r in readers], c).double().cpu().numpy()
+            a, bs = local[l1], [local[r] for r in readers]
+            s = layer_pair_scores(f, a, bs, c).double().cpu().numpy()
+            # the spectrum null of every reader layer at once: [H1, nR x H2] -> [nR, H1, H2]
+            mus, sds = (x.view(H, len(bs), H).transpose(0, 1).double().cpu().numpy() for x in spectrum_baseline(
+                metric, f.writer_norm[a], f.writer_sv[a], f.reader_norm[c][bs].reshape(-1),
+                f.reader_sv[c][bs].reshape(len(bs) * H, -1), P2[c]))
             for i, l2 in enumerate(readers):
-                a, b = local[l1], local[l2]
-                mu, sd = spectrum_baseline(metric, f.writer_norm[a], f.writer_sv[a], f.reader_norm[c][b],
-                                           f.reader_sv[c][b], P2[c])
+                mu, sd = mus[i], sds[i]
                 keep = hw.ravel() != hr.ravel() if l1 == l2 else np.ones(n, dtype=bool)  # a head is no pair with itself
                 k = int(keep.sum())
                 cols["comp"].append(np.full(k, c))
@@ -70,8 +73,8 @@ def score_block(w: AttentionWeights, metric: Metric, space: Space, pairs: list[t
                 cols["score"].append(s[i].ravel()[keep])
                 cols["baseline_gaussian_mean"].append(np.full(k, gauss[c][0]))
                 cols["baseline_gaussian_std"].append(np.full(k, gauss[c][1]))
-                cols["baseline_spectrum_mean"].append(mu.double().cpu().numpy().ravel()[keep])
-                cols["baseline_spectrum_std"].append(sd.double().cpu().numpy().ravel()[keep])
+                cols["baseline_spectrum_mean"].append(mu.ravel()[keep])
+                cols["baseline_spectrum_std"].append(sd.ravel()[keep])
         log.info("%s/%s: writer layer %d scored against %d reader layers (%.1fs)", metric, space, l1, len(readers),
                  time.perf_counter() - t0)
     data = {k: np.concatenate(v) if v else np.array([]) for k, v in cols.items()}

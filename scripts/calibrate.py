@@ -1,6 +1,6 @@
 """Snakemake adapter: p- and q-values of one model x checkpoint's causal pairs against its null pairs."""
 from compatlas.calibration import calibrate_shards
-from compatlas.logs import setup
+from compatlas.logs import exit_now, setup
 from compatlas.storage import read_provenance, write_shard_parts
 from compatlas.tables import CALIBRATION_SCHEMA, provenance
 
@@ -13,3 +13,4 @@ rows = write_shard_parts(calibrate_shards(inp.causal, inp.null, stratify, null_p
                          record, CALIBRATION_SCHEMA)
 log.info("calibrated %d causal pairs of %s/%s against their null pairs (%s, stratify: %s)",
          rows, first.get("model"), first.get("checkpoint"), null_pairs, stratify)
+exit_now()  # outputs written: skip the interpreter's teardown

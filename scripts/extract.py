@@ -7,7 +7,7 @@ if snakemake.params.entry["source"]["kind"] != "hub":
     os.environ["HF_HUB_OFFLINE"] = "1"
 
 from compatlas.loading import load_and_extract  # noqa: E402
-from compatlas.logs import setup  # noqa: E402
+from compatlas.logs import exit_now, setup  # noqa: E402
 from compatlas.token_space import add_space_factors  # noqa: E402
 from compatlas.weights import save_weights  # noqa: E402
 
@@ -17,3 +17,4 @@ w, _ = load_and_extract(snakemake.wildcards.model, snakemake.params.entry, snake
 add_space_factors(w)  # token-space QR of W_E: once per model
 save_weights(w, snakemake.output.tensors, snakemake.output.meta)
 log.info("wrote %s", snakemake.output.tensors)
+exit_now()  # outputs written: skip the interpreter's teardown

@@ -6,7 +6,7 @@ if snakemake.params.entry["source"]["kind"] != "hub":
     os.environ["HF_HUB_OFFLINE"] = "1"
 
 from compatlas.induction import boot_and_measure_behaviour  # noqa: E402
-from compatlas.logs import setup  # noqa: E402
+from compatlas.logs import exit_now, setup  # noqa: E402
 from compatlas.storage import write_shard  # noqa: E402
 
 log = setup(snakemake.log[0], snakemake.threads)
@@ -17,3 +17,4 @@ tokens, heads, provenance = boot_and_measure_behaviour(wc.model, snakemake.param
 write_shard(tokens, snakemake.output.tokens, provenance | {"table": "induction_tokens"})
 write_shard(heads, snakemake.output.heads, provenance | {"table": "head_scores"})
 log.info("wrote %d token rows and %d head rows in %.1fs", tokens.height, heads.height, provenance["seconds"])
+exit_now()  # outputs written: skip the interpreter's teardown

@@ -1,6 +1,6 @@
 """Snakemake adapter: the invariance audit of one model (x checkpoint)."""
 from compatlas.invariance import audit, sample_layers
-from compatlas.logs import setup
+from compatlas.logs import exit_now, setup
 from compatlas.plan import scored_layers
 from compatlas.storage import write_shard
 from compatlas.tables import provenance
@@ -16,3 +16,4 @@ df = audit(w, p.metrics, p.spaces, transforms=tuple(s["transforms"]), top_k=s["t
            log10_range=s["log10_scale_range"], layers=layers, max_condition=p.max_condition)
 write_shard(df, snakemake.output[0], provenance(w.meta, settings=s, layers=layers, seed=p.seed))
 log.info("wrote %d rows to %s", df.height, snakemake.output[0])
+exit_now()  # outputs written: skip the interpreter's teardown

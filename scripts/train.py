@@ -1,7 +1,7 @@
 """Snakemake adapter: train one segment of a run, up to this checkpoint's step."""
 from pathlib import Path
 
-from compatlas.logs import setup
+from compatlas.logs import exit_now, setup
 from compatlas.storage import write_shard
 from compatlas.tables import provenance
 from compatlas.training import train_segment
@@ -15,3 +15,4 @@ meta = {"model": wc.model, "checkpoint": wc.checkpoint, "checkpoint_step": snake
 write_shard(losses, snakemake.output.loss, provenance(meta, step=snakemake.params.step, spec=snakemake.params.spec,
                                                       resumed_from=str(previous)))
 log.info("%s: trained to step %d (%d steps in this segment)", wc.model, snakemake.params.step, losses.height)
+exit_now()  # outputs written: skip the interpreter's teardown

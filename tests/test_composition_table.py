@@ -51,3 +51,39 @@ def test_a_job_reading_only_its_layers_scores_the_same(tmp_path):
             assert a.equals(b_), (b, space)
     with pytest.raises(ValueError, match="not in these weights"):
         part.layers([0])
+
+
+@pytest.mark.parametrize("metric", ["frobenius", "svd_bound", "subspace"])
+def test_spectrum_null_is_the_score_with_random_singular_vectors(metric):
+    """Each row's spectrum null (mean, std) is the pair's score with both heads' singular values
+    kept and their singular vectors drawn uniformly at random: checked against explicit random
+    frames (QR of Gaussians, not the kernel's Bartlett draw), within Monte Carlo error."""
+    import numpy as np
+    import torch
+
+    from compatlas.composition import head_factors
+
+    w = random_weights(3, L=3, H=2, Hkv=1, d=10, dh=3, spectrum=0.7, scale=1.0)
+    m = 400  # the kernel's draws (the Gaussian null's n x n heads grow with it too)
+    table = score_block(w, metric, "residual", [(0, 1), (0, 2)], baseline_samples=m, device="cpu", dtype="float64")[0]
+    f = head_factors(w, metric)
+    rng = np.random.default_rng(0)
+    n = 20000
+    B = np.linalg.qr(rng.standard_normal((n, 10, 3)))[0]
+    C = np.linalg.qr(rng.standard_normal((n, 10, 3)))[0]
+    P2 = (B.transpose(0, 2, 1) @ C) ** 2  # [n, 3, 3] squared overlaps of two random frames
+    for row in table.filter(pl.col("writer_head") == 0).iter_rows(named=True):
+        s_w = f.writer_sv[0, row["writer_head"]].numpy()
+        s_r = f.reader_sv[row["comp"]][row["reader_layer"], row["reader_head"]].numpy()
+        if metric == "subspace":  # indicator spectra; score ||U1^T U2||^2 / min(rank1, rank2)
+            scores = np.einsum("i,nij,j->n", s_w, P2, s_r) / min(s_w.sum(), s_r.sum())
+        else:
+            sq = np.einsum("i,nij,j->n", s_w**2, P2, s_r**2)
+            den = (np.linalg.norm(s_w) * np.linalg.norm(s_r) if metric == "frobenius"
+                   else np.sqrt(np.sum(np.sort(s_w)[::-1] ** 2 * np.sort(s_r)[::-1] ** 2)))
+            scores = np.sqrt(sq) / den
+        mean, std = scores.mean(), scores.std()
+        se = std * np.sqrt(1 / n + 1 / m)
+        assert abs(row["baseline_spectrum_mean"] - mean) < 5 * se, (row, mean)
+        assert abs(row["baseline_spectrum_std"] - std) < 5 * std / np.sqrt(2 * m), (row, std)
+    assert torch.isfinite(torch.tensor(table["baseline_spectrum_mean"].to_numpy())).all()

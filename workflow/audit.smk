@@ -19,7 +19,6 @@ rule invariance:
         "../envs/compatlas.yaml"
     log:
         f"{LOGS}/invariance/{{model}}/{{checkpoint}}.log",
-    threads: model_threads
     priority: model_priority
     resources:
         mem_mb=8000,

@@ -72,23 +72,22 @@ def model_layers(wildcards):
     return thaw(PLAN.models[wildcards.model].layer_range)
 
 
-# Below this size (parameters, from the config's dimensions) a job is bound by Python start-up
-# rather than arithmetic: it gets one thread, so that two run side by side on two cores.
+# Every job runs on one thread (the rules set none). Two one-thread jobs side by side do more
+# than one two-thread job: start-up, loading and bookkeeping are serial, and even a matrix
+# product gains only 1.5x from a second core (benchmarks/README.md, "Threads"). A rule gets more
+# with `--set-threads RULE=N` (a large model alone on a big node); the Slurm profiles set theirs.
+
+# Below this size (parameters, from the config's dimensions) a model's jobs are bound by Python
+# start-up rather than arithmetic.
 SMALL_MODEL_PARAMS = 10_000_000
-
-
-def model_threads(wildcards):
-    """Threads of a model's jobs: one for a small model built or trained here, two otherwise (a
-    model loaded from the hub, a folder or a GGUF file has no size until it is loaded).
-    Slurm profiles set their own (`set-threads`)."""
-    params = PLAN.models[wildcards.model].parameters
-    return 1 if params is not None and params < SMALL_MODEL_PARAMS else 2
 
 
 def model_priority(wildcards):
     """A large model's jobs start first: they are the run's longest chain, and the small models'
-    many short jobs fill the cores around them."""
-    return 1 if model_threads(wildcards) > 1 else 0
+    many short jobs fill the cores around them. A model loaded from the hub, a folder or a GGUF
+    file counts as large (its size is known only once loaded)."""
+    params = PLAN.models[wildcards.model].parameters
+    return 0 if params is not None and params < SMALL_MODEL_PARAMS else 1
 
 
 def model_spaces(wildcards):

@@ -19,7 +19,6 @@ rule composition:
         "../envs/compatlas.yaml"
     log:
         f"{LOGS}/composition/{{model}}/{{checkpoint}}/{{metric}}-{{space}}-{{block}}.log",
-    threads: model_threads
     priority: model_priority
     resources:
         mem_mb=4000,

@@ -15,7 +15,6 @@ rule extract:
         "../envs/compatlas.yaml"
     log:
         f"{LOGS}/extract/{{model}}/{{checkpoint}}.log",
-    threads: model_threads
     priority: model_priority
     resources:
         mem_mb=8000,

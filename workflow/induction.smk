@@ -18,7 +18,6 @@ rule induction:
         "../envs/compatlas.yaml"
     log:
         f"{LOGS}/induction/{{model}}/{{checkpoint}}.log",
-    threads: model_threads
     priority: model_priority
     resources:
         mem_mb=8000,

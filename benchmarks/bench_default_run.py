@@ -20,27 +20,22 @@ Run: ``.venv/bin/python benchmarks/bench_default_run.py`` (about 2 minutes on 2 
 
 from __future__ import annotations
 
-import statistics
 import subprocess
 import sys
-import time
 
 import torch
 
+from bench_token_space import timed as median_time  # benchmarks/ is the script's folder
 from compatlas.composition import head_factors, layer_pair_scores
 from compatlas.induction import NearbyB, nearest_tokens
 from compatlas.weights import AttentionWeights
 
 
 def timed(fn, repeats: int = 3) -> float:
+    """Median of ``repeats`` timings (bench_token_space's), after one warm-up call when repeated."""
     if repeats > 1:
-        fn()  # warm-up
-    times = []
-    for _ in range(repeats):
-        t = time.perf_counter()
         fn()
-        times.append(time.perf_counter() - t)
-    return statistics.median(times)
+    return median_time(fn, repeats)
 
 
 def gqa_weights(L: int, H: int, Hkv: int, d: int, dh: int, seed: int = 0) -> AttentionWeights:
@@ -103,12 +98,7 @@ def bench_nearby_b() -> None:
 
 def bench_teardown() -> None:
     def run(code: str) -> float:
-        times = []
-        for _ in range(5):
-            t = time.perf_counter()
-            subprocess.run([sys.executable, "-c", code], check=True)
-            times.append(time.perf_counter() - t)
-        return statistics.median(times)
+        return median_time(lambda: subprocess.run([sys.executable, "-c", code], check=True), 5)
 
     normal = run("import torch, polars")
     fast = run("import torch, polars\nfrom compatlas.logs import exit_now\nexit_now()")

@@ -47,8 +47,8 @@ from compatlas.weights import AttentionWeights
 class HeadFactors:
     """Per-head factors of one model for one metric: everything pair scores need.
 
-    ``emit``: [L, H, d_head, d_model]; ``absorb[c]``: [L, H / group[c], d_model, d_head], one
-    per query head, or per KV head where a KV group shares it; ``post[c]``: None or
+    ``emit``: [L, H, d_head, d_model]; ``absorb[c]``: [L, H / g, d_model, d_head], one per
+    query head (g = 1), or per KV head where a KV group of g query heads shares it; ``post[c]``: None or
     [L, H, d_head, d_head], the per-query-head right factor of a shared ``absorb``;
     ``*_norm``: [L, H] Frobenius norms; ``*_sv``: [L, H, d_head] singular values,
     descending (for ``subspace``: 1 on the head's rank, 0 beyond).
@@ -62,7 +62,6 @@ class HeadFactors:
     reader_norm: dict[str, torch.Tensor]
     reader_sv: dict[str, torch.Tensor]
     post: dict[str, torch.Tensor | None] = field(default_factory=dict)
-    group: dict[str, int] = field(default_factory=dict)
 
 
 def _r_factor(A: torch.Tensor) -> torch.Tensor:
@@ -106,7 +105,7 @@ def head_factors(w: AttentionWeights, metric: Metric, comps: tuple[Comp, ...] = 
     _, W_V = w.expanded_kv()
     W_Ot = w.W_O.transpose(-2, -1)  # [L, H, d_model, d_head]
     readers = reader_factors(w)
-    absorb, r_norm, r_sv, post, group = {}, {}, {}, {}, {}
+    absorb, r_norm, r_sv, post = {}, {}, {}, {}
     if metric == "subspace":
         U_O, keep_O = _orthonormal_basis(W_Ot)
         emit = U_O.transpose(-2, -1)
@@ -116,7 +115,7 @@ def head_factors(w: AttentionWeights, metric: Metric, comps: tuple[Comp, ...] = 
             g = w.n_heads // A.shape[1]
             U_A, keep_A = _orthonormal_basis(A)
             keep_A = keep_A.repeat_interleave(g, dim=1)
-            absorb[c], r_norm[c], r_sv[c], post[c], group[c] = U_A, keep_A.sum(-1).sqrt(), keep_A, None, g
+            absorb[c], r_norm[c], r_sv[c], post[c] = U_A, keep_A.sum(-1).sqrt(), keep_A, None
     else:
         R_V, R_O = _r_factor(W_V), _r_factor(W_Ot)
         emit = R_V @ w.W_O
@@ -130,8 +129,7 @@ def head_factors(w: AttentionWeights, metric: Metric, comps: tuple[Comp, ...] = 
                 absorb[c], post[c] = A @ R_B.transpose(-2, -1), None
             else:  # shared A, per-query-head R_B^T: see the module docstring
                 absorb[c], post[c] = A, R_B.transpose(-2, -1)
-            group[c] = g
-    return HeadFactors(metric, emit, w_norm, w_sv, absorb, r_norm, r_sv, post, group)
+    return HeadFactors(metric, emit, w_norm, w_sv, absorb, r_norm, r_sv, post)
 
 
 def pair_denominator(metric: Metric, w_norm, w_sv, r_norm, r_sv) -> torch.Tensor:
@@ -158,7 +156,7 @@ def layer_pair_scores(f: HeadFactors, l1: int, readers: list[int], comp: Comp) -
     H1, dh, d = E.shape
     F = f.absorb[comp][readers]  # [nR, H2 / g, d, dh]
     nR, Hg = F.shape[:2]
-    g, post = f.group.get(comp, 1), f.post.get(comp)
+    g, post = H1 // Hg, f.post.get(comp)  # query heads per absorb head
     core = E.reshape(H1 * dh, d) @ F.permute(2, 0, 1, 3).reshape(d, nR * Hg * dh)
     # squared Frobenius norms of the d_head x d_head blocks: squared in place, summed along the
     # contiguous axis first (the products are the bulk of the memory traffic)

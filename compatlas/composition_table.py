@@ -62,7 +62,6 @@ def score_block(w: AttentionWeights, metric: Metric, space: Space, pairs: list[t
                 metric, f.writer_norm[a], f.writer_sv[a], f.reader_norm[c][bs].reshape(-1),
                 f.reader_sv[c][bs].reshape(len(bs) * H, -1), P2[c]))
             for i, l2 in enumerate(readers):
-                mu, sd = mus[i], sds[i]
                 keep = hw.ravel() != hr.ravel() if l1 == l2 else np.ones(n, dtype=bool)  # a head is no pair with itself
                 k = int(keep.sum())
                 cols["comp"].append(np.full(k, c))
@@ -73,8 +72,8 @@ def score_block(w: AttentionWeights, metric: Metric, space: Space, pairs: list[t
                 cols["score"].append(s[i].ravel()[keep])
                 cols["baseline_gaussian_mean"].append(np.full(k, gauss[c][0]))
                 cols["baseline_gaussian_std"].append(np.full(k, gauss[c][1]))
-                cols["baseline_spectrum_mean"].append(mu.ravel()[keep])
-                cols["baseline_spectrum_std"].append(sd.ravel()[keep])
+                cols["baseline_spectrum_mean"].append(mus[i].ravel()[keep])
+                cols["baseline_spectrum_std"].append(sds[i].ravel()[keep])
         log.info("%s/%s: writer layer %d scored against %d reader layers (%.1fs)", metric, space, l1, len(readers),
                  time.perf_counter() - t0)
     data = {k: np.concatenate(v) if v else np.array([]) for k, v in cols.items()}

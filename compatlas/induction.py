@@ -303,7 +303,7 @@ def induction_sweep(model, token_ids: torch.Tensor, tokens: TokenSet, near: Near
         other = _draw(gen, tokens.pool, (N * S,), avoid=(fixed,))
         A, B = (fixed, other) if role == "A" else (other, fixed)
         R = _draw(gen, tokens.pool, (N * S,), avoid=(A, B))
-        near.lookup(torch.cat([B, token_ids]))
+        near.lookup(B)  # one search for the role's B tokens (the measured ones, when B is measured)
         near_b = torch.tensor([near[int(b)][0] for b in B])
         seq, ctrl = induction_sequences(gen, tokens, A, B, before, between)
         st = strengths(model, seq, ctrl, torch.stack([B, near_b, R], 1), batch_size, progress=progress).view(N, S, 3)

@@ -77,8 +77,8 @@ def model_layers(wildcards):
 # product gains only 1.5x from a second core (benchmarks/README.md, "Threads"). A rule gets more
 # with `--set-threads RULE=N` (a large model alone on a big node); the Slurm profiles set theirs.
 
-# Below this size (parameters, from the config's dimensions) a model's jobs are bound by Python
-# start-up rather than arithmetic.
+# Below this size (parameters, from the config's dimensions) a model's jobs are short, bound by
+# Python start-up rather than arithmetic: they are scheduled after the larger models' jobs.
 SMALL_MODEL_PARAMS = 10_000_000
 
 

@@ -140,7 +140,7 @@ def check_model(model_id: str, entry: Mapping[str, Any], training: Mapping[str, 
     if not check_sources:
         return n_layers
     if src["kind"] == "local":
-        from compatlas.loading import ModelLoadError, local_model_dir
+        from compatlas.sources import ModelLoadError, local_model_dir
 
         try:
             folder = local_model_dir(src)
@@ -151,10 +151,10 @@ def check_model(model_id: str, entry: Mapping[str, Any], training: Mapping[str, 
         n_layers = _local_n_layers(key, folder)
         check_layers(key, layers, n_layers)
     if src["kind"] == "gguf":
-        from compatlas.loading import ModelLoadError, check_gguf, gguf_file
+        from compatlas.sources import ModelLoadError, gguf_file, gguf_header
 
         try:
-            header = check_gguf(gguf_file(src["package"], src.get("file")))
+            header = gguf_header(gguf_file(src["package"], src.get("file")))
         except ModelLoadError as e:
             raise ConfigError(f"config error at {key}.source: {e}") from e
         n_layers = header.get("n_layers")

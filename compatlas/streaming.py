@@ -305,7 +305,8 @@ def _transposed_float32(t: torch.Tensor) -> torch.Tensor:
 
 def stream_extract(folder: Path, processing: str) -> AttentionWeights:
     """The atlas's tensors of the checkpoint in ``folder``, as ``loading.extract`` gives them."""
-    from compatlas.loading import PROCESSINGS, ModelLoadError
+    from compatlas.sources import ModelLoadError
+    from compatlas.vocab import PROCESSINGS
 
     if processing not in PROCESSINGS:
         raise ModelLoadError(f"unknown processing {processing!r}; choose from {PROCESSINGS}")

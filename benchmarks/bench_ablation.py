@@ -135,12 +135,17 @@ def separation(model, settings: dict, counts: list[int], mode: str, batch_size: 
     return rows
 
 
-def trained_model(config: dict, run: str, workdir: Path, device: str):
+def train_run(config: dict, run: str, workdir: Path) -> dict:
+    """Train ``run`` of the config to its last step in one segment; the model entry of the result."""
     from compatlas.training import train_segment
 
     spec = {k: v for k, v in config["training"][run].items() if k not in ("schedule", "description", "spaces", "blocks")}
     train_segment(spec, spec["steps"], None, workdir, run)
-    model, _ = boot({"source": {"kind": "local", "path": str(workdir / "hf_model")}}, None, workdir, device)
+    return {"source": {"kind": "local", "path": str(workdir / "hf_model")}}
+
+
+def trained_model(config: dict, run: str, workdir: Path, device: str):
+    model, _ = boot(train_run(config, run, workdir), None, workdir, device)
     return model
 
 

@@ -37,6 +37,7 @@ import polars as pl  # noqa: E402
 import torch  # noqa: E402
 import yaml  # noqa: E402
 
+from bench_ablation import spearman, train_run  # noqa: E402 (benchmarks/ is the script's folder)
 from compatlas.config import validate_config  # noqa: E402
 from compatlas.induction import DTYPES, measure_behaviour, token_directions  # noqa: E402
 from compatlas.loading import boot  # noqa: E402
@@ -55,13 +56,10 @@ SHAPES: dict[str, dict] = {
 }
 
 
-def spearman(a: pl.Series, b: pl.Series) -> float:
-    return pl.DataFrame({"a": a, "b": b}).select(pl.corr("a", "b", method="spearman")).item()
-
-
 def run_once(entry: dict, workdir: Path, settings: dict, device: str, dtype: str,
              device_map: str | None = None) -> tuple[dict, pl.DataFrame, pl.DataFrame]:
     """Boot the model on ``device`` in ``dtype`` and time ``measure_behaviour`` on it."""
+    cuda = device.startswith("cuda")
     t0 = time.perf_counter()
     model, _ = boot(entry, None, workdir, device, dtype=DTYPES[dtype], device_map=device_map)
     model.eval()
@@ -69,20 +67,19 @@ def run_once(entry: dict, workdir: Path, settings: dict, device: str, dtype: str
     with torch.no_grad():
         W_E, W_U = model.W_E.detach().float().cpu(), model.W_U.detach().float().cpu()
     directions = token_directions(W_E, W_U)
-    if device.startswith("cuda"):
+    if cuda:
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
     t0 = time.perf_counter()
     tokens, heads, _ = measure_behaviour(model, model.tokenizer, directions, settings, W_E)
-    if device.startswith("cuda"):
+    if cuda:
         torch.cuda.synchronize()
     seconds = time.perf_counter() - t0
     row = {"device": device, "dtype": dtype, "device_map": device_map, "boot_s": round(t_boot, 2),
            "measure_s": round(seconds, 2)}
-    if device.startswith("cuda"):
-        row["cuda_peak_allocated_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
     del model
-    if device.startswith("cuda"):
+    if cuda:
+        row["cuda_peak_allocated_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
         torch.cuda.empty_cache()
     return row, tokens, heads
 
@@ -152,14 +149,9 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
         if args.trained:
-            from compatlas.training import train_segment
-
-            run = config["training"][args.trained]
-            spec = {k: v for k, v in run.items() if k not in ("schedule", "description", "spaces", "blocks")}
             t0 = time.perf_counter()
-            train_segment(spec, spec["steps"], None, tmp / "trained", args.trained)
+            entry = train_run(config, args.trained, tmp / "trained")
             log.info("trained %s in %.1f s", args.trained, time.perf_counter() - t0)
-            entry = {"source": {"kind": "local", "path": str(tmp / "trained" / "hf_model")}}
             out[args.trained] = bench_model(args.trained, entry, tmp / "trained", {**settings, "prepend_bos": True},
                                             cpu=True, gpu=gpu, check_device_map=False)
         for names, cpu in ((args.shapes, True), (args.gpu_only, False)):

@@ -36,7 +36,7 @@ TABLES = {
     "excluded_shards": "result shards left out of the views because they do not open (truncated, corrupt)",
 }
 QUERY_HELP = "tables and views:\n" + "\n".join(f"  {k:<26} {v}" for k, v in TABLES.items()) + \
-    "\n\ncolumns: compatlas query \"DESCRIBE composition\"; schema: README, 'The schema'"
+    "\n\ncolumns: compatlas query \"DESCRIBE composition\"; schema: docs/schema.md"
 
 
 def render_table(df, max_width: int) -> str:

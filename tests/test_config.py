@@ -133,7 +133,7 @@ def test_shipped_configs_validate(name):
 
 
 def test_the_sweep_runs_the_demo_recipe():
-    """README's sweep table claims its 2-layer runs are the default run's recipe, seed aside."""
+    """docs/behaviour.md's sweep table claims its 2-layer runs are the default run's recipe, seed aside."""
     def recipe(spec):
         return {k: v for k, v in spec.items() if k not in ("description", "seed", "schedule", "spaces")}  # not training
 

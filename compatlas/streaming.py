@@ -104,9 +104,21 @@ def _base_model_prefix(hf_config) -> str | None:
     return getattr(cls, "base_model_prefix", None) or None
 
 
-def tensor_index(folder: Path, hf_config, adapter) -> tuple[dict[str, tuple[Path, str, str]], bool]:
-    """TransformerLens key -> (file, stored key, module key) for every stored tensor, and whether
-    the checkpoint is a bare base model (saved without the head the adapter's class has)."""
+def saved_as_base_model(hf_config) -> bool:
+    """Whether the checkpoint is a base model saved on its own (sentence-transformers' ``BertModel``):
+    its config's ``architectures`` names the headless class. Unprefixed keys alone do not say so:
+    the hub's GPT-2 checkpoints store ``h.0.attn...`` without ``transformer.`` and without
+    ``lm_head`` yet are ``GPT2LMHeadModel``s whose head is W_E, tied (``tie_word_embeddings``)."""
+    from transformers.models.auto.modeling_auto import MODEL_MAPPING_NAMES
+
+    base = MODEL_MAPPING_NAMES.get(getattr(hf_config, "model_type", None))
+    return base is not None and base in (getattr(hf_config, "architectures", None) or [])
+
+
+def tensor_index(folder: Path, hf_config, adapter) -> dict[str, tuple[Path, str, str]]:
+    """TransformerLens key -> (file, stored key, module key) for every stored tensor. Keys stored
+    without the base-model prefix (``h.0...`` for ``transformer.h.0...``) are read as
+    ``from_pretrained`` reads them: with the prefix."""
     from safetensors import safe_open
 
     files = sorted(folder.glob("*.safetensors"))
@@ -115,7 +127,6 @@ def tensor_index(folder: Path, hf_config, adapter) -> tuple[dict[str, tuple[Path
     renames = _renames(hf_config)
     prefix = _base_model_prefix(hf_config)
     index: dict[str, tuple[Path, str, str]] = {}
-    bare = False
     for file in files:
         with safe_open(str(file), framework="pt") as f:
             keys = list(f.keys())
@@ -125,12 +136,12 @@ def tensor_index(folder: Path, hf_config, adapter) -> tuple[dict[str, tuple[Path
                 module_key = re.sub(src, dst, module_key)
             tl = adapter.convert_hf_key_to_tl_key(module_key)
             if tl == module_key and prefix and not module_key.startswith(prefix + "."):
-                # a bare base model (sentence-transformers' BertModel): from_pretrained adds the prefix
+                # a base model saved on its own, or the hub's GPT-2: from_pretrained adds the prefix
                 alt = adapter.convert_hf_key_to_tl_key(f"{prefix}.{module_key}")
                 if alt != f"{prefix}.{module_key}":
-                    tl, module_key, bare = alt, f"{prefix}.{module_key}", True
+                    tl, module_key = alt, f"{prefix}.{module_key}"
             index[tl] = (file, stored, module_key)
-    return index, bare
+    return index
 
 
 HUB_PATTERNS = ["*.json", "*.safetensors", "tokenizer*", "*.model", "*.txt"]
@@ -313,7 +324,7 @@ def stream_extract(folder: Path, processing: str) -> AttentionWeights:
     folder = Path(folder)
     hf_config, adapter = adapter_for(folder)
     cfg = adapter.cfg
-    index, bare = tensor_index(folder, hf_config, adapter)
+    index = tensor_index(folder, hf_config, adapter)
     proc = Processing(adapter, processing)
     L = cfg.n_layers
     if "embed.weight" not in index:
@@ -333,10 +344,10 @@ def stream_extract(folder: Path, processing: str) -> AttentionWeights:
     if "unembed.weight" in index:
         f_u, k_u, _ = index["unembed.weight"]
         W_U: torch.Tensor | None = _transposed_float32(read_tensor(f_u, k_u))  # nn.Linear [vocab, d] -> [d, vocab]
-    elif not bare and getattr(text_config, "tie_word_embeddings", False):
+    elif getattr(text_config, "tie_word_embeddings", False) and not saved_as_base_model(hf_config):
         W_U = W_E.T.contiguous()  # tied: the bridge unties before processing, so the copy is processed alone
     else:
-        W_U = None  # an encoder saved without its head (the bridge drops the untrained one)
+        W_U = None  # an encoder saved without its head (the bridge drops the untrained one: loading._boot_folder)
     if W_U is not None:
         W_U = proc.unembed(W_U, ln_final_w)
     W_E = proc.embed(W_E)

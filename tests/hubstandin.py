@@ -258,26 +258,72 @@ class _Handler(BaseHTTPRequestHandler):
 
 
 def tiny_repo(folder: Path, architecture: str, seed: int, dtype: str = "float32", safetensors: bool = True) -> Path:
-    """A tiny GPT-2 or GPT-NeoX (Pythia's architecture) with random weights and a word-level
-    tokenizer, saved in the hub's layout (``model.safetensors`` or ``pytorch_model.bin``)."""
+    """A tiny GPT-2, GPT-NeoX (Pythia's architecture) or Llama (grouped KV heads, untied) with
+    random weights and a word-level tokenizer, in the layout the hub serves for that family (not
+    what ``save_pretrained`` writes today; see ``hub_layout``)."""
     import torch
-    from transformers import GPT2Config, GPT2LMHeadModel, GPTNeoXConfig, GPTNeoXForCausalLM
+    import transformers as tf
 
     from compatlas.small_models import word_tokenizer
 
     torch.manual_seed(seed)
     if architecture == "gpt2":
-        model = GPT2LMHeadModel(GPT2Config(n_layer=2, n_head=2, n_embd=16, vocab_size=64, n_positions=64))
+        model = tf.GPT2LMHeadModel(tf.GPT2Config(n_layer=2, n_head=2, n_embd=16, vocab_size=64, n_positions=64))
+    elif architecture == "neox":
+        model = tf.GPTNeoXForCausalLM(tf.GPTNeoXConfig(num_hidden_layers=2, num_attention_heads=2, hidden_size=16,
+                                                       intermediate_size=32, vocab_size=64, max_position_embeddings=64))
     else:
-        model = GPTNeoXForCausalLM(GPTNeoXConfig(num_hidden_layers=2, num_attention_heads=2, hidden_size=16,
-                                                 intermediate_size=32, vocab_size=64, max_position_embeddings=64))
+        model = tf.LlamaForCausalLM(tf.LlamaConfig(num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                                   hidden_size=32, intermediate_size=64, vocab_size=64,
+                                                   max_position_embeddings=64, tie_word_embeddings=False))
     model = model.to(getattr(torch, dtype))
     model.save_pretrained(folder)
-    if not safetensors:  # transformers 5 always saves safetensors; older repos ship a pickled state dict
-        (folder / "model.safetensors").unlink()
-        torch.save({k: v.contiguous() for k, v in model.state_dict().items()}, folder / "pytorch_model.bin")
+    hub_layout(folder, architecture, safetensors)
     word_tokenizer(64, folder)
     return folder
+
+
+def hub_layout(folder: Path, architecture: str, safetensors: bool = True) -> None:
+    """Rewrite a ``save_pretrained`` folder into the files the hub serves for the family:
+
+    - GPT-2 (``gpt2``, ``gpt2-medium``, stanford-crfm): keys without the ``transformer.`` prefix,
+      no ``lm_head`` (tied to ``wte``), the attention-mask buffers ``h.N.attn.bias`` stored;
+    - Pythia: GPT-NeoX keys (``gpt_neox.*``, ``embed_out``) with the old buffers
+      (``attention.bias``, ``attention.masked_bias``, ``attention.rotary_emb.inv_freq``);
+    - Llama-style: two shards and ``model.safetensors.index.json``, an untied ``lm_head``;
+    - ``safetensors=False``: a pickled ``pytorch_model.bin`` only, as older repos ship."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    state = load_file(str(folder / "model.safetensors"))
+    (folder / "model.safetensors").unlink()
+    config = json.loads((folder / "config.json").read_text())
+    if architecture == "gpt2":
+        state = {k.removeprefix("transformer."): v for k, v in state.items() if not k.startswith("lm_head.")}
+        n = config["n_positions"]
+        for layer in range(config["n_layer"]):
+            state[f"h.{layer}.attn.bias"] = torch.tril(torch.ones(n, n, dtype=torch.uint8))[None, None].float()
+    elif architecture == "neox":
+        n, dh = config["max_position_embeddings"], config["hidden_size"] // config["num_attention_heads"]
+        for layer in range(config["num_hidden_layers"]):
+            head = f"gpt_neox.layers.{layer}.attention."
+            state[head + "bias"] = torch.tril(torch.ones(n, n, dtype=torch.bool))[None, None]
+            state[head + "masked_bias"] = torch.tensor(-1e9)
+            state[head + "rotary_emb.inv_freq"] = 1.0 / (10000 ** (torch.arange(0, dh, 2).float() / dh))
+    if not safetensors:
+        torch.save({k: v.contiguous() for k, v in state.items()}, folder / "pytorch_model.bin")
+        return
+    if architecture == "llama":
+        keys = sorted(state)
+        shards = {"model-00001-of-00002.safetensors": keys[: len(keys) // 2],
+                  "model-00002-of-00002.safetensors": keys[len(keys) // 2:]}
+        for name, part in shards.items():
+            save_file({k: state[k].contiguous() for k in part}, str(folder / name), metadata={"format": "pt"})
+        index = {"metadata": {"total_size": sum(t.numel() * t.element_size() for t in state.values())},
+                 "weight_map": {k: name for name, part in shards.items() for k in part}}
+        (folder / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+        return
+    save_file({k: v.contiguous() for k, v in state.items()}, str(folder / "model.safetensors"), metadata={"format": "pt"})
 
 
 def served_state(rev: Revision) -> dict:
@@ -287,8 +333,9 @@ def served_state(rev: Revision) -> dict:
     import torch
     from safetensors.torch import load
 
-    if "model.safetensors" in rev.files:
-        return load(rev.files["model.safetensors"])
+    shards = sorted(n for n in rev.files if n.endswith(".safetensors"))
+    if shards:
+        return {k: v for n in shards for k, v in load(rev.files[n]).items()}
     return torch.load(io.BytesIO(rev.files["pytorch_model.bin"]), map_location="cpu", weights_only=True)
 
 

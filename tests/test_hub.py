@@ -40,6 +40,7 @@ CONFIG = {
                  "checkpoints": [{"value": 100}]},
         "pythia-half": {"source": {"kind": "hub", "name": "EleutherAI/pythia-160m"},
                         "checkpoints": [{"value": 512}, {"revision": "step2000"}, {"revision": "step3000"}]},
+        "llama": {"source": {"kind": "hub", "name": "TinyOrg/tiny-llama-gqa"}},  # two shards + index, untied
         "missing": {"source": {"kind": "hub", "name": "EleutherAI/no-such-model"}},
     },
 }
@@ -59,6 +60,7 @@ CASES = {
     ("crfm", "step100"): ("stanford-crfm/alias-gpt2-small-x21", "checkpoint-100"),
     ("pythia-half", "step512"): ("EleutherAI/pythia-160m", "step512"),  # float16 weights
     ("pythia-half", "step2000"): ("EleutherAI/pythia-160m", "step2000"),  # pytorch_model.bin only
+    ("llama", "final"): ("TinyOrg/tiny-llama-gqa", "main"),
 }
 
 
@@ -89,6 +91,7 @@ def hub(tmp_path_factory):
     hub.add("stanford-crfm/alias-gpt2-small-x21", "checkpoint-100", tiny_repo(root / "crfm", "gpt2", seed=5))
     hub.add("EleutherAI/pythia-160m", "step512", tiny_repo(root / "half", "neox", seed=6, dtype="float16"))
     hub.add("EleutherAI/pythia-160m", "step2000", tiny_repo(root / "bin", "neox", seed=7, safetensors=False))
+    hub.add("TinyOrg/tiny-llama-gqa", "main", tiny_repo(root / "llama", "llama", seed=8))
     with hub:
         yield hub
 
@@ -111,21 +114,29 @@ def test_bad_name_and_unpublished_revision_fail_in_one_line(hub: StandInHub, ext
         assert not (extracted / model / label).exists()
 
 
+def architecture_of(repo: str) -> str:
+    return "gpt2" if "gpt2" in repo else "llama" if "llama" in repo else "neox"
+
+
 def expected_attention(state: dict, architecture: str) -> dict[str, torch.Tensor]:
-    """W_Q, W_K, W_V, W_O, W_E in TransformerLens's layout, by hand from the served state dict."""
-    state = {k.removeprefix("transformer.").removeprefix("gpt_neox."): v.float() for k, v in state.items()}
+    """W_Q, W_K, W_V, W_O, W_E and W_U in TransformerLens's layout, by hand from the served state
+    dict (the hub's key layouts: GPT-2 unprefixed and without ``lm_head``; GPT-NeoX with
+    ``embed_out``; Llama with grouped K/V and an untied ``lm_head``)."""
+    state = {k.removeprefix("transformer.").removeprefix("gpt_neox.").removeprefix("model."): v.float()
+             for k, v in state.items()}
     n_layers = 1 + max(int(k.split(".")[1]) for k in state if k.startswith(("h.", "layers.")))
-    H = 2
     out: dict[str, list[torch.Tensor]] = {"W_Q": [], "W_K": [], "W_V": [], "W_O": []}
     for layer in range(n_layers):
         if architecture == "gpt2":  # Conv1D: x @ W; c_attn's columns are [q | k | v], heads contiguous
+            H = 2
             qkv = state[f"h.{layer}.attn.c_attn.weight"]
             d = qkv.shape[0]
             dh = d // H
             for name, part in zip(("W_Q", "W_K", "W_V"), qkv.split(d, dim=1)):
                 out[name].append(part.reshape(d, H, dh).permute(1, 0, 2))
             out["W_O"].append(state[f"h.{layer}.attn.c_proj.weight"].reshape(H, dh, d))
-        else:  # nn.Linear: x @ W.T; query_key_value's rows are [head][q, k, v][d_head]
+        elif architecture == "neox":  # nn.Linear: x @ W.T; query_key_value's rows are [head][q, k, v][d_head]
+            H = 2
             qkv = state[f"layers.{layer}.attention.query_key_value.weight"]
             d = qkv.shape[1]
             dh = d // H
@@ -133,20 +144,31 @@ def expected_attention(state: dict, architecture: str) -> dict[str, torch.Tensor
             for i, name in enumerate(("W_Q", "W_K", "W_V")):
                 out[name].append(per[:, i].transpose(1, 2))
             out["W_O"].append(state[f"layers.{layer}.attention.dense.weight"].T.reshape(H, dh, d))
+        else:  # nn.Linear per projection; 4 query heads share 2 K/V heads, which stay ungrouped
+            H, dh = 4, 8
+            for name, proj in (("W_Q", "q_proj"), ("W_K", "k_proj"), ("W_V", "v_proj")):
+                w = state[f"layers.{layer}.self_attn.{proj}.weight"]
+                out[name].append(w.reshape(-1, dh, w.shape[1]).transpose(1, 2))
+            out["W_O"].append(state[f"layers.{layer}.self_attn.o_proj.weight"].T.reshape(H, dh, -1))
     tensors = {k: torch.stack(v) for k, v in out.items()}
-    tensors["W_E"] = state["wte.weight" if architecture == "gpt2" else "embed_in.weight"]
+    tensors["W_E"] = state[{"gpt2": "wte.weight", "neox": "embed_in.weight", "llama": "embed_tokens.weight"}[architecture]]
+    # GPT-2 ties its unembedding to W_E (the hub stores no lm_head); the others store theirs
+    tensors["W_U"] = {"gpt2": tensors["W_E"], "neox": state.get("embed_out.weight"),
+                      "llama": state.get("lm_head.weight")}[architecture].T
     return tensors
 
 
 @pytest.mark.parametrize("case", list(CASES), ids=lambda c: f"{c[0]}-{c[1]}")
 def test_extracted_tensors_equal_the_served_revision(hub: StandInHub, extracted: Path, case):
     repo, branch = CASES[case]
-    arch = "gpt2" if "gpt2" in repo else "neox"
+    arch = architecture_of(repo)
     got = load_file(str(extracted / case[0] / case[1] / "weights.safetensors"))
     want = expected_attention(served_state(hub.repos[repo][branch]), arch)
     for name, tensor in want.items():
         assert got[name].shape == tensor.shape, name
         assert torch.equal(got[name], tensor), f"{name} differs from {repo}@{branch}"
+    meta = json.loads((extracted / case[0] / case[1] / "meta.json").read_text())
+    assert meta["has_unembed"] and meta["tied_embeddings"] == (arch == "gpt2"), meta
     # and not some other revision's (each revision has its own seed)
     for other, rev in hub.repos[repo].items():
         if rev.commit != hub.repos[repo][branch].commit:
@@ -223,3 +245,24 @@ def test_pipeline_extract_rule_runs_offline_from_a_warm_cache(hub: StandInHub, e
     assert meta["source_commit"] == hub.repos["EleutherAI/pythia-70m"]["step2000"].commit
     for key in ("source_commit", "source_checksum", "source_revision", "checkpoint_step", "weights_sha256"):
         assert meta[key] == online[key], key
+
+
+def test_gpt2_induction_job_runs_through_the_hub(hub: StandInHub, tmp_path: Path):
+    """The hub's GPT-2 layout (unprefixed keys, no lm_head) end to end through Snakemake: extraction
+    keeps the tied unembedding, so the induction job (which needs logits) runs on it."""
+    cfg = {**CONFIG, "models": {"gpt2": CONFIG["models"]["gpt2"]},
+           "induction": {"tokens": 4, "sequences": 2, "pool": 32, "head_scores": {"sequences": 2, "length": 10},
+                         "ablation": {"sequences": 2}}}
+    (tmp_path / "config.yaml").write_text(yaml.safe_dump(cfg))
+    target = "results/induction/model=gpt2/checkpoint=final/heads.parquet"
+    proc = subprocess.run([sys.executable, "-m", "snakemake", target, "-s", str(REPO / "Snakefile"), "--cores", "1",
+                           "--nolock", "--directory", str(tmp_path), "--configfile", str(tmp_path / "config.yaml")],
+                          capture_output=True, text=True, timeout=LIMIT_S, env=hub_env(hub, tmp_path / "hf-home"))
+    logs = "".join(p.read_text() for p in (tmp_path / "results" / "logs").rglob("*.log"))
+    assert proc.returncode == 0, proc.stderr[-3000:] + logs[-3000:]
+    meta = json.loads((tmp_path / "results/weights/gpt2/final/meta.json").read_text())
+    assert meta["has_unembed"] and meta["tied_embeddings"], meta
+    import polars as pl
+
+    heads = pl.read_parquet(tmp_path / target)
+    assert heads.height == 2 * 2 and heads["induction_mean"].is_not_null().all() and heads["ablation_drop"].is_not_null().all(), heads

@@ -3,9 +3,16 @@
 Rebuilding is cheap (no data is copied): the views read the shards in place. The file is
 built under a temporary name and renamed, so readers never see a half-built database.
 
-Relocatable: the views name their shards relative to the database's folder, so a copied or
-moved ``results/`` keeps working; DuckDB resolves such paths against ``file_search_path``,
-which ``connect`` sets to that folder (plain ``duckdb.connect`` users: ``SET file_search_path``).
+Relocatable, and open to plain DuckDB: the views name their shards relative to the folder that
+holds the database's folder, through that folder's name (``results/composition/...``). DuckDB
+resolves relative paths against the working directory, so ``duckdb.connect("results/atlas.duckdb")``
+and the DuckDB CLI answer from the project folder with nothing set; anywhere else one line does
+it, ``SET file_search_path = '<the folder holding results/>'`` (``SEARCH_PATH_HINT``). ``connect``
+sets it itself, so a copied or moved ``results/`` keeps working (renamed too: see ``connect``).
+
+Written in DuckDB's v1.0.0 storage format (``STORAGE_VERSION``): the atlas is views and two small
+tables, which every DuckDB from 1.0 on reads, where a file in the newest format is refused by
+DuckDB 1.x ("Trying to read a database file with version number ...").
 
 A shard that does not open (truncated, corrupt) is left out of its view with a warning in the
 log and a row in the ``excluded_shards`` table (view, path, error), rather than failing the
@@ -16,10 +23,13 @@ build also leaves a copy of itself (``last_good_path``) that queries fall back o
 
 from __future__ import annotations
 
+import atexit
 import json
 import logging
 import os
+import re
 import shutil
+import tempfile
 from importlib import resources
 from pathlib import Path
 from typing import Any
@@ -37,6 +47,13 @@ log = logging.getLogger(__name__)
 # views/<name>.sql beside this module; {fdr}, {prev} and {ind} in it are build_atlas's thresholds.
 DERIVED_VIEWS = ("checkpoints", "composition_z", "discoveries", "induction_summary", "reader_best_composition",
                  "composition_vs_behaviour")
+
+
+# The oldest storage format that holds what the atlas holds: DuckDB 1.0 and later read it.
+STORAGE_VERSION = "v1.0.0"
+# What the views' comment says, and what a plain DuckDB user outside the project folder runs first.
+SEARCH_PATH_HINT = "SET file_search_path = '{parent}'"
+_BASE_COMMENT = re.compile(r"shard paths are relative to the folder holding '([^']*)/'")
 
 
 def derived_view_sql(name: str, fdr: float, prev: float, ind: float) -> str:
@@ -66,9 +83,9 @@ def _parquet_view(name: str, shards: list[str | os.PathLike], types: dict, root:
         cols = ", ".join(f"NULL::{_DUCK_TYPES[types[c]]} AS {c}" for c in columns)
         return f"CREATE VIEW {name} AS SELECT {cols} WHERE false"
 
-    def where(s) -> str:  # relative to the database's folder when the shard is inside it
+    def where(s) -> str:  # "results/composition/..." when the shard is inside the database's folder
         p = Path(s).resolve()
-        return p.relative_to(root).as_posix() if root is not None and p.is_relative_to(root) else str(p)
+        return (Path(root.name) / p.relative_to(root)).as_posix() if root is not None and p.is_relative_to(root) else str(p)
 
     files = ", ".join("'" + where(s).replace("'", "''") + "'" for s in sorted(map(str, shards)))
     return f"CREATE VIEW {name} AS SELECT {', '.join(columns)} FROM read_parquet([{files}], union_by_name = true)"
@@ -87,11 +104,27 @@ def bad_shards(paths: list[str | os.PathLike]) -> dict[str, str]:
     return bad
 
 
+_LINKS: list[str] = []  # folders of links made by connect for renamed atlases, removed at exit
+atexit.register(lambda: [shutil.rmtree(d, ignore_errors=True) for d in _LINKS])
+
+
 def connect(db_path: str | os.PathLike, read_only: bool = True) -> duckdb.DuckDBPyConnection:
-    """Open the atlas with its shards' relative paths resolved against its own folder."""
-    con = duckdb.connect(str(db_path), read_only=read_only)
-    folder = str(Path(db_path).resolve().parent).replace("'", "''")
-    con.execute(f"SET file_search_path = '{folder}'")
+    """Open the atlas from any working directory, with its shards' relative paths
+    (``<folder name>/composition/...``) resolved against the folder that holds the database's
+    folder. A folder renamed since the build (``results`` copied to ``copy``) is reached through a
+    link of its old name in a temporary folder, so the views read the shards beside the database
+    and never those at the old place."""
+    folder = Path(db_path).resolve().parent
+    con = duckdb.connect(str(db_path), read_only=read_only,
+                         config={} if read_only else {"storage_compatibility_version": STORAGE_VERSION})
+    base = folder.parent
+    comment = con.execute("SELECT comment FROM duckdb_views() WHERE view_name = 'composition'").fetchone()
+    built_as = m.group(1) if comment and comment[0] and (m := _BASE_COMMENT.search(comment[0])) else folder.name
+    if built_as != folder.name:
+        base = Path(tempfile.mkdtemp(prefix="compatlas-atlas-"))
+        _LINKS.append(str(base))
+        (base / built_as).symlink_to(folder, target_is_directory=True)
+    con.execute(f"SET file_search_path = '{str(base).replace(chr(39), chr(39) * 2)}'")
     return con
 
 
@@ -125,6 +158,10 @@ def build_atlas(db_path: str | os.PathLike, shards: dict[str, list[str | os.Path
             for name, types in SHARD_VIEWS.items():
                 kept = [p for p in shards.get(name, []) if str(p) not in dropped]
                 con.execute(_parquet_view(name, kept, types, root))
+                hint = SEARCH_PATH_HINT.format(parent=root.parent)
+                comment = (f"shard paths are relative to the folder holding '{root.name}/' (the project folder "
+                           f"by default); from elsewhere first run: {hint}")
+                con.execute(f"COMMENT ON VIEW {name} IS '{comment.replace(chr(39), chr(39) * 2)}'")
             for view in DERIVED_VIEWS:
                 con.execute(derived_view_sql(view, fdr, prev_token_threshold, induction_threshold))
         finally:

@@ -39,13 +39,28 @@ QUERY_HELP = "tables and views:\n" + "\n".join(f"  {k:<26} {v}" for k, v in TABL
     "\n\ncolumns: compatlas query \"DESCRIBE composition\"; schema: docs/schema.md"
 
 
-def render_table(df, max_width: int) -> str:
-    """A table as text: aligned columns when it fits in ``max_width`` characters, else one block
-    per row of ``column | value`` lines (as psql's expanded mode), never columns wrapped to slivers."""
+DIGITS = 6  # significant digits of a float in a table (csv and json keep every digit)
+TABLE_HELP = ("table: aligned columns, floats to 6 significant digits; a row wider than the terminal prints "
+              "as one block per row (psql's expanded mode). --width 0, or a pipe, always prints a table; "
+              "csv and json keep every digit")
+
+
+def _cell(v) -> str:
+    if v is None:
+        return ""
+    if isinstance(v, float):
+        return f"{v:.{DIGITS}g}"
+    return str(v)
+
+
+def render_table(df, max_width: int | None) -> str:
+    """A table as text: aligned columns when it fits in ``max_width`` characters (``None``: no
+    limit), else one block per row of ``column | value`` lines (as psql's expanded mode), never
+    columns wrapped to slivers. Floats are rounded to ``DIGITS`` significant digits."""
     cols = df.columns
-    rows = [["" if v is None else str(v) for v in r] for r in df.iter_rows()]
+    rows = [[_cell(v) for v in r] for r in df.iter_rows()]
     widths = [max([len(c)] + [len(r[i]) for r in rows]) for i, c in enumerate(cols)]
-    if sum(widths) + 3 * max(len(cols) - 1, 0) <= max_width:
+    if max_width is None or sum(widths) + 3 * max(len(cols) - 1, 0) <= max_width:
         line = lambda vals: " | ".join(v.ljust(w) for v, w in zip(vals, widths)).rstrip()  # noqa: E731
         sep = "-+-".join("-" * w for w in widths)
         return "\n".join([line(cols), sep] + [line(r) for r in rows])
@@ -57,6 +72,16 @@ def render_table(df, max_width: int) -> str:
     return "\n".join(out)
 
 
+def error_line(e: BaseException) -> str:
+    """DuckDB's error on one line: its first line, and its hint where it gives one ("Did you mean
+    ...", "Candidate bindings: ...") on the lines after it."""
+    lines = [s.strip() for s in str(e).strip().splitlines() if s.strip()]
+    if not lines:
+        return type(e).__name__
+    hints = [s for s in lines[1:] if s.startswith(("Did you mean", "Candidate bindings"))]
+    return " ".join(lines[:1] + hints)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="compatlas", description=__doc__, epilog=EXAMPLES,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -64,10 +89,12 @@ def main(argv: list[str] | None = None) -> int:
     q = sub.add_parser("query", help="run SQL against results/atlas.duckdb", epilog=QUERY_HELP,
                        formatter_class=argparse.RawDescriptionHelpFormatter)
     q.add_argument("sql")
-    q.add_argument("--db", default="results/atlas.duckdb")
-    q.add_argument("--format", choices=["table", "csv", "json"], default="table",
-                   help="table: aligned, or one block per row when too wide for the terminal")
-    q.add_argument("--max-rows", type=int, default=100)
+    q.add_argument("--db", default="results/atlas.duckdb",
+                   help="the atlas (default: results/atlas.duckdb under the folder you run in)")
+    q.add_argument("--format", choices=["table", "csv", "json"], default="table", help=TABLE_HELP)
+    q.add_argument("--width", type=int, default=None,
+                   help="widest table before rows print as blocks (default: the terminal's; 0: no limit)")
+    q.add_argument("--max-rows", type=int, default=100, help="rows a table shows (default 100)")
     v = sub.add_parser("validate", help="validate a config file against the schema")
     v.add_argument("config", nargs="?", default="config/config.yaml")
     c = sub.add_parser("check-shards", help="open every Parquet shard under a folder")
@@ -81,7 +108,8 @@ def main(argv: list[str] | None = None) -> int:
 
         if not Path(args.db).exists():
             if not last_good_path(args.db).exists():
-                print(f"compatlas: no atlas at {args.db}; run the pipeline first (see README)", file=sys.stderr)
+                print(f"compatlas: no atlas at {Path(args.db).absolute()}; run the pipeline first, or name "
+                      "the atlas with --db PATH/results/atlas.duckdb", file=sys.stderr)
                 return 2
             # a rebuild is running or failed (Snakemake removed the old atlas): the last whole one
             print(f"compatlas: warning: no {args.db} (a rebuild running or failed); answering from the last "
@@ -90,8 +118,7 @@ def main(argv: list[str] | None = None) -> int:
         try:
             df = query(args.db, args.sql)
         except Exception as e:
-            print(f"compatlas: query failed: {str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__}",
-                  file=sys.stderr)
+            print(f"compatlas: query failed: {error_line(e)}", file=sys.stderr)
             return 1
         try:  # shards the atlas left out (truncated, corrupt): say so beside every answer
             excluded = query(args.db, "SELECT count(*) AS n FROM excluded_shards")["n"][0]
@@ -107,7 +134,9 @@ def main(argv: list[str] | None = None) -> int:
         else:
             import shutil
 
-            print(render_table(df.head(args.max_rows), shutil.get_terminal_size((120, 24)).columns))
+            width = args.width if args.width is not None else (
+                shutil.get_terminal_size((120, 24)).columns if sys.stdout.isatty() else 0)
+            print(render_table(df.head(args.max_rows), width or None))
             if df.height > args.max_rows:
                 print(f"({df.height} rows, {args.max_rows} shown: --max-rows)")
         return 0

@@ -69,3 +69,52 @@ def test_query_falls_back_on_the_last_good_atlas(tmp_path: Path, capsys):
     out = capsys.readouterr()
     assert rc == 0 and out.out.splitlines() == ["model", "a", "b"]
     assert "answering from the last good atlas" in out.err
+
+
+def test_plain_duckdb_answers_from_the_project_folder(tmp_path: Path):
+    """``duckdb.connect("results/atlas.duckdb")`` as a DuckDB user types it, in a fresh process
+    started in the project folder, with nothing set; from another folder the view's comment names
+    the one line to run first, and that line is enough."""
+    import subprocess
+    import sys
+
+    project = tmp_path / "project"
+    build_atlas(project / "results" / "atlas.duckdb", make_results(project / "results"), [])
+    plain = ("import duckdb, sys; con = duckdb.connect('{db}', read_only=True); [con.execute(s) for s in sys.argv[1:]]; "
+             "print(con.execute('SELECT count(*) FROM composition').fetchone()[0])")
+    here = subprocess.run([sys.executable, "-c", plain.format(db="results/atlas.duckdb")], cwd=project,
+                          capture_output=True, text=True, timeout=120)
+    assert here.returncode == 0 and here.stdout.strip() == "2", here.stderr
+    db = project / "results" / "atlas.duckdb"
+    elsewhere = subprocess.run([sys.executable, "-c", plain.format(db=db)], cwd=tmp_path,
+                               capture_output=True, text=True, timeout=120)
+    assert elsewhere.returncode != 0 and "No files found" in elsewhere.stderr
+    comment = query(db, "SELECT comment FROM duckdb_views() WHERE view_name = 'composition'")["comment"][0]
+    line = f"SET file_search_path = '{project.resolve()}'"
+    assert comment.endswith(f"from elsewhere first run: {line}"), comment
+    fixed = subprocess.run([sys.executable, "-c", plain.format(db=db), line], cwd=tmp_path,
+                           capture_output=True, text=True, timeout=120)
+    assert fixed.returncode == 0 and fixed.stdout.strip() == "2", fixed.stderr
+
+
+def test_duckdb_1x_cli_opens_the_atlas(tmp_path: Path):
+    """The atlas is written in a storage format DuckDB 1.x reads (64..68; a file of the newest
+    format says 'Trying to read a database file with version number ...'), and the DuckDB 1.x
+    command line, run from the project folder, answers from it (envs/ installs ``duckdb-cli``)."""
+    import shutil
+    import subprocess
+    import sys
+
+    project = tmp_path / "project"
+    db = project / "results" / "atlas.duckdb"
+    build_atlas(db, make_results(project / "results"), [])
+    header = db.read_bytes()[:16]
+    assert header[8:12] == b"DUCK" and 64 <= int.from_bytes(header[12:16], "little") <= 68, header
+    cli = shutil.which("duckdb", path=str(Path(sys.executable).parent)) or shutil.which("duckdb")
+    assert cli, "no duckdb command line: pip install duckdb-cli==1.5.6 (envs/requirements-cpu.txt has it)"
+    version = subprocess.run([cli, "--version"], capture_output=True, text=True, timeout=60).stdout
+    assert version.startswith("v1."), f"{cli} is DuckDB {version.strip()}, not 1.x"
+    out = subprocess.run([cli, "-readonly", "-csv", "results/atlas.duckdb", "-c",
+                          "SELECT count(*) AS n FROM composition; SELECT count(*) AS n FROM composition_z"],
+                         cwd=project, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.split() == ["n", "2", "n", "2"], (out.stdout, out.stderr)

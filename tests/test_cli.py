@@ -100,3 +100,86 @@ def test_query_never_imports_torch(tmp_path):
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip().splitlines()[-1] == "[]", done.stdout
+
+
+def test_query_error_keeps_duckdbs_hint_on_one_line(capsys, tmp_path):
+    from compatlas.atlas import build_atlas
+
+    db = tmp_path / "atlas.duckdb"
+    build_atlas(db, {}, [])
+    rc, _, err = run(capsys, "query", "--db", str(db), "SELECT * FROM compositon")
+    assert rc == 1 and len(err.strip().splitlines()) == 1, err
+    assert "compositon does not exist" in err and 'Did you mean "composition"' in err, err
+
+
+def test_no_atlas_says_where_it_looked_and_names_db(capsys, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # outside the project folder: results/atlas.duckdb is not here
+    rc, _, err = run(capsys, "query", "SELECT 1")
+    assert rc == 2 and len(err.strip().splitlines()) == 1, err
+    assert err.strip() == (f"compatlas: no atlas at {tmp_path / 'results' / 'atlas.duckdb'}; run the pipeline "
+                           "first, or name the atlas with --db PATH/results/atlas.duckdb")
+
+
+def test_tables_round_floats_and_csv_keeps_every_digit(capsys, tmp_path):
+    from compatlas.atlas import build_atlas
+
+    df = pl.DataFrame({"score": [0.21848803758621216, 1234567.891, None], "n": [1, 2, 3]})
+    assert cli.render_table(df, None).splitlines() == [
+        "score       | n", "------------+--", "0.218488    | 1", "1.23457e+06 | 2", "            | 3"]
+    db = tmp_path / "atlas.duckdb"
+    build_atlas(db, {}, [])
+    rc, out, _ = run(capsys, "query", "--db", str(db), "--format", "csv", "SELECT 0.21848803758621216::DOUBLE AS s")
+    assert out.splitlines() == ["s", "0.21848803758621216"]
+
+
+def test_piped_wide_rows_stay_a_table_and_width_chooses(capsys, tmp_path):
+    from compatlas.atlas import build_atlas
+
+    db = tmp_path / "atlas.duckdb"
+    build_atlas(db, {}, [])
+    wide = "SELECT " + ", ".join(f"{i} AS column_{i}" for i in range(40))
+    rc, out, _ = run(capsys, "query", "--db", str(db), wide)  # capsys: stdout is not a terminal
+    assert rc == 0 and out.splitlines()[0].startswith("column_0 | column_1 |") and len(out.splitlines()) == 3
+    rc, out, _ = run(capsys, "query", "--db", str(db), "--width", "80", wide)
+    assert out.splitlines()[0].startswith("-[ row 1 ]") and "column_39 | 39" in out
+    rc, out, _ = run(capsys, "query", "--help")
+    assert "--width" in out and "csv" in out and "--width 0, or a pipe, always prints a table" in " ".join(out.split())
+
+
+def test_max_rows_says_how_many_were_left_out(capsys, tmp_path):
+    from compatlas.atlas import build_atlas
+
+    db = tmp_path / "atlas.duckdb"
+    build_atlas(db, {}, [])
+    rc, out, _ = run(capsys, "query", "--db", str(db), "--max-rows", "2", "SELECT range AS i FROM range(5)")
+    assert rc == 0 and out.splitlines() == ["i", "-", "0", "1", "(5 rows, 2 shown: --max-rows)"]
+
+
+def test_query_warns_of_excluded_shards(capsys, tmp_path):
+    from compatlas.atlas import build_atlas
+    from compatlas.tables import COMPOSITION_SCHEMA
+
+    shards = []
+    for m in ("a", "b"):
+        row = {c: None for c in COMPOSITION_SCHEMA} | {"model": m, "score": 0.5}
+        shards.append(tmp_path / "composition" / f"{m}.parquet")
+        write_shard(pl.DataFrame([row], schema=COMPOSITION_SCHEMA), shards[-1], {})
+    shards[1].write_bytes(shards[1].read_bytes()[:30])
+    build_atlas(tmp_path / "atlas.duckdb", {"composition": shards}, [])
+    rc, out, err = run(capsys, "query", "--db", str(tmp_path / "atlas.duckdb"), "--format", "csv",
+                       "SELECT model FROM composition")
+    assert rc == 0 and out.splitlines() == ["model", "a"]
+    assert err.strip() == ("compatlas: warning: 1 result shards are left out of this atlas "
+                           "(SELECT * FROM excluded_shards)")
+
+
+def test_validate_a_config_that_is_not_a_mapping(capsys, tmp_path):
+    bad = tmp_path / "list.yaml"
+    bad.write_text("- models\n- metrics\n")
+    rc, _, err = run(capsys, "validate", str(bad))
+    assert rc == 1 and err.strip() == f"{bad}: a config is a mapping of keys, not a list"
+
+
+def test_check_shards_without_the_folder(capsys, tmp_path):
+    rc, _, err = run(capsys, "check-shards", str(tmp_path / "nowhere"))
+    assert rc == 2 and err.strip() == f"compatlas: no folder {tmp_path / 'nowhere'}"

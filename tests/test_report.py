@@ -207,3 +207,20 @@ def test_step_axis_is_logarithmic_only_for_log_spaced_checkpoints():
     assert not log_axis(pl.Series([0]))
     assert step_x(800, True).to_dict()["scale"]["type"] == "symlog"
     assert "type" not in step_x(800, False).to_dict()["scale"]
+
+
+def test_atlas_with_composition_but_no_calibration_shards(tmp_path):
+    """An older atlas or a partial run: composition, behaviour and audits, but no calibration
+    shard for any model. Every page draws and says the calibration is missing."""
+    from compatlas.atlas import build_atlas
+
+    write_suite(tmp_path, [Spec("deep", 6, 3), Spec("run", 2, 2, steps=[0, 100, 200])])
+    shards = {v: sorted((tmp_path / v).glob("*.parquet")) for v in
+              ("composition", "head_scores", "induction_tokens", "invariance", "metric_audit", "training_loss")}
+    db = tmp_path / "partial" / "atlas.duckdb"
+    build_atlas(db, shards, sorted((tmp_path / "meta").glob("*.json")))
+    assert atlas_connect(db).sql("SELECT count(*) FROM composition_z WHERE p_value IS NOT NULL").fetchall() == [(0,)]
+    written = build_report(db, tmp_path / "report", png=False)
+    assert {p.name for p in written} == {"index.html", "model-deep.html", "model-run.html"}
+    for page in ("model-deep.html", "model-run.html"):
+        assert "no calibration" in (tmp_path / "report" / page).read_text(encoding="utf-8")

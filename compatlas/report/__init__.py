@@ -87,11 +87,12 @@ def _build(con: duckdb.DuckDBPyConnection, out_dir: Path, config: dict[str, Any]
                                 "precision": r.get("discovery_precision"), "induction_heads": r["n_induction_heads"]}
                                for d in data if not d.cvb.is_empty()
                                for r in d.cvb.filter(pl.col("comp") == "K").iter_rows(named=True) if r["n_induction_heads"]])
-        profile = pl.concat([p.with_columns(model=pl.lit(d.model), depth=pl.col("reader_layer") / max(int(d.info["n_layers"]) - 1, 1),
-                                            share=pl.col("n") / pl.col("pairs"))
-                             for d in data if d.lead and q_cut is not None
-                             and not (p := q.depth_profile(con, d.model, d.latest, *d.lead, q_cut)).is_empty()], how="diagonal_relaxed") \
-            if q_cut is not None and any(d.lead for d in data) else pl.DataFrame()
+        # models without calibration (an older atlas, a partial run) have no depth profile: none may be left
+        profiles = [p.with_columns(model=pl.lit(d.model), depth=pl.col("reader_layer") / max(int(d.info["n_layers"]) - 1, 1),
+                                   share=pl.col("n") / pl.col("pairs"))
+                    for d in data if d.lead and q_cut is not None
+                    and not (p := q.depth_profile(con, d.model, d.latest, *d.lead, q_cut)).is_empty()]
+        profile = pl.concat(profiles, how="diagonal_relaxed") if profiles else pl.DataFrame()
         page.add("<h2 id='across'>Across models</h2>")
         if not profile.is_empty() and profile["n"].sum() > 0:
             page.figure(overview.depth_chart(profile), "overview__depth")

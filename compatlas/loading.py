@@ -111,6 +111,9 @@ def load_cause(e: BaseException) -> str:
     """The real reason a model did not load, in a few words and one line: transformers wraps
     network failures in advice about local directories, so look down the chain of causes."""
     chain = error_chain(e)
+    download = next((c for c in chain if type(c).__name__ == "HubDownloadError"), None)
+    if download is not None:  # it names the file, the retries and the time; the root names the error
+        return f"{download}: {_first_line(chain[-1])}"
     names = {type(c).__name__ for c in chain}
     texts = " ".join(str(c) for c in chain)
     root = chain[-1]
@@ -345,8 +348,11 @@ def load_and_extract(model_id: str, entry: dict[str, Any], checkpoint: dict[str,
         if src["kind"] == "hub":
             from huggingface_hub import constants
 
-            rev = (checkpoint or {}).get("revision") or src.get("revision")
-            what = f"{what}@{rev or (checkpoint or {}).get('label', 'main')} from {constants.ENDPOINT}"
+            try:  # the revision asked of the hub, not the checkpoint's label (`final` is no revision)
+                rev = hub_revision(src, checkpoint) or "main"
+            except ModelLoadError:
+                rev = (checkpoint or {}).get("label", "main")
+            what = f"{what}@{rev} from {constants.ENDPOINT}"
         # one line for the user; the chain of causes, with tracebacks, in the job's log
         for i, cause in enumerate(error_chain(e)):
             log.error("cause %d: %s", i, _first_line(cause), exc_info=cause if i == 0 else None)

@@ -15,6 +15,7 @@ from conftest import TINY_ARCHS, tiny_hf_model
 from compatlas import streaming
 from compatlas.loading import boot, dir_checksum, extract, load_and_extract
 from compatlas.small_models import word_tokenizer
+from compatlas.sources import ModelLoadError
 from compatlas.weights import WEIGHT_KEYS
 
 V = 96  # vocabulary: larger than d_model, as in real models
@@ -148,9 +149,11 @@ def test_hub_source_streams_from_the_hub_cache(saved, tmp_path, monkeypatch):
     assert w.meta["source_commit"] == commit and w.meta["source_revision"] == "main"
     assert w.meta["source_checksum"] == dir_checksum(Path(w.meta["source_path"]))
     _assert_same(streaming.stream_extract(saved["pythia"], "compat"), w, "compat")
-    # a revision that is not in the cache (offline) is not streamed: the bridge's loader reports it
-    with pytest.raises(streaming.StreamingUnsupported, match="no hub snapshot"):
-        streaming.hub_folder({"kind": "hub", "name": "org/tiny-pythia", "revision": "step1"}, None)
+    # a revision that is not in the cache (offline) fails in one line, without a second try through the bridge
+    entry["source"]["revision"] = "step1"
+    with pytest.raises(ModelLoadError, match=r"^model 'p': cannot load org/tiny-pythia@step1 from .*: not in the "
+                                             r"local cache, and the hub is not used \(HF_HUB_OFFLINE=1\)"):
+        load_and_extract("p", entry, None, tmp_path / "work")
 
 
 def test_build_source_is_built_then_streamed(tmp_path):

@@ -79,6 +79,16 @@ HEAD_SCORES_SCHEMA: Schema = {
     "ablation_drop": pl.Float64, "ablation_drop_stderr": pl.Float64, "clean_strength": pl.Float64,
 }
 
+# The effect of every causal writer -> reader edge per comp on the induction task
+# (``edge_measure.attribute_edges``): one row per method x edge (K/V edges of a KV group on each
+# of its query heads, ``reader_kv_head``), ``exact`` where edge patching measured it.
+EDGE_ATTRIBUTION_SCHEMA: Schema = {
+    "model": pl.Utf8, "checkpoint": pl.Utf8, "comp": pl.Utf8, "writer_layer": pl.Int32, "writer_head": pl.Int32,
+    "reader_layer": pl.Int32, "reader_head": pl.Int32, "reader_kv_head": pl.Int32, "method": pl.Utf8,
+    "score": pl.Float64, "score_stderr": pl.Float64, "exact": pl.Float64, "exact_stderr": pl.Float64,
+    "n_sequences": pl.Int64,
+}
+
 # The loss of every step of the pipeline's own training runs (``training.train_segment``).
 TRAINING_LOSS_SCHEMA: Schema = {"model": pl.Utf8, "step": pl.Int64, "tokens": pl.Int64, "loss": pl.Float64}
 
@@ -89,7 +99,7 @@ SHARD_VIEWS: dict[str, Schema] = {
     "composition": COMPOSITION_SCHEMA, "composition_null": COMPOSITION_SCHEMA, "calibration": CALIBRATION_SCHEMA,
     "invariance": INVARIANCE_SCHEMA, "metric_audit": METRIC_AUDIT_SCHEMA,
     "induction_tokens": INDUCTION_TOKENS_SCHEMA, "head_scores": HEAD_SCORES_SCHEMA,
-    "training_loss": TRAINING_LOSS_SCHEMA,
+    "edge_attribution": EDGE_ATTRIBUTION_SCHEMA, "training_loss": TRAINING_LOSS_SCHEMA,
 }
 
 # The atlas's ``models`` table: one row per model x checkpoint, from the extraction's metadata

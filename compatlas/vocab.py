@@ -63,6 +63,11 @@ tests and benchmarks compare ``exact`` with; the config offers ``exact`` and ``a
 ABLATION_METHODS: tuple[AblationMethod, ...] = get_args(AblationMethod)
 CONFIG_ABLATION_METHODS: tuple[AblationMethod, ...] = ("exact", "attribution")
 
+EdgeMethod = Literal["eap", "eap_ig"]
+"""How every edge's effect is estimated (``compatlas.edge_attribution``): edge attribution
+patching, or the same with integrated gradients; exact patching measures a sample beside them."""
+EDGE_METHODS: tuple[EdgeMethod, ...] = get_args(EdgeMethod)
+
 Architecture = Literal["gpt2", "llama"]
 """The shapes a built or trained small model takes (GPT-2: learned positions, LayerNorm;
 Llama: rotary, RMSNorm)."""

@@ -1,0 +1,295 @@
+"""Edge attribution: what each writer head -> reader head edge does, per comp Q, K and V.
+
+An edge (u -> v, comp) is writer head u's output ``a_u = z_u W_O[u]`` (per position, before
+any bias) as it reaches reader head v's query, key or value input (the residual stream before
+v's layer norm). Its effect is measured on the induction task: repeated random tokens
+``[bos] r_1..r_T r_1..r_T`` and the metric M = mean log p(r_{i+1}) over the second copy's
+positions whose next token is induced (``induction_task``); every score is a change in M, per
+sequence, averaged over sequences with its standard error.
+
+- ``exact`` (edge patching, as ACDC): only that edge's contribution to v's input is replaced by
+  its value on the corrupted input, ``x_v += a_u(corrupt) - a_u(clean)``, everything else
+  clean, and the model is rerun: M(patched) - M(clean).
+- ``eap`` (Syed et al. 2023): its first-order estimate for every edge from one clean and one
+  corrupted forward and one backward pass per batch,
+  ``sum over positions and d_model of (a_u(corrupt) - a_u(clean)) * dM/dx_v^{q|k|v}``
+  (gradients on the clean input).
+- ``eap_ig`` (Hanna et al. 2024, "EAP-IG-inputs"): the same with the gradient averaged over
+  ``steps`` inputs interpolated between the corrupted and the clean residual stream entering
+  layer 0 (midpoints (k + 1/2) / steps, k = 0..steps-1).
+
+The per-head reader inputs are TransformerLens's split-QKV hooks (``hook_q_input``,
+``hook_k_input``, ``hook_v_input``: the residual forked per head before the layer norm),
+switched on by ``set_use_split_qkv_input`` for the duration of the measurement only.
+
+Corruption: every token but BOS is resampled independently, so the corrupted input has no
+repeat (the induction behaviour is absent) and differs at every position. That reaches all three
+comps: an induction head reads its keys (K) and values (V) at the first copy and its query (Q)
+at the second. Corrupting only the second copy leaves every key unchanged (K edges get almost
+no attribution); only the first copy leaves the query tokens unchanged (Q edges get little).
+
+Grouped-query attention: the g query heads of a KV group share one key and one value input, so
+a K or V edge is one edge into the KV head (patching it changes the keys or values of all g
+query heads); its score is written on each query head's row (with ``reader_kv_head``), as
+composition's ``subspace`` K/V scores are. ``frobenius`` and ``svd_bound`` score K/V per query
+head; ``composition_vs_function`` compares a KV head's edge with the largest composition score
+of its group's query heads (the edge carries function if any of them uses it).
+
+Limits: EAP is first order (exact patching on a sample says how well it holds); only
+head -> head edges (not embeddings, MLPs, or the logits); a post-attention ("sandwich") norm
+sits between a_u and the residual, so a_u there is the pre-norm output.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import torch
+
+from compatlas.induction import TokenSet, _draw
+from compatlas.progress import Progress
+from compatlas.runtime import stable_seed
+from compatlas.vocab import COMPS, EDGE_METHODS, Comp, EdgeMethod
+
+log = logging.getLogger(__name__)
+
+FORK_HOOK = {"Q": "hook_q_input", "K": "hook_k_input", "V": "hook_v_input"}
+RESID_IN = "blocks.0.hook_resid_pre"
+UNEMBED_IN = "unembed.hook_in"
+
+
+@dataclass(frozen=True)
+class InductionTask:
+    """``clean`` [S, 2T(+1)] repeated random tokens, ``corrupt`` the same with every token but
+    BOS resampled; ``positions`` the second copy's positions whose next token is induced and
+    ``targets`` [S, P] those next tokens."""
+
+    clean: torch.Tensor
+    corrupt: torch.Tensor
+    positions: torch.Tensor
+    targets: torch.Tensor
+
+
+@dataclass(frozen=True)
+class Edge:
+    """writer head (layer, head) -> reader (layer, index): a query head for Q, a KV head for K and V."""
+
+    comp: Comp
+    writer_layer: int
+    writer_head: int
+    reader_layer: int
+    reader_index: int
+
+
+def induction_task(tokens: TokenSet, sequences: int, length: int, seed: int) -> InductionTask:
+    """S sequences of ``length`` random pool tokens repeated once (BOS first if the model expects
+    one), and their corruption (module docstring)."""
+    if length < 2:
+        raise ValueError(f"edge attribution needs a repeated span of at least 2 tokens, got {length}")
+    gen = torch.Generator().manual_seed(stable_seed(seed, "edge_attribution", length))
+    half = _draw(gen, tokens.pool, (sequences, length))
+    clean = torch.cat([half, half], 1)
+    corrupt = _draw(gen, tokens.pool, (sequences, 2 * length))
+    o = 0
+    if tokens.bos is not None:
+        bos = torch.full((sequences, 1), tokens.bos, dtype=clean.dtype)
+        clean, corrupt, o = torch.cat([bos, clean], 1), torch.cat([bos, corrupt], 1), 1
+    positions = torch.arange(o + length, o + 2 * length - 1)
+    return InductionTask(clean, corrupt, positions, clean[:, positions + 1])
+
+
+def _device(model) -> torch.device:
+    return next(model.parameters()).device
+
+
+@contextmanager
+def split_inputs(model) -> Iterator[None]:
+    """Per-head Q/K/V input hooks on, and no parameter gradients, for the duration."""
+    was = bool(getattr(model.cfg, "use_split_qkv_input", False))
+    grads = [p.requires_grad for p in model.parameters()]
+    model.set_use_split_qkv_input(True)
+    for p in model.parameters():
+        p.requires_grad_(False)
+    try:
+        yield
+    finally:
+        model.set_use_split_qkv_input(was)
+        for p, g in zip(model.parameters(), grads):
+            p.requires_grad_(g)
+
+
+def n_kv_heads(model) -> int:
+    return int(getattr(model.cfg, "n_key_value_heads", None) or model.cfg.n_heads)
+
+
+def _metric(model, x: torch.Tensor, task: InductionTask, rows: slice, hooks: list) -> torch.Tensor:
+    """M per sequence (float64 [B]): mean log p(target) over the task's positions."""
+    pos = task.positions.to(x.device)
+    if UNEMBED_IN in model.hook_dict:  # unembed only the measured positions
+        logits = model.run_with_hooks(x, fwd_hooks=hooks + [(UNEMBED_IN, lambda h, hook: h[:, pos])])
+    else:
+        logits = model.run_with_hooks(x, fwd_hooks=hooks)[:, pos]
+    lp = logits.double().log_softmax(-1)
+    tgt = task.targets[rows].to(lp.device)
+    return lp.gather(-1, tgt.repeat(x.shape[0] // len(tgt), 1)[..., None])[..., 0].mean(-1)
+
+
+def _keep(store: dict, key) -> callable:
+    def hook(x, hook):
+        store[key] = x
+        return x
+    return hook
+
+
+@torch.no_grad()
+def _pass(model, task: InductionTask, rows: slice, corrupt: bool
+          ) -> tuple[list[torch.Tensor], torch.Tensor, torch.Tensor]:
+    """hook_z of every layer, the residual entering layer 0 and M per sequence, on the
+    corrupted (or clean) input."""
+    L, store = model.cfg.n_layers, {}
+    hooks = [(f"blocks.{layer}.attn.hook_z", _keep(store, layer)) for layer in range(L)] + [(RESID_IN, _keep(store, "in"))]
+    m = _metric(model, (task.corrupt if corrupt else task.clean)[rows].to(_device(model)), task, rows, hooks)
+    return [store[layer].detach() for layer in range(L)], store["in"].detach(), m
+
+
+def _writer_deltas(model, z_corrupt: list[torch.Tensor], z_clean: list[torch.Tensor]) -> torch.Tensor:
+    """a_u(corrupt) - a_u(clean) of every head, float32 [B, T, L*H, d_model] (heads layer-major)."""
+    W_O = model.W_O.detach().float()  # [L, H, d_head, d_model]
+    return torch.cat([torch.einsum("bphd,hdm->bphm", (zc.float() - z.float()), W_O[layer].to(zc.device))
+                      for layer, (zc, z) in enumerate(zip(z_corrupt, z_clean))], 2)
+
+
+def _gradients(model, task: InductionTask, rows: slice, resid_in: torch.Tensor | None
+               ) -> tuple[dict[Comp, list[torch.Tensor]], list[torch.Tensor], torch.Tensor]:
+    """dM/dx_v for every reader input (per comp, per layer from 1: [B, T, heads, d_model]) on the
+    clean tokens, with the residual entering layer 0 replaced by ``resid_in`` if given;
+    the clean hook_z of every layer; M per sequence."""
+    L, store = model.cfg.n_layers, {}
+
+    def leaf(x, hook):
+        return (x if resid_in is None else resid_in).detach().clone().requires_grad_(True)
+
+    hooks = [(RESID_IN, leaf)] + [(f"blocks.{layer}.attn.hook_z", _keep(store, ("z", layer))) for layer in range(L)]
+    hooks += [(f"blocks.{layer}.attn.{FORK_HOOK[c]}", _keep(store, (c, layer))) for layer in range(1, L) for c in COMPS]
+    with torch.enable_grad():
+        m = _metric(model, task.clean[rows].to(_device(model)), task, rows, hooks)
+        keys = [(c, layer) for c in COMPS for layer in range(1, L)]
+        grads = torch.autograd.grad(m.sum(), [store[k] for k in keys], allow_unused=True)
+    out: dict[Comp, list[torch.Tensor]] = {c: [] for c in COMPS}
+    for (c, layer), g in zip(keys, grads):
+        out[c].append(torch.zeros_like(store[(c, layer)], dtype=torch.float32) if g is None else g.float())
+    return out, [store[("z", layer)].detach() for layer in range(L)], m.detach()
+
+
+def attribution_scores(model, task: InductionTask, method: EdgeMethod = "eap", steps: int = 8, batch_size: int = 16,
+                       progress: Progress | None = None) -> dict[Comp, torch.Tensor]:
+    """EAP (or EAP-IG) score of every edge, per sequence: comp -> float64 [S, L, H, L, heads]
+    (writer layer, writer head, reader layer, reader head or KV head); non-causal entries are 0."""
+    if method not in EDGE_METHODS:
+        raise ValueError(f"edge attribution method {method!r}: choose from {EDGE_METHODS}")
+    L, H, S = model.cfg.n_layers, model.cfg.n_heads, len(task.clean)
+    width = {"Q": H, "K": n_kv_heads(model), "V": n_kv_heads(model)}
+    out = {c: torch.zeros(S, L, H, L, width[c], dtype=torch.float64) for c in COMPS}
+    with split_inputs(model):
+        for s0 in range(0, S, batch_size):
+            rows = slice(s0, min(s0 + batch_size, S))
+            z_corrupt, in_corrupt, _ = _pass(model, task, rows, corrupt=True)
+            if method == "eap":
+                grads, z_clean, _ = _gradients(model, task, rows, None)
+            else:
+                z_clean, in_clean, _ = _pass(model, task, rows, corrupt=False)
+                grads = None
+                for k in range(steps):
+                    alpha = (k + 0.5) / steps
+                    g, _, _ = _gradients(model, task, rows, in_corrupt + alpha * (in_clean - in_corrupt))
+                    grads = g if grads is None else {c: [a + b for a, b in zip(grads[c], g[c])] for c in COMPS}
+                grads = {c: [g / steps for g in grads[c]] for c in COMPS}
+            delta = _writer_deltas(model, z_corrupt, z_clean)
+            n = rows.stop - rows.start
+            for c in COMPS:
+                for layer in range(1, L):
+                    g = grads[c][layer - 1].to(delta.device)
+                    s = torch.einsum("bpud,bpvd->buv", delta[:, :, :layer * H], g)
+                    out[c][rows, :layer, :, layer] = s.view(n, layer, H, width[c]).double().cpu()
+            if progress is not None:
+                progress.advance(n)
+    return out
+
+
+def causal_edges(model) -> list[Edge]:
+    """Every writer -> reader edge with writer layer < reader layer, per comp (K/V into KV heads)."""
+    L, H = model.cfg.n_layers, model.cfg.n_heads
+    width = {"Q": H, "K": n_kv_heads(model), "V": n_kv_heads(model)}
+    return [Edge(c, lw, hw, lr, r) for c in COMPS for lr in range(1, L) for r in range(width[c])
+            for lw in range(lr) for hw in range(H)]
+
+
+@torch.no_grad()
+def exact_scores(model, task: InductionTask, edges: Sequence[Edge], batch_size: int = 16,
+                 progress: Progress | None = None, scale: float = 1.0) -> torch.Tensor:
+    """M(edge patched) - M(clean) per edge and sequence, float64 [E, S] (module docstring):
+    edges side by side in a batch, each on its own copy of the sequences. ``scale`` patches
+    ``x_v += scale * (a_u(corrupt) - a_u(clean))`` (a small one: a finite difference of EAP)."""
+    S, E = len(task.clean), len(edges)
+    out = torch.empty(E, S, dtype=torch.float64)
+    W_O = model.W_O.detach().float()
+    with split_inputs(model):
+        for s0 in range(0, S, batch_size):
+            rows = slice(s0, min(s0 + batch_size, S))
+            n = rows.stop - rows.start
+            z_corrupt, _, _ = _pass(model, task, rows, corrupt=True)
+            z_clean, _, clean_m = _pass(model, task, rows, corrupt=False)
+            per_pass = max(1, batch_size // n)
+            for e0 in range(0, E, per_pass):
+                chunk = edges[e0:e0 + per_pass]
+                patches: dict[tuple, list] = {}
+                for i, e in enumerate(chunk):
+                    dz = (z_corrupt[e.writer_layer][:, :, e.writer_head] - z_clean[e.writer_layer][:, :, e.writer_head]).float()
+                    patches.setdefault((e.reader_layer, e.comp), []).append((i, e.reader_index, dz @ W_O[e.writer_layer, e.writer_head].to(dz.device)))
+
+                def patch(items):
+                    def hook(x, hook):
+                        x = x.clone()
+                        for i, r, d in items:
+                            x[i * n:(i + 1) * n, :, r] += scale * d.to(x.dtype)
+                        return x
+                    return hook
+
+                hooks = [(f"blocks.{lr}.attn.{FORK_HOOK[c]}", patch(items)) for (lr, c), items in patches.items()]
+                x = task.clean[rows].to(_device(model)).repeat(len(chunk), 1)
+                m = _metric(model, x, task, rows, hooks).view(len(chunk), n)
+                out[e0:e0 + len(chunk), rows] = (m - clean_m[None]).cpu()
+                if progress is not None:
+                    progress.advance(len(chunk) * n)
+    return out
+
+
+def exact_sample(scores: dict[Comp, torch.Tensor], edges: Sequence[Edge], top: int, random: int, seed: int) -> list[Edge]:
+    """The edges exact patching measures: per comp, the ``top`` by |mean score| and ``random``
+    more drawn (seeded) from the rest; every edge where that is all of them."""
+    chosen: list[Edge] = []
+    for c in COMPS:
+        mine = [e for e in edges if e.comp == c]
+        if top + random >= len(mine):
+            chosen += mine
+            continue
+        mean = scores[c].mean(0)
+        mag = torch.tensor([abs(mean[e.writer_layer, e.writer_head, e.reader_layer, e.reader_index].item()) for e in mine])
+        order = torch.argsort(mag, descending=True, stable=True).tolist()
+        rest = order[top:]
+        gen = torch.Generator().manual_seed(stable_seed(seed, "exact_sample", c))
+        picked = [rest[i] for i in torch.randperm(len(rest), generator=gen)[:random].tolist()]
+        chosen += [mine[i] for i in order[:top] + sorted(picked)]
+    return chosen
+
+
+def mean_stderr(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Mean and standard error over the first axis (sequences); the error is NaN for one sequence."""
+    n = x.shape[0]
+    se = x.std(0, correction=1) / math.sqrt(n) if n > 1 else torch.full(x.shape[1:], math.nan, dtype=x.dtype)
+    return x.mean(0), se
+

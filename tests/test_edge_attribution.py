@@ -1,0 +1,196 @@
+"""Edge attribution (EAP, EAP-IG, exact edge patching) on a model with a planted circuit and on
+a random grouped-query model.
+
+The planted model is test_induction's hand-set circuit (0.0 an exact previous-token head, 1.0
+an induction head reading 0.0's output with its keys) with soft attention (logits of about 2
+rather than 30): a saturated softmax has no gradient, so EAP cannot see an edge there (it is a
+first-order method; exact patching can, and the module says so). The edge 0.0 -> 1.0 K carries
+the task by construction: it must come first by EAP and by exact patching."""
+
+from __future__ import annotations
+
+import math
+
+import polars as pl
+import pytest
+import torch
+from conftest import tiny_hf_model
+from test_induction import D_HEAD, D_MODEL, OUT, POS, PREV, TOK, P, V, _boot, _hf_gpt2, _one_hot
+
+from compatlas.edge_attribution import (
+    InductionTask, attribution_scores, causal_edges, exact_sample, exact_scores, induction_task,
+)
+from compatlas.edge_measure import attribute_edges
+from compatlas.induction import TokenSet
+from compatlas.loading import boot
+from compatlas.small_models import word_tokenizer
+from compatlas.tables import EDGE_ATTRIBUTION_SCHEMA
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+POOL = TokenSet(pool=torch.arange(V))
+SETTINGS = {"sequences": 12, "length": 10, "batch_size": 48, "methods": ["eap", "eap_ig"], "steps": 4,
+            "exact_top": 4, "exact_random": 4}  # 4 + 4 per comp covers every edge of a 2 x 2-head model
+
+
+def planted_model(folder, sharp: float = 0.2):
+    """test_induction.induction_model's circuit with attention logits scaled by ``sharp``."""
+    hf = _hf_gpt2()
+    g = torch.Generator().manual_seed(0)
+    s = sharp * math.sqrt(D_HEAD)
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            p.fill_(1.0) if ".ln_" in name and name.endswith("weight") else p.zero_()
+        hf.transformer.wte.weight.copy_(_one_hot(V, TOK))
+        hf.transformer.wpe.weight.copy_(_one_hot(P, POS))
+        hf.lm_head.weight[:, OUT:OUT + V] = torch.eye(V)
+        W = [[torch.zeros(D_MODEL, D_MODEL) for _ in range(4)] for _ in range(2)]  # Q K V O per layer
+        (Q0, K0, V0, O0), (Q1, K1, V1, O1) = W
+        for i in range(1, P):
+            Q0[POS + i, i - 1] = s
+        K0[POS:POS + P, :P] = torch.eye(P)
+        V0[TOK:TOK + V, :V] = torch.eye(V)
+        O0[:V] = _one_hot(V, PREV)
+        Q1[TOK:TOK + V, :V] = s * torch.eye(V)
+        K1[PREV:PREV + V, :V] = torch.eye(V)
+        V1[TOK:TOK + V, :V] = torch.eye(V)
+        O1[:V] = _one_hot(V, OUT, 4.0)
+        h1 = slice(D_HEAD, 2 * D_HEAD)  # head 1 of each layer: small random weights
+        for block, (Wq, Wk, Wv, Wo) in zip(hf.transformer.h, W):
+            for M in (Wq, Wk, Wv):
+                M[:, h1] = 0.02 * torch.randn(D_MODEL, D_HEAD, generator=g)
+            noise = 0.02 * torch.randn(D_HEAD, D_MODEL, generator=g)
+            Wo[h1] = noise - noise.mean(1, keepdim=True)
+            block.attn.c_attn.weight.copy_(torch.cat([Wq, Wk, Wv], 1))
+            block.attn.c_proj.weight.copy_(Wo)
+    return _boot(hf, folder)
+
+
+@pytest.fixture(scope="module")
+def planted(tmp_path_factory):
+    return planted_model(tmp_path_factory.mktemp("planted"))
+
+
+@pytest.fixture(scope="module")
+def gqa(tmp_path_factory):
+    """A random Llama-style model, 3 layers, 4 query / 2 KV heads, in float64 (finite differences)."""
+    folder = tmp_path_factory.mktemp("gqa")
+    torch.manual_seed(0)
+    tiny_hf_model("llama-gqa", V).save_pretrained(folder)
+    word_tokenizer(V, folder)
+    bridge, _ = boot({"source": {"kind": "local", "path": str(folder)}}, None, folder, dtype=torch.float64)
+    return bridge.eval()
+
+
+def test_task_layout_by_hand():
+    task = induction_task(TokenSet(pool=torch.arange(4, 40), bos=1), sequences=3, length=5, seed=0)
+    assert task.clean.shape == task.corrupt.shape == (3, 11)
+    assert (task.clean[:, 0] == 1).all() and (task.corrupt[:, 0] == 1).all()
+    assert torch.equal(task.clean[:, 1:6], task.clean[:, 6:11])  # the span, repeated
+    assert task.positions.tolist() == [6, 7, 8, 9]  # the second copy's r_1..r_4 predict r_2..r_5
+    assert torch.equal(task.targets, task.clean[:, 2:6])
+    # the corruption resamples both copies: no repeat left
+    assert not torch.equal(task.corrupt[:, 1:6], task.corrupt[:, 6:11])
+    assert (task.corrupt[:, 1:] != task.clean[:, 1:]).float().mean() > 0.8
+
+
+@pytest.fixture(scope="module")
+def planted_table(planted):
+    table, facts = attribute_edges(planted, POOL, SETTINGS, seed=0)
+    return table, facts
+
+
+def test_planted_k_edge_ranks_first_by_eap_and_exact(planted_table):
+    table, facts = planted_table
+    assert facts["edges"] == facts["exact_edges"] == 12  # 2 writers x 2 readers x 3 comps, all patched
+    assert table.columns == [c for c in EDGE_ATTRIBUTION_SCHEMA if c not in ("model", "checkpoint")]
+    for method in ("eap", "eap_ig"):
+        rows = table.filter(pl.col("method") == method)
+        top = rows.sort(pl.col("score").abs(), descending=True).row(0, named=True)
+        assert (top["comp"], top["writer_layer"], top["writer_head"], top["reader_layer"], top["reader_head"]) \
+            == ("K", 0, 0, 1, 0), method
+        assert top["score"] < 0  # patching it in removes induction
+    rows = table.filter(pl.col("method") == "eap")
+    top = rows.sort(pl.col("exact").abs(), descending=True).row(0, named=True)
+    assert (top["comp"], top["writer_head"], top["reader_head"]) == ("K", 0, 0)
+    assert top["exact"] < -0.5 and top["exact_stderr"] < 0.1 * abs(top["exact"])
+    # on this edge the first-order estimate is close to the patched value (soft attention)
+    assert top["score"] == pytest.approx(top["exact"], rel=0.1)
+    second = rows.sort(pl.col("exact").abs(), descending=True).row(1, named=True)
+    assert abs(second["exact"]) < 0.05 * abs(top["exact"])
+
+
+def _copy_only(task: InductionTask, which: int) -> InductionTask:
+    """The task with only the first (0) or second (1) copy corrupted (the alternatives)."""
+    o = task.clean.shape[1] // 2
+    parts = (task.corrupt[:, :o], task.clean[:, o:]) if which == 0 else (task.clean[:, :o], task.corrupt[:, o:])
+    return InductionTask(task.clean, torch.cat(parts, 1), task.positions, task.targets)
+
+
+def test_corruption_reaches_q_k_and_v(gqa, planted):
+    """Resampling both copies gives every comp at least the attribution that corrupting either copy
+    alone gives, and on the planted circuit the K edge all of it: corrupting the second copy alone
+    leaves the keys unchanged (its K edge gets almost nothing), as the module docstring says."""
+    task = induction_task(POOL, 6, 8, seed=1)
+    total = {name: {c: s.mean(0).abs().sum().item() for c, s in attribution_scores(gqa, t, "eap", batch_size=6).items()}
+             for name, t in (("both", task), ("first", _copy_only(task, 0)), ("second", _copy_only(task, 1)))}
+    for c in ("Q", "K", "V"):
+        assert total["both"][c] > 0.9 * max(total["first"][c], total["second"][c]) > 0, (c, total)
+    assert total["second"]["K"] < 0.3 * total["both"]["K"]
+    ours = induction_task(POOL, 8, 10, seed=2)
+    k_ours = attribution_scores(planted, ours, "eap", batch_size=8)["K"].mean(0)[0, 0, 1, 0]
+    k_second = attribution_scores(planted, _copy_only(ours, 1), "eap", batch_size=8)["K"].mean(0)[0, 0, 1, 0]
+    assert abs(k_second) < 0.05 * abs(k_ours)
+
+
+def test_eap_is_the_first_order_term_of_edge_patching(gqa):
+    """EAP = d/dt M(x_v + t (a_u(corrupt) - a_u(clean))) at t = 0, for every edge (Q into query
+    heads, K/V into the 2 KV heads): a central finite difference of exact patching agrees."""
+    task = induction_task(POOL, 4, 6, seed=3)
+    edges = causal_edges(gqa)
+    assert len(edges) == 4 * (4 + 8) + 2 * (4 + 8) * 2  # Q: 4 query heads, K/V: 2 KV heads, per reader layer 1, 2
+    eap = attribution_scores(gqa, task, "eap", batch_size=4)
+    eps = 1e-2  # central: the error is third order; Llama's RMSNorm computes in float32 whatever the dtype
+    fd = (exact_scores(gqa, task, edges, batch_size=64, scale=eps)
+          - exact_scores(gqa, task, edges, batch_size=64, scale=-eps)).mean(1) / (2 * eps)
+    est = torch.tensor([eap[e.comp].mean(0)[e.writer_layer, e.writer_head, e.reader_layer, e.reader_index].item()
+                        for e in edges], dtype=torch.float64)
+    assert est.abs().max() > 1e-3
+    err = (est - fd).abs()
+    print("first order: max |EAP - finite difference| / max |EAP|", (err.max() / est.abs().max()).item())
+    assert (err <= 1e-3 * est.abs() + 1e-3 * est.abs().max()).all()
+
+
+def test_gqa_rows_share_their_kv_heads_score(gqa):
+    table, facts = attribute_edges(gqa, POOL, {**SETTINGS, "sequences": 4, "length": 6, "methods": ["eap"],
+                                               "exact_top": 1, "exact_random": 1}, seed=0)
+    assert facts["edges"] == 96 and facts["exact_edges"] == 6
+    # rows: every causal writer x reader query head per comp (K/V repeated on the group's 2 query heads)
+    assert table.height == 3 * (4 * 4 + 8 * 4)
+    kv = table.filter(pl.col("comp") != "Q")
+    assert (kv["reader_kv_head"] == kv["reader_head"] // 2).all()
+    spread = kv.group_by("comp", "writer_layer", "writer_head", "reader_layer", "reader_kv_head").agg(
+        pl.col("score").n_unique().alias("n"), pl.len().alias("rows"))
+    assert (spread["n"] == 1).all() and (spread["rows"] == 2).all()
+    # the exact sample: per comp, the top edge by |EAP| and one more
+    assert table.filter(pl.col("exact").is_not_null()).height == 2 * 1 + 2 * 2 * 2  # Q rows 1 each, K/V 2 each
+
+
+def test_exact_sample_takes_the_top_and_a_seeded_draw():
+    scores = {c: torch.zeros(1, 2, 2, 2, 2, dtype=torch.float64) for c in "QKV"}
+    scores["K"][0, 0, 1, 1, 0] = -5.0
+    scores["K"][0, 0, 0, 1, 1] = 2.0
+    edges = [e for e in causal_edges_of(2, 2) if e.comp == "K"]
+    picked = exact_sample(scores, edges, top=2, random=1, seed=0)
+    assert [(e.writer_head, e.reader_index) for e in picked[:2]] == [(1, 0), (0, 1)]
+    assert len(picked) == 3 and picked == exact_sample(scores, edges, top=2, random=1, seed=0)
+
+
+def causal_edges_of(L: int, H: int):
+    class Cfg:
+        n_layers, n_heads = L, H
+
+    class M:
+        cfg = Cfg()
+
+    return causal_edges(M())

@@ -8,6 +8,7 @@ which step and how many tokens is each checkpoint?).
 from __future__ import annotations
 
 import functools
+import logging
 import re
 from collections.abc import Mapping
 from typing import Any
@@ -34,10 +35,13 @@ def hub_series(name: str) -> tuple[tuple[int, ...], int | None] | None:
         name = f"EleutherAI/{name}"
     from transformer_lens.tools.model_registry.checkpoints import get_checkpoint_labels
 
+    logging.disable(logging.WARNING)  # its "Pythia models on HF were updated on 4/3/23" on every lookup
     try:
         labels, _ = get_checkpoint_labels(name)
     except ValueError:
         return None
+    finally:
+        logging.disable(logging.NOTSET)
     return tuple(labels), tokens_per_step(name)
 
 

@@ -160,10 +160,12 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{args.config}: a config is a mapping of keys, not a {type(config).__name__}", file=sys.stderr)
             return 1
         try:
-            build_plan(config)
+            plan = build_plan(config, check_hub=True)
         except ConfigError as e:
             print(f"{args.config}: {e}", file=sys.stderr)
             return 1
+        for note in plan.notes:
+            print(f"{args.config}: note: {note}", file=sys.stderr)
         print(f"{args.config}: valid")
         return 0
     if args.cmd == "check-shards":

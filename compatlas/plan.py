@@ -154,6 +154,7 @@ class Plan:
 
     config: Mapping[str, Any]
     models: Mapping[str, ModelPlan]
+    notes: tuple[str, ...] = ()  # what validation could not check (hub sources offline), to tell the user
 
     @property
     def results(self) -> str:
@@ -170,18 +171,21 @@ class Plan:
                 yield model, ckpt
 
 
-def build_plan(config: Mapping[str, Any], check_sources: bool = True) -> Plan:
+def build_plan(config: Mapping[str, Any], check_sources: bool = True, check_hub: bool = False) -> Plan:
     """Validate ``config`` and resolve it into the plan (``config`` is not changed). With
     ``check_sources``, local and GGUF sources are read (their files, their layer count) so that a
-    missing folder or a layer outside the model is an error now, not in a job."""
+    missing folder or a layer outside the model is an error now, not in a job. With
+    ``check_hub``, the hub is asked once per repository whether it has it and every revision its
+    checkpoints ask for (``compatlas.hub_refs``); where it cannot be asked, ``Plan.notes`` says so."""
     validated = validate_config(config)
     entries = {**validated["models"], **{run: _trained_entry(validated, run) for run in validated["training"]}}
-    models = {}
+    models, resolved = {}, {}
     for model_id, raw in entries.items():
         entry = {k: v for k, v in raw.items() if k != "checkpoint_series"}
         if "checkpoint_series" in raw:
             entry["checkpoints"] = _expand_series(model_id, raw)
         n_layers = check_model(model_id, entry, validated["training"], check_sources)
+        resolved[model_id] = entry
         models[model_id] = ModelPlan(
             name=model_id,
             entry=freeze({k: v for k, v in entry.items() if k != "checkpoints"}),
@@ -193,7 +197,35 @@ def build_plan(config: Mapping[str, Any], check_sources: bool = True) -> Plan:
             induction=freeze(_induction_settings(validated["induction"], entry.get("induction", {}))),
             training=freeze(validated["training"][entry["source"]["run"]]) if entry["source"]["kind"] == "trained" else None,
         )
-    return Plan(config=freeze(validated), models=MappingProxyType(models))
+    notes = _check_hub_sources(resolved) if check_hub else ()
+    return Plan(config=freeze(validated), models=MappingProxyType(models), notes=notes)
+
+
+def _check_hub_sources(entries: Mapping[str, Mapping[str, Any]]) -> tuple[str, ...]:
+    """Ask the hub about every hub source (once per repository); a ConfigError names the key of the
+    first thing it does not have, and what validation could not check comes back as notes."""
+    from compatlas.hub_refs import HubCheckError, check_checkpoints, fetch_refs
+
+    refs: dict[str, Any] = {}
+    unchecked: dict[str, list[str]] = {}
+    for model_id, entry in entries.items():
+        src = entry["source"]
+        if src["kind"] != "hub":
+            continue
+        key = f"models.{model_id}"
+        try:
+            if src["name"] not in refs:
+                refs[src["name"]] = fetch_refs(src["name"])
+            found = refs[src["name"]]
+            if isinstance(found, str):
+                unchecked.setdefault(found, []).append(model_id)
+                continue
+            check_checkpoints(src, entry.get("checkpoints", []), found)
+        except HubCheckError as e:
+            where = "source.name" if " is not a repository" in str(e) else str(e).split(":", 1)[0]
+            text = str(e) if where == "source.name" else str(e).split(": ", 1)[1]
+            raise ConfigError(f"config error at {key}.{where}: {text}") from e
+    return tuple(f"hub sources not checked against the hub ({why}): {', '.join(ids)}" for why, ids in unchecked.items())
 
 
 def scored_layers(layer_range: Sequence[int] | None, n_layers: int, model_id: str = "?") -> list[int]:

@@ -279,3 +279,67 @@ def test_gpt2_induction_job_runs_through_the_hub(hub: StandInHub, tmp_path: Path
 
     heads = pl.read_parquet(tmp_path / target)
     assert heads.height == 2 * 2 and heads["induction_mean"].is_not_null().all() and heads["ablation_drop"].is_not_null().all(), heads
+
+
+def run_validate(hub: StandInHub, home: Path, config: dict, extra_env: dict[str, str] | None = None,
+                 command: list[str] | None = None) -> subprocess.CompletedProcess:
+    (home / "config.yaml").parent.mkdir(parents=True, exist_ok=True)
+    (home / "config.yaml").write_text(yaml.safe_dump(config))
+    cmd = command or [sys.executable, "-m", "compatlas.cli", "validate", str(home / "config.yaml")]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=LIMIT_S, cwd=home,
+                          env={**hub_env(hub, home / "hf-home"), **(extra_env or {})})
+
+
+def one_model(name: str, source: dict, checkpoints: list | None = None) -> dict:
+    entry = {"source": {"kind": "hub", **source}, **({"checkpoints": checkpoints} if checkpoints else {})}
+    return {**CONFIG, "models": {name: entry}}
+
+
+@pytest.mark.parametrize("model, source, checkpoints, line", [
+    ("typo", {"name": "EleutherAI/pythia-70mm"}, None,
+     "config error at models.typo.source.name: EleutherAI/pythia-70mm is not a repository on the hub at {endpoint}"),
+    ("pythia", {"name": "EleutherAI/pythia-70m"}, [{"value": 1000}, {"value": 3000}],
+     "config error at models.pythia.checkpoints.1.value: EleutherAI/pythia-70m does not publish step 3000 on the "
+     "hub (nearest published: [1000, 2000])"),
+    ("pythia", {"name": "EleutherAI/pythia-70m"}, [{"revision": "step3000"}],
+     "config error at models.pythia.checkpoints.0.revision: EleutherAI/pythia-70m has no revision 'step3000' "
+     "(nearest published steps: [1000, 2000])"),
+    ("crfm", {"name": "stanford-crfm/alias-gpt2-small-x21"}, [{"index": 0}],
+     "config error at models.crfm.checkpoints.0.index: stanford-crfm/alias-gpt2-small-x21 does not publish step 0 "
+     "on the hub (nearest published: [100])"),
+])
+def test_validate_asks_the_hub_and_fails_in_one_line(hub: StandInHub, tmp_path: Path, model, source, checkpoints, line):
+    before = len(hub.requests)
+    proc = run_validate(hub, tmp_path, one_model(model, source, checkpoints))
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    (said,) = proc.stderr.strip().splitlines()
+    assert said.startswith(f"{tmp_path / 'config.yaml'}: {line.format(endpoint=hub.endpoint)}"), said
+    asked = [p for _, p, _ in hub.requests[before:]]
+    assert len([p for p in asked if p.endswith("/refs")]) == 1, asked  # once per repository
+
+
+def test_snakemake_dry_run_stops_on_a_misspelt_repo_before_any_job(hub: StandInHub, tmp_path: Path):
+    cmd = [sys.executable, "-m", "snakemake", "-n", "-s", str(REPO / "Snakefile"), "--directory", str(tmp_path),
+           "--configfile", str(tmp_path / "config.yaml")]
+    proc = run_validate(hub, tmp_path, one_model("typo", {"name": "EleutherAI/pythia-70mm"}), command=cmd)
+    assert proc.returncode != 0
+    assert (f"config error at models.typo.source.name: EleutherAI/pythia-70mm is not a repository on the hub at "
+            f"{hub.endpoint}") in proc.stderr, proc.stderr[-2000:]
+    assert "rule extract" not in proc.stdout + proc.stderr
+
+
+def test_validate_passes_published_revisions_and_says_when_it_could_not_ask(hub: StandInHub, tmp_path: Path):
+    good = {**CONFIG, "models": {k: v for k, v in CONFIG["models"].items() if k not in ("missing", "pythia-half")}}
+    proc = run_validate(hub, tmp_path, good)
+    assert proc.returncode == 0 and "valid" in proc.stdout and "note" not in proc.stderr, proc.stderr
+    # offline: the typo is not caught, and validation says it did not ask
+    typo = one_model("typo", {"name": "EleutherAI/pythia-70mm"})
+    proc = run_validate(hub, tmp_path, typo, extra_env={"HF_HUB_OFFLINE": "1"})
+    assert proc.returncode == 0, proc.stderr
+    assert "note: hub sources not checked against the hub (HF_HUB_OFFLINE=1): typo" in proc.stderr
+    # a hub that does not answer: the same, naming it
+    dead = StandInHub().start()
+    dead.stop()
+    proc = run_validate(dead, tmp_path, typo)
+    assert proc.returncode == 0, proc.stderr
+    assert f"note: hub sources not checked against the hub (the hub at {dead.endpoint} did not answer " in proc.stderr

@@ -14,11 +14,15 @@ from compatlas.vocab import METRICS, SPACES
 # Validate and plan before any job is scheduled: one line naming the config file, the key and the
 # problem (not this file's line, which a WorkflowError would point at). `config` is left as the
 # user wrote it.
+# The main process also asks the hub (once per repository) whether it has every hub source and
+# revision; a job's own Snakemake process (on a cluster) does not ask again.
 try:
-    PLAN = build_plan(config)
+    PLAN = build_plan(config, check_hub=workflow.is_main_process)
 except ConfigError as e:
     print(f"{', '.join(map(str, workflow.configfiles)) or 'config'}: {e}", file=sys.stderr)
     raise SystemExit(1)
+for note in PLAN.notes:
+    print(f"note: {note}", file=sys.stderr)
 
 RESULTS = PLAN.results
 LOGS = f"{RESULTS}/logs"

@@ -72,6 +72,7 @@ def models_frame(meta_paths: list[str | os.PathLike]) -> pl.DataFrame:
         meta = json.loads(Path(p).read_text())
         row = {c: meta.get(c) for c in MODELS_SCHEMA}
         row["versions"] = json.dumps(meta.get("versions", {}), sort_keys=True)
+        row["norm_gains"] = json.dumps(meta.get("norm_gains", {}), sort_keys=True)  # {} : no QK- or sandwich norm
         row["quantized"] = bool(meta.get("quantized", False))
         rows.append(row)
     return pl.DataFrame(rows, schema=MODELS_SCHEMA)

@@ -283,8 +283,11 @@ def _norm_weight(module) -> torch.Tensor | None:
     return None if w is None else w.detach().float()
 
 
-def extract(bridge, processing: str) -> AttentionWeights:
-    """Pull W_Q, W_K, W_V, W_O, W_E, W_U and the attention-input norm weights off a bridge."""
+def extract(bridge, processing: str, norm_gains: str = "fold") -> AttentionWeights:
+    """Pull W_Q, W_K, W_V, W_O, W_E, W_U and the attention-input norm weights off a bridge (QK-norm
+    and post-attention norm gains folded or not: ``compatlas.norm_gains``)."""
+    from compatlas.norm_gains import describe, fold_layer, read_gains
+
     if processing not in PROCESSINGS:
         raise ModelLoadError(f"unknown processing {processing!r}; choose from {PROCESSINGS}")
     if processing == "compat":
@@ -294,6 +297,22 @@ def extract(bridge, processing: str) -> AttentionWeights:
         W_Q, W_K, W_V, W_O = (getattr(bridge, n).detach().float().cpu() for n in ("W_Q", "W_K", "W_V", "W_O"))
         if W_K.ndim == 3:  # some adapters return grouped K/V as [L, d_model, d_head] for one kv head
             W_K, W_V = W_K[:, None], W_V[:, None]
+
+        def weight(key: str) -> torch.Tensor | None:  # blocks.<i>.attn.q_norm.weight -> that norm's weight
+            module = bridge
+            for part in key.removesuffix(".weight").split("."):
+                module = module[int(part)] if part.isdigit() else getattr(module, part, None)
+                if module is None:
+                    return None
+            return _norm_weight(module)
+
+        present: dict[str, bool] = {}
+        offset = bool(getattr(cfg, "rmsnorm_uses_offset", False))
+        for layer in range(cfg.n_layers):
+            gains = read_gains(weight, layer)
+            present.update({k: present.get(k, False) or g is not None for k, g in gains.items()})
+            t = fold_layer({"q": W_Q[layer], "k": W_K[layer], "v": W_V[layer], "o": W_O[layer]}, gains, offset, norm_gains)
+            W_Q[layer], W_K[layer], W_O[layer] = t["q"].cpu(), t["k"].cpu(), t["o"].cpu()
         W_E = bridge.W_E.detach().float().cpu()
         try:
             W_U = bridge.W_U.detach().float().cpu()
@@ -306,7 +325,8 @@ def extract(bridge, processing: str) -> AttentionWeights:
                 ln1 = torch.stack(ws).cpu()
         ln_final = _norm_weight(bridge.ln_final) if processing == "none" and hasattr(bridge, "ln_final") else None
     return extracted_weights(W_Q, W_K, W_V, W_O, W_E, W_U, ln1, ln_final, adapter=bridge.adapter,
-                             hf_config=bridge.original_model.config, cfg=cfg, processing=processing)
+                             hf_config=bridge.original_model.config, cfg=cfg, processing=processing,
+                             norm_gains=describe(present, norm_gains))
 
 
 def load_and_extract(model_id: str, entry: dict[str, Any], checkpoint: dict[str, Any] | None,
@@ -332,7 +352,7 @@ def load_and_extract(model_id: str, entry: dict[str, Any], checkpoint: dict[str,
                     folder, prov = hub_folder(entry["source"], checkpoint)
                 else:
                     folder, prov = model_folder(entry, checkpoint, workdir)
-                w = stream_extract(folder, entry.get("processing", "none"))
+                w = stream_extract(folder, entry.get("processing", "none"), entry.get("norm_gains", "fold"))
                 prov = {"source_kind": kind, **prov}
             except StreamingUnsupported as e:
                 log.info("streaming extraction not available (%s): booting the whole model", e)
@@ -360,7 +380,7 @@ def load_and_extract(model_id: str, entry: dict[str, Any], checkpoint: dict[str,
     log.info("loaded %s in %.1f s (%s)", model_id, time.perf_counter() - t0,
              "streamed" if bridge is None else "whole model booted")
     if w is None:
-        w = extract(bridge, entry.get("processing", "none"))
+        w = extract(bridge, entry.get("processing", "none"), entry.get("norm_gains", "fold"))
     w.meta.update(prov)
     w.meta.update(model=model_id, checkpoint=(checkpoint or {}).get("label", "final"),
                   checkpoint_step=(checkpoint or {}).get("step"), checkpoint_tokens=(checkpoint or {}).get("tokens"))

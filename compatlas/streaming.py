@@ -379,8 +379,10 @@ def _transposed_float32(t: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def stream_extract(folder: Path, processing: str) -> AttentionWeights:
-    """The atlas's tensors of the checkpoint in ``folder``, as ``loading.extract`` gives them."""
+def stream_extract(folder: Path, processing: str, norm_gains: str = "fold") -> AttentionWeights:
+    """The atlas's tensors of the checkpoint in ``folder``, as ``loading.extract`` gives them
+    (QK-norm and post-attention norm gains folded or not: ``compatlas.norm_gains``)."""
+    from compatlas.norm_gains import describe, fold_layer, read_gains
     from compatlas.sources import ModelLoadError
     from compatlas.vocab import PROCESSINGS
 
@@ -419,8 +421,13 @@ def stream_extract(folder: Path, processing: str) -> AttentionWeights:
 
     ln1_ws = [norm(f"blocks.{layer}.ln1.weight") for layer in range(L)]
     W_Q = W_K = W_V = W_O = None
+    present: dict[str, bool] = {}
     for layer in range(L):
-        t = proc.attention(layer_attention(adapter, index, layer), ln1_ws[layer])
+        gains = read_gains(norm, layer)
+        present.update({k: present.get(k, False) or g is not None for k, g in gains.items()})
+        # the gains first: centring (compat) applies to what the layer writes, after its post-norm gain
+        t = fold_layer(layer_attention(adapter, index, layer), gains, proc.offset, norm_gains)
+        t = proc.attention(t, ln1_ws[layer])
         if W_Q is None:  # allocated once the shapes are known, filled layer by layer (no stacking copy)
             W_Q = torch.empty((L, *t["q"].shape))
             W_K = torch.empty((L, *t["k"].shape))
@@ -433,6 +440,6 @@ def stream_extract(folder: Path, processing: str) -> AttentionWeights:
         ln1 = torch.stack(ln1_ws)
     ln_final = ln_final_w if processing == "none" else None
     w = extracted_weights(W_Q, W_K, W_V, W_O, W_E, W_U, ln1, ln_final, adapter=adapter, hf_config=hf_config, cfg=cfg,
-                          processing=processing, extraction="streaming")
+                          processing=processing, extraction="streaming", norm_gains=describe(present, norm_gains))
     w.validate()
     return w

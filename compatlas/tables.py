@@ -103,7 +103,7 @@ SHARD_VIEWS: dict[str, Schema] = {
 }
 
 # The atlas's ``models`` table: one row per model x checkpoint, from the extraction's metadata
-# (``versions`` as JSON text).
+# (``versions`` and ``norm_gains`` as JSON text).
 MODELS_SCHEMA: Schema = {
     "model": pl.Utf8, "checkpoint": pl.Utf8, "checkpoint_step": pl.Int64, "checkpoint_tokens": pl.Int64,
     "architecture": pl.Utf8, "hf_architecture": pl.Utf8, "n_layers": pl.Int64, "n_heads": pl.Int64,
@@ -111,7 +111,7 @@ MODELS_SCHEMA: Schema = {
     "tied_embeddings": pl.Boolean, "has_unembed": pl.Boolean, "token_condition": pl.Float64,
     "token_norm_condition": pl.Float64, "processing": pl.Utf8, "quantized": pl.Boolean, "source_kind": pl.Utf8,
     "source_name": pl.Utf8, "source_path": pl.Utf8, "source_revision": pl.Utf8, "source_commit": pl.Utf8,
-    "source_checksum": pl.Utf8, "weights_sha256": pl.Utf8, "versions": pl.Utf8,
+    "source_checksum": pl.Utf8, "weights_sha256": pl.Utf8, "norm_gains": pl.Utf8, "versions": pl.Utf8,
 }
 
 # The atlas's ``excluded_shards`` table: shards left out of their view because they do not open.

@@ -43,6 +43,11 @@ Processing = Literal["none", "compat"]
 (norms folded, writing weights centred)."""
 PROCESSINGS: tuple[Processing, ...] = get_args(Processing)
 
+NormGains = Literal["fold", "raw"]
+"""What extraction does with the per-channel gains of QK-norm and the post-attention norm
+(``compatlas.norm_gains``): fold them into W_Q / W_K columns and W_O output channels, or keep raw."""
+NORM_GAINS: tuple[NormGains, ...] = get_args(NormGains)
+
 NullStratify = Literal["none", "distance"]
 """Which null pairs a causal pair is calibrated against: all of its group's, or only those at
 the same layer distance (``compatlas.calibration``)."""

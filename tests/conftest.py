@@ -121,14 +121,16 @@ def random_weights(seed: int, *, L: int, H: int, Hkv: int, d: int, dh: int, spec
     return w
 
 
-TINY_ARCHS = ("gpt2", "llama-gqa", "pythia", "gemma", "bert", "bert-bare")
+TINY_ARCHS = ("gpt2", "llama-gqa", "pythia", "gemma", "gemma3", "bert", "bert-bare")
 
 
 def tiny_hf_model(arch: str, vocab: int, **config):
     """A tiny Hugging Face model of ``arch`` (TINY_ARCHS), randomly initialised from torch's
     global generator (seed it first): 3 layers, 4 heads, d_model 32, d_head 8, 32 positions;
-    ``llama-gqa`` has 2 KV heads, ``gemma`` 1; ``bert-bare`` is the encoder without its MLM head.
+    ``llama-gqa`` has 2 KV heads, ``gemma`` 1; ``gemma3`` 2, with QK-norm and sandwich norms whose
+    gains are random; ``bert-bare`` is the encoder without its MLM head.
     ``config`` overrides the architecture's config fields (e.g. ``n_layer=2`` for GPT-2)."""
+    import torch
     import transformers as tf
 
     if arch == "gpt2":
@@ -147,6 +149,16 @@ def tiny_hf_model(arch: str, vocab: int, **config):
         return tf.GemmaForCausalLM(tf.GemmaConfig(**{
             "num_hidden_layers": 3, "num_attention_heads": 4, "num_key_value_heads": 1, "hidden_size": 32,
             "head_dim": 8, "intermediate_size": 64, "vocab_size": vocab, "max_position_embeddings": 32, **config}))
+    if arch == "gemma3":  # QK-norm and sandwich norms, their gains random (HF starts them at w = 0: gain 1)
+        model = tf.Gemma3ForCausalLM(tf.Gemma3TextConfig(**{
+            "num_hidden_layers": 3, "num_attention_heads": 4, "num_key_value_heads": 2, "hidden_size": 32,
+            "head_dim": 8, "intermediate_size": 64, "vocab_size": vocab, "max_position_embeddings": 32,
+            "sliding_window": 16, **config}))
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if "norm" in name:
+                    p.normal_(0.0, 1.0)
+        return model
     if arch in ("bert", "bert-bare"):
         cfg = tf.BertConfig(**{"num_hidden_layers": 3, "num_attention_heads": 4, "hidden_size": 32,
                                "intermediate_size": 64, "vocab_size": vocab, "max_position_embeddings": 32, **config})

@@ -62,7 +62,7 @@ def _assert_same(ref, got, processing: str) -> None:
         # bitwise for everything but the means of processing, whose summation order may differ
         torch.testing.assert_close(b, a, rtol=0, atol=1e-6, msg=f"{k} ({processing})")
     for key in ("architecture", "hf_architecture", "n_layers", "n_heads", "n_kv_heads", "d_model", "d_head",
-                "d_vocab", "norm_type", "tied_embeddings", "has_unembed", "processing"):
+                "d_vocab", "norm_type", "tied_embeddings", "has_unembed", "processing", "norm_gains"):
         assert got.meta[key] == ref.meta[key], key
 
 
@@ -110,7 +110,7 @@ def test_load_and_extract_streams_safetensors_and_falls_back_otherwise(saved, tm
     assert w.meta["source_checksum"] == ref.meta["source_checksum"]
 
     # a checkpoint streaming cannot read (here: no safetensors file) goes through the bridge
-    def unsupported(folder, processing):
+    def unsupported(folder, processing, norm_gains):
         raise streaming.StreamingUnsupported("test")
 
     monkeypatch.setattr(streaming, "stream_extract", unsupported)

@@ -46,7 +46,7 @@ log = logging.getLogger(__name__)
 # rebuilt), in the order they are created: each reads only views before it. The SQL of each is
 # views/<name>.sql beside this module; {fdr}, {prev} and {ind} in it are build_atlas's thresholds.
 DERIVED_VIEWS = ("checkpoints", "composition_z", "discoveries", "induction_summary", "reader_best_composition",
-                 "composition_vs_behaviour")
+                 "composition_vs_behaviour", "composition_vs_function", "eap_vs_exact")
 
 
 # The oldest storage format that holds what the atlas holds: DuckDB 1.0 and later read it.

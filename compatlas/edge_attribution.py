@@ -50,9 +50,9 @@ from dataclasses import dataclass
 
 import torch
 
-from compatlas.induction import TokenSet, _draw
 from compatlas.progress import Progress
 from compatlas.runtime import stable_seed
+from compatlas.sequences import TokenSet, _draw
 from compatlas.vocab import COMPS, EDGE_METHODS, Comp, EdgeMethod
 
 log = logging.getLogger(__name__)

@@ -93,10 +93,11 @@ def boot_and_attribute_edges(model_id: str, entry: dict, checkpoint: dict | None
     """Boot one model (x checkpoint) as the induction job does (same devices, dtypes and token
     pool) and attribute its edges: the ``edge_attribution`` table and its shard's provenance.
     ``settings``: the model's ``induction`` section (``edge_attribution`` in it)."""
-    from compatlas.induction import clean_tokens, forward_dtype, sample_tokens, token_directions, token_set
+    from compatlas.induction import forward_dtype
     from compatlas.loading import boot
     from compatlas.runtime import resolve_device
     from compatlas.tables import provenance
+    from compatlas.tokens import clean_tokens, sample_tokens, token_directions, token_set
     from compatlas.weights import load_meta
 
     t0 = time.perf_counter()

@@ -13,7 +13,8 @@ inp = snakemake.input
 shards = {"composition": as_list(inp.shards), "composition_null": as_list(inp.null_shards),
           "calibration": as_list(inp.calibration), "invariance": as_list(inp.invariance),
           "metric_audit": as_list(inp.metric_audit), "induction_tokens": as_list(inp.induction_tokens),
-          "head_scores": as_list(inp.head_scores), "training_loss": as_list(inp.training_loss)}
+          "head_scores": as_list(inp.head_scores), "edge_attribution": as_list(inp.edge_attribution),
+          "training_loss": as_list(inp.training_loss)}
 build_atlas(snakemake.output[0], shards, list(inp.metas), **snakemake.params.thresholds)
 log.info("atlas %s: %s shards, %d models", snakemake.output[0], {k: len(v) for k, v in shards.items()},
          len(inp.metas))

@@ -21,8 +21,8 @@ from compatlas.edge_attribution import (
     InductionTask, attribution_scores, causal_edges, exact_sample, exact_scores, induction_task,
 )
 from compatlas.edge_measure import attribute_edges
-from compatlas.induction import TokenSet
 from compatlas.loading import boot
+from compatlas.sequences import TokenSet
 from compatlas.small_models import word_tokenizer
 from compatlas.tables import EDGE_ATTRIBUTION_SCHEMA
 

@@ -118,6 +118,48 @@ def test_behaviour_views(pipeline_run: Path):
     assert con.execute("SELECT count(*) FROM composition_vs_behaviour").fetchone()[0] == 2 * 3 * 2 * 3 + 3 * 3 * 1 * 3
 
 
+def test_edge_attribution_views(pipeline_run: Path):
+    """Every causal edge per comp in edge_attribution; composition_vs_function's numbers for one
+    grouped-query cell recomputed here from the two views it reads (scipy's Spearman and
+    Mann-Whitney U, average precision by hand)."""
+    import numpy as np
+    from scipy.stats import mannwhitneyu, spearmanr
+
+    con = connect(pipeline_run / "results" / "atlas.duckdb")
+    rows = dict(con.execute("SELECT model, count(*) FROM edge_attribution WHERE method = 'eap' GROUP BY model").fetchall())
+    assert rows == {"tiny-gpt2": 3 * 12, "tiny-llama": 3 * 48, "tiny-trained": 3 * 3 * 4}  # comps x causal pairs (x ckpts)
+    assert con.execute("SELECT count(*) FROM edge_attribution WHERE score IS NULL OR score_stderr IS NULL").fetchone()[0] == 0
+    # a 2 x 2-head model is patched exactly on every edge; one K/V score per KV head
+    assert con.execute("SELECT count(*) FROM edge_attribution WHERE model = 'tiny-trained' AND exact IS NULL").fetchone()[0] == 0
+    assert con.execute("""SELECT max(n) FROM (SELECT count(DISTINCT score) AS n FROM edge_attribution
+                          WHERE model = 'tiny-llama' AND comp <> 'Q' GROUP BY comp, writer_layer, writer_head,
+                          reader_layer, reader_kv_head)""").fetchone()[0] == 1
+    assert con.execute("SELECT count(*) FROM eap_vs_exact").fetchone()[0] == (2 + 3) * 3
+    assert con.execute("SELECT count(*) FROM composition_vs_function").fetchone()[0] == 2 * 3 * 2 * 3 + 3 * 3 * 1 * 3
+    edges = con.execute("""SELECT writer_layer, writer_head, reader_layer, reader_kv_head, any_value(abs(score))
+                           FROM edge_attribution WHERE model = 'tiny-llama' AND comp = 'K' GROUP BY ALL
+                           ORDER BY 1, 2, 3, 4""").fetchall()
+    comp: dict[tuple, float] = {}  # a KV head's edge: the largest score of its group's query heads
+    for w, h, r, q, s in con.execute("""SELECT writer_layer, writer_head, reader_layer, reader_head, score FROM composition_z
+                                        WHERE model = 'tiny-llama' AND comp = 'K' AND metric = 'frobenius'
+                                        AND space = 'residual'""").fetchall():
+        comp[(w, h, r, q // 2)] = max(comp.get((w, h, r, q // 2), -np.inf), s)
+    fn = np.array([e[4] for e in edges])
+    score = np.array([comp[e[:4]] for e in edges])
+    order = np.argsort(-fn, kind="stable")
+    before = np.concatenate([[0.0], np.cumsum(fn[order])[:-1]])
+    top = np.zeros(len(fn), bool)
+    top[order[before < 0.5 * fn.sum()]] = True
+    by_score = np.argsort(-score, kind="stable")
+    hits = np.cumsum(top[by_score])
+    ap = np.mean([hits[k] / (k + 1) for k in range(len(fn)) if top[by_score][k]])
+    got = con.execute("""SELECT n_edges, n_top, spearman, auroc, average_precision FROM composition_vs_function
+                         WHERE model = 'tiny-llama' AND comp = 'K' AND metric = 'frobenius' AND space = 'residual'""").fetchone()
+    assert got[:2] == (len(edges), top.sum()) and len(edges) == 3 * 4 * 2  # writer x reader KV head
+    u = mannwhitneyu(score[top], score[~top]).statistic / (top.sum() * (~top).sum())
+    assert got[2:] == pytest.approx((spearmanr(score, fn).statistic, u, ap), rel=1e-9)
+
+
 def test_training_run_is_a_checkpoint_series(pipeline_run: Path):
     con = connect(pipeline_run / "results" / "atlas.duckdb")
     series = con.execute("""SELECT checkpoint, checkpoint_step, checkpoint_tokens, source_kind FROM models

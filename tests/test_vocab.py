@@ -38,6 +38,7 @@ SCHEMA_ENUMS: dict[str, tuple[Any, ...]] = {
     "$defs.model.properties.induction.properties.device_map": vocab.DEVICE_MAPS,
     "$defs.model.properties.induction.properties.ablation.properties.mode": vocab.ABLATION_MODES,
     "$defs.model.properties.induction.properties.ablation.properties.method": vocab.CONFIG_ABLATION_METHODS,
+    "$defs.model.properties.induction.properties.edge_attribution.properties.methods.*": vocab.EDGE_METHODS,
     "$defs.training_run.properties.spaces.*": vocab.SPACES,
     "$defs.training_run.properties.architecture": vocab.ARCHITECTURES,
     "$defs.training_run.properties.data": vocab.TRAINING_DATA,

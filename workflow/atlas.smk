@@ -11,6 +11,7 @@ rule atlas:
         metas=all_metas,
         induction_tokens=induction_shards(INDUCTION_TOKENS),
         head_scores=induction_shards(HEAD_SCORES),
+        edge_attribution=edge_attribution_shards,
         training_loss=training_loss_shards,
     output:
         f"{RESULTS}/atlas.duckdb",

@@ -32,6 +32,7 @@ WEIGHTS_META = f"{RESULTS}/weights/{{model}}/{{checkpoint}}/meta.json"
 INVARIANCE = f"{RESULTS}/invariance/model={{model}}/checkpoint={{checkpoint}}/invariance.parquet"
 INDUCTION_TOKENS = f"{RESULTS}/induction/model={{model}}/checkpoint={{checkpoint}}/tokens.parquet"
 HEAD_SCORES = f"{RESULTS}/induction/model={{model}}/checkpoint={{checkpoint}}/heads.parquet"
+EDGE_ATTRIBUTION = f"{RESULTS}/edge_attribution/model={{model}}/checkpoint={{checkpoint}}/edges.parquet"
 TRAIN_STATE = f"{RESULTS}/train/{{model}}/{{checkpoint}}/state.pt"
 TRAIN_LOSS = f"{RESULTS}/train/{{model}}/{{checkpoint}}/loss.parquet"
 SHARD = f"{RESULTS}/composition/model={{model}}/checkpoint={{checkpoint}}/metric={{metric}}/space={{space}}/block={{block}}.parquet"
@@ -169,6 +170,19 @@ def all_metas(wildcards):
 def induction_shards(path):
     """The induction rule's output `path` for every (model, checkpoint) with induction enabled."""
     return [path.format(model=m.name, checkpoint=c.label) for m, c in PLAN.pairs() if m.induction["enabled"]]
+
+
+def edge_attribution_shards(wildcards):
+    """The edge attribution shard of every (model, checkpoint) with induction and edge attribution enabled."""
+    return [EDGE_ATTRIBUTION.format(model=m.name, checkpoint=c.label) for m, c in PLAN.pairs()
+            if m.induction["enabled"] and m.induction["edge_attribution"]["enabled"]]
+
+
+def model_edge_settings(wildcards):
+    """What an edge attribution job reads of the model's induction settings (so that a change to
+    the sweep's settings does not rerun it)."""
+    ind = PLAN.models[wildcards.model].induction
+    return thaw({k: ind[k] for k in ("pool", "prepend_bos", "seed", "dtype", "device_map", "edge_attribution")})
 
 
 def report_config():

@@ -24,3 +24,28 @@ rule induction:
         runtime=120,
     script:
         "../scripts/induction.py"
+
+
+# Function beside the weights: every causal writer -> reader edge per comp scored by its effect
+# on the induction task (EAP for all, exact edge patching for a sample), on the same boot.
+rule edge_attribution:
+    input:
+        meta=WEIGHTS_META,
+    output:
+        EDGE_ATTRIBUTION,
+    params:
+        entry=model_entry,
+        checkpoint=checkpoint_spec,
+        settings=model_edge_settings,
+        workdir=lambda wc: f"{RESULTS}/models/{wc.model}/{wc.checkpoint}",
+        device=setting("device"),
+    conda:
+        "../envs/compatlas.yaml"
+    log:
+        f"{LOGS}/edge_attribution/{{model}}/{{checkpoint}}.log",
+    priority: model_priority
+    resources:
+        mem_mb=8000,
+        runtime=120,
+    script:
+        "../scripts/edge_attribution.py"

@@ -1,0 +1,27 @@
+-- How well the attribution (a first-order estimate) holds, on the edges exact patching measured
+-- (per comp the top by |score| and a random sample; edges as in composition_vs_function):
+-- Pearson and Spearman of score with exact, the share of the top_k edges by |exact| that are also
+-- among the top_k by |score| (top_k = 5, or all sampled edges if fewer), and whether the edge of
+-- largest |exact| is the one of largest |score| (over the sample).
+CREATE VIEW eap_vs_exact AS
+WITH sampled AS (
+    SELECT model, checkpoint, method, comp, writer_layer, writer_head, reader_layer,
+        CASE WHEN comp = 'Q' THEN reader_head ELSE reader_kv_head END AS reader_unit,
+        any_value(score) AS score, any_value(exact) AS exact
+    FROM edge_attribution WHERE exact IS NOT NULL GROUP BY ALL),
+ranked AS (
+    SELECT *, least(5, count(*) OVER w) AS top_k,
+      rank() OVER (w ORDER BY score) + (count(*) OVER (PARTITION BY model, checkpoint, method, comp, score) - 1) / 2.0 AS r_score,
+      rank() OVER (w ORDER BY exact) + (count(*) OVER (PARTITION BY model, checkpoint, method, comp, exact) - 1) / 2.0 AS r_exact,
+      row_number() OVER (w ORDER BY abs(score) DESC, writer_layer, writer_head, reader_layer, reader_unit) AS k_score,
+      row_number() OVER (w ORDER BY abs(exact) DESC, writer_layer, writer_head, reader_layer, reader_unit) AS k_exact
+    FROM sampled
+    WINDOW w AS (PARTITION BY model, checkpoint, method, comp))
+SELECT model, checkpoint, method, comp, count(*) AS n_exact, corr(score, exact) AS pearson,
+    corr(r_score, r_exact) AS spearman, any_value(top_k) AS top_k,
+    count_if(k_score <= top_k AND k_exact <= top_k) / any_value(top_k) AS top_k_overlap,
+    bool_or(k_score = 1 AND k_exact = 1) AS top_edge_agrees,
+    arg_max(writer_layer || '.' || writer_head || ' -> ' || reader_layer || '.' || reader_unit, abs(exact)) AS top_exact_edge,
+    arg_max(writer_layer || '.' || writer_head || ' -> ' || reader_layer || '.' || reader_unit, abs(score)) AS top_score_edge
+FROM ranked
+GROUP BY ALL;

@@ -3,6 +3,7 @@ circuit (tests/synthetic_atlas.py), and from a bare atlas without calibration or
 
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
 
@@ -224,3 +225,90 @@ def test_atlas_with_composition_but_no_calibration_shards(tmp_path):
     assert {p.name for p in written} == {"index.html", "model-deep.html", "model-run.html"}
     for page in ("model-deep.html", "model-run.html"):
         assert "no calibration" in (tmp_path / "report" / page).read_text(encoding="utf-8")
+
+
+def test_gqa_rows_of_one_finding_are_one_row():
+    """A key head's finding repeated for the three query heads that share it (identical score, p
+    and q) is one row naming the three readers; a different finding stays its own row."""
+    from compatlas.report.findings import findings, readers_cell
+
+    row = dict(comp="K", writer_layer=16, writer_head=0, reader_layer=17, score=0.31, p_value=2.8e-5, q_value=0.048,
+               baseline_spectrum_mean=0.1, z_spectrum=120.0, metric="subspace", space="token")
+    edges = pl.DataFrame([row | {"reader_head": h} for h in (3, 4, 5)]
+                         + [row | {"reader_head": 6, "score": 0.2, "p_value": 1e-4, "q_value": 0.049}])
+    f = findings(edges, group=3)
+    assert f.height == 2 and f["readers"].to_list() == [[3, 4, 5], [6]]
+    assert readers_cell(17, [3, 4, 5]) == "L17.H3, H4, H5"
+    assert findings(edges, group=1).height == 4  # without GQA each query head is its own finding
+
+
+def test_the_null_floor_is_explained_with_its_numbers():
+    """k pairs beyond all N null pairs, m tests: chance puts m/(N+1) there, their q is about that over k."""
+    from compatlas.report.findings import floor_note, why_none
+
+    floor = pl.DataFrame({"comp": ["K"], "m": [35235], "n_null": [35235], "k": [20], "q_k": [0.0499]})
+    text = floor_note(floor, 0.05)
+    assert "1/(N+1) = 1/35,236" in text and "20 of the 35,235 tests" in text
+    assert "m/(N+1) = 1.00" in text and "1.00/20 = 0.0500" in text and "largest q among them 0.0499" in text
+    assert floor_note(floor.with_columns(k=pl.lit(0)), 0.05) == ""
+    small = pl.DataFrame({"pairs": [4], "n_null": [4]})
+    assert why_none(small, 0.05) == ("none possible: its null has 4 pairs, so the smallest p is 1/5 = 0.200, "
+                                     "above the false discovery rate 0.05")
+    assert why_none(pl.DataFrame({"pairs": [4], "n_null": [None]}), 0.05).startswith("not calibrated")
+    assert why_none(pl.DataFrame({"pairs": [35235], "n_null": [35235]}), 0.05) is None
+
+
+def test_circuit_edges_curve_around_the_heads_between():
+    """Each edge starts at its writer and ends at its reader; halfway along it is half a head to
+    the side of the straight line (a quadratic Bezier through a control point one head aside)."""
+    from compatlas.report.circuit import CURVE_POINTS, curves
+
+    e = pl.DataFrame({"writer_layer": [0, 2], "writer_head": [1, 3], "reader_layer": [5, 6], "reader_head": [1, 0],
+                      "comp": ["V", "K"], "score": [0.5, 0.6]})
+    pts = curves(e)
+    assert pts.height == 2 * CURVE_POINTS
+    for eid, (x0, y0, x1, y1) in enumerate([(1, 0, 1, 5), (3, 2, 0, 6)]):
+        p = pts.filter(pl.col("eid") == eid).sort("t")
+        assert (p["x"][0], p["y"][0], p["x"][-1], p["y"][-1]) == (x0, y0, x1, y1)
+        mid = p.filter(pl.col("t") == 0.5)
+        assert abs(abs(mid["x"][0] - (x0 + x1) / 2) - 0.5) < 1e-12 and mid["y"][0] == (y0 + y1) / 2
+
+
+def test_pages_mark_discoveries_list_every_combo_and_explain_small_models(tmp_path):
+    """The heatmap outlines its discoveries; the circuit has a panel per comp and a menu with every
+    metric x space and its count (none left out for having no discoveries); a model whose null is
+    too small for any discovery says so on the index instead of 'recall 0'; no diverging scale
+    sets a domainMid (Vega warns when it lies outside the data)."""
+    db = write_suite(tmp_path, [Spec("deep", 6, 3), Spec("tiny", 2, 2, steps=[0, 100, 200, 300, 400])])
+    con = duckdb.connect(str(db))
+    cal = sorted(str(p) for p in (tmp_path / "calibration").glob("*.parquet"))
+    con.execute("CREATE OR REPLACE VIEW calibration AS SELECT * REPLACE ("
+                "CASE WHEN model = 'tiny' THEN 4 ELSE n_null END AS n_null, "
+                "CASE WHEN model = 'tiny' THEN greatest(p_value, 0.2) ELSE p_value END AS p_value, "
+                "CASE WHEN model = 'tiny' THEN greatest(q_value, 0.2) ELSE q_value END AS q_value) "
+                f"FROM read_parquet({cal!r})")
+    con.close()
+    build_report(db, tmp_path / "report", png=False)
+    index = (tmp_path / "report" / "index.html").read_text(encoding="utf-8")
+    tiny_row = index.split("<h2 id='finds'>")[1].split("<a href='model-tiny.html#behaviour'>tiny</a>")[1].split("</tr>")[0]
+    assert "smallest p is 1/5 = 0.200" in tiny_row and "recall 0" not in tiny_row and "#training" in tiny_row
+    deep = (tmp_path / "report" / "model-deep.html").read_text(encoding="utf-8")
+    def js(s: str) -> str:  # as the page's spec JSON spells a string (page.spec_json)
+        return json.dumps(s)[1:-1].replace("<", "\\u003c")
+
+    assert js("Cyan squares: the discoveries (q <= 0.05).") in deep
+    assert '"filter":' + json.dumps("isValid(datum.q) && datum.q <= 0.05").replace("<", "\\u003c") in deep
+    for combo in ("frobenius · residual", "svd_bound · token", "subspace · token"):
+        assert js(f"{combo} (") in deep, combo
+    assert '"text":"K-composition"' in deep and '"text":"Q-composition"' in deep
+    for page in (tmp_path / "report").glob("*.html"):
+        # as a key of a spec's scale (the inlined Vega code names it too, as a case label)
+        assert not re.search(r'[{,]"domainMid":-?[0-9]', page.read_text(encoding="utf-8")), page.name
+
+
+def test_training_figure_legend_draws_the_dash_and_every_panel_names_its_axis(suite):
+    _, out, _ = suite
+    run = (out / "model-org-run.html").read_text(encoding="utf-8")
+    assert '"strokeDash":{"field":"space"' in run and '"symbolType":"stroke"' in run
+    assert run.count('"title":"training step"') >= 4  # loss, heads, strength, composition panels
+    assert "tracks the formation</b> (" in run  # one line per comp, not a sentence

@@ -77,12 +77,12 @@ def _build(con: duckdb.DuckDBPyConnection, out_dir: Path, config: dict[str, Any]
         page.add("<p><b>No results:</b> the atlas has no models and no composition scores yet.</p>")
     else:
         page.add("<nav>" + " ".join(f"<a href='{html.escape(d.page)}'>{html.escape(d.model)}</a>" for d in data) + "</nav>",
-                 "<h2 id='models'>Models</h2>", overview.models_table(data, cuts),
+                 "<h2 id='models'>Models</h2>", overview.models_table(data, cuts, q_cut),
                  "<h2 id='finds'>How each metric x space finds the induction heads</h2>",
                  note("K-composition with previous-token heads, last checkpoint: <b>recall</b> = share of the induction "
                       "heads with a discovery from a previous-token head, <b>precision</b> = share of the readers with "
                       "such a discovery that are induction heads. " + q_note(q_cut)),
-                 overview.finds_table(data))
+                 overview.finds_table(data, q_cut))
         recall = pl.DataFrame([{"model": d.model, "combo": f"{r['metric']} · {r['space']}", "recall": r.get("discovery_recall"),
                                 "precision": r.get("discovery_precision"), "induction_heads": r["n_induction_heads"]}
                                for d in data if not d.cvb.is_empty()

@@ -65,6 +65,12 @@ def near_b_chart(toks: pl.DataFrame, model: str, checkpoint: str) -> alt.LayerCh
                                   "when tied) and for a random token R."]))
 
 
+def span(values: pl.Series) -> float:
+    """The largest |value| (1 when there is none): half the width of a domain centred on 0."""
+    m = values.drop_nulls().abs().max() if values.len() else None
+    return float(m) if m is not None and m > 0 else 1.0
+
+
 def head_scores_chart(heads: pl.DataFrame, model: str) -> alt.TopLevelMixin:
     """Layer x head maps of each behavioural score; with several checkpoints a slider over the
     step picks one (the maps' colours keep one scale over training)."""
@@ -89,7 +95,9 @@ def head_scores_chart(heads: pl.DataFrame, model: str) -> alt.TopLevelMixin:
             x=alt.X("head:O", title="head"), y=alt.Y("layer:O", title="layer"),
             color=alt.Color(f"{col}:Q", title=None, scale=alt.Scale(
                 scheme="redblue" if diverging else "viridis", reverse=diverging,
-                **({"domainMid": 0} if diverging else {"domain": [0, 1]})),
+                # a diverging scale centred on 0 through a symmetric domain: domainMid outside the
+                # data's range (every drop positive) makes Vega warn "domainMid exceeds domain"
+                domain=[-span(h[col]), span(h[col])] if diverging else [0, 1]),
                 legend=alt.Legend(orient="bottom", gradientLength=max(100, min(160, cell * n_heads)))),
             tooltip=tip).properties(width=max(110, cell * n_heads), height=min(420, max(80, 14 * n_layers)),
                                     title=HEAD_SCORE_TEXT[col]))

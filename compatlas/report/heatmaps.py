@@ -18,6 +18,7 @@ HEATMAP_DATA = "heatmap"  # name of the heatmap's dataset in the spec's top-leve
 # Above this many cells a heatmap gets no PNG file (drawing it takes vl-convert about 13 s per
 # 200k cells); the page's figure menu exports one on request.
 PNG_MAX_CELLS = 60_000
+DISCOVERY_MARK = "#00c8ff"  # outline of a discovery's cell: apart from every colour of the inferno scale
 PANEL_MAX, PANEL_MIN, CELL_PX = 720, 260, 12  # px: the panel's side, and a cell's where the model is small
 
 METRIC_TEXT = {
@@ -97,12 +98,16 @@ def heatmap_chart(df: pl.DataFrame, model: str, checkpoint: str, metric: str, sp
                 + (f", discoveries: q <= {q_cut:g}." if q_cut is not None else "."))
         col_expr = "datum.lp / 100"
     else:
+        z = ((df["score"] - df["baseline_spectrum_mean"]) / df["baseline_spectrum_std"]).to_numpy()
+        zmax = float(np.nanmax(np.abs(z[np.isfinite(z)]))) if np.isfinite(z).any() else 1.0
         colour = alt.Color("col:Q", title="z (spectrum-kept null)",
-                           scale=alt.Scale(scheme="redblue", reverse=True, domainMid=0), legend=alt.Legend(titleFontSize=11))
+                           # centred on 0 through a symmetric domain (a domainMid outside one-sided data warns)
+                           scale=alt.Scale(scheme="redblue", reverse=True, domain=[-zmax, zmax]),
+                           legend=alt.Legend(titleFontSize=11))
         what = "Colour: z against the pair's spectrum-kept null (this atlas has no calibration)."
         col_expr = "datum.z / 10"
-    chart = (
-        alt.Chart(alt.Data(name=HEATMAP_DATA)).add_params(pick)
+    base = (
+        alt.Chart(alt.Data(name=HEATMAP_DATA))
         .transform_filter("datum.c == comp")
         .transform_flatten(["s", "m", "z", "lp", "lq"])
         .transform_window(i="row_number()", groupby=["c", "w"])
@@ -115,7 +120,9 @@ def heatmap_chart(df: pl.DataFrame, model: str, checkpoint: str, metric: str, sp
                              writer=f"'L' + floor(datum.w / {H}) + '.H' + (datum.w % {H})",
                              reader=f"'L' + floor(datum.r / {H}) + '.H' + (datum.r % {H})",
                              null_sd="datum.zval ? (datum.score - datum.null_mean) / datum.zval : null")
-        .mark_rect(strokeWidth=0)
+    )
+    rect = (
+        base.mark_rect(strokeWidth=0)
         .encode(
             x=alt.X("r:Q", scale=alt.Scale(domain=[r_lo * H, r_hi * H], nice=False, zero=False),
                     axis=_layer_axis("reader head (layer, then head)", r_lo, r_hi, H, True, width)),
@@ -131,13 +138,26 @@ def heatmap_chart(df: pl.DataFrame, model: str, checkpoint: str, metric: str, sp
                      alt.Tooltip("zval:Q", title="z", format=".1f"),
                      alt.Tooltip("nn:Q", title="non-causal null pairs", format=","),
                      alt.Tooltip("p:Q", format=".2e"), alt.Tooltip("q:Q", format=".2e")])
-        .properties(width=width, height=height, title=alt.TitleParams(
-            f"{model} @ {checkpoint}: {metric}, {space} space",
-            subtitle=[f"score = {METRIC_TEXT.get(metric, metric)}; space: {SPACE_TEXT.get(space, space)}.",
-                      "Rows: writer head; columns: reader head in a later layer. " + what,
-                      "Pick Q, K or V below; hover a cell for score, nulls, z, p and q."],
-            anchor="start", fontSize=14, subtitleFontSize=11, subtitleColor="#444"))
     )
+    layers = [rect]
+    if calibrated and q_cut is not None:  # the discoveries, marked: colour alone hides a few cells among 35k
+        cell = max(width / max(n_r, 1), height / max(n_w, 1))
+        layers.append(
+            base.transform_filter(f"isValid(datum.q) && datum.q <= {float(q_cut)}")
+            .transform_calculate(rc="datum.r + 0.5", wc="datum.w + 0.5")
+            .mark_point(shape="square", filled=False, color=DISCOVERY_MARK, strokeWidth=1.5, opacity=1,
+                        size=max(36.0, (cell + 2) ** 2))
+            .encode(x=alt.X("rc:Q"), y=alt.Y("wc:Q"),
+                    tooltip=[alt.Tooltip("writer:N"), alt.Tooltip("reader:N"), alt.Tooltip("c:N", title="comp"),
+                             alt.Tooltip("score:Q", format=".3f"), alt.Tooltip("zval:Q", title="z", format=".1f"),
+                             alt.Tooltip("p:Q", format=".2e"), alt.Tooltip("q:Q", format=".2e")]))
+        what += f" Cyan squares: the discoveries (q <= {q_cut:g})."
+    chart = alt.layer(*layers).add_params(pick).properties(width=width, height=height, title=alt.TitleParams(
+        f"{model} @ {checkpoint}: {metric}, {space} space",
+        subtitle=[f"score = {METRIC_TEXT.get(metric, metric)}; space: {SPACE_TEXT.get(space, space)}.",
+                  "Rows: writer head; columns: reader head in a later layer. " + what,
+                  "Pick Q, K or V below; hover a cell for score, nulls, z, p and q."],
+        anchor="start", fontSize=14, subtitleFontSize=11, subtitleColor="#444"))
     return chart.configure_view(stroke="#999", fill="#f4f4f4")
 
 

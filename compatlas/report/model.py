@@ -13,12 +13,9 @@ import duckdb
 import polars as pl
 
 from compatlas import formation as fm
-from compatlas.report import behaviour, circuit, heatmaps, queries as q, training
+from compatlas.report import behaviour, circuit, findings, heatmaps, queries as q, training
 from compatlas.report.audits import invariance_chart
-from compatlas.report.page import Page, esc, fmt, head, note, safe_name, step, table
-from compatlas.vocab import COMPS
-
-TOP_N = 10
+from compatlas.report.page import Page, esc, fmt, note, safe_name, step
 
 
 @dataclass
@@ -94,24 +91,6 @@ def describe(d: ModelData) -> str:
     return "<p>" + ", ".join(bits) + ".</p>"
 
 
-def top_discoveries(d: ModelData) -> str:
-    if d.edges.is_empty() or d.lead is None:
-        return ""
-    e = d.edges.filter((pl.col("metric") == d.lead[0]) & (pl.col("space") == d.lead[1]))
-    parts = []
-    for comp in [c for c in COMPS if c in set(e["comp"])]:
-        top = e.filter(pl.col("comp") == comp).sort(["q_value", "p_value", "score"], descending=[False, False, True]).head(TOP_N)
-        rows = [[head(r["writer_layer"], r["writer_head"]), head(r["reader_layer"], r["reader_head"]), r["score"],
-                 r["baseline_spectrum_mean"], r["z_spectrum"], r["p_value"], r["q_value"]] for r in top.iter_rows(named=True)]
-        parts.append(f"<div><b>{comp}-composition</b>"
-                     + table(["writer", "reader", "score", "spectrum null", "z", "p", "q"], rows) + "</div>")
-    what = "Pairs with the smallest p (no discoveries)" if d.candidates else "Top discoveries"
-    return (f"<h3>{what}: {html.escape(d.lead[0])}, {html.escape(d.lead[1])} space</h3>"
-            + note("Smallest q first (ties: smaller p, then larger z). All discoveries: <code>SELECT * FROM discoveries "
-                   f"WHERE model = '{html.escape(d.model)}' AND latest</code>.")
-            + "<div class='side'>" + "".join(parts) + "</div>")
-
-
 def _too_small(summary: pl.DataFrame, q_cut: float | None) -> str:
     """A sentence when no pair could be a discovery at all: with N null pairs the smallest p is
     1 / (N + 1), and Benjamini-Hochberg over m pairs needs p <= q_cut for one of them even if all
@@ -147,8 +126,10 @@ def build_page(con: duckdb.DuckDBPyConnection, d: ModelData, out_dir: Path, q_cu
             page.add(note(f"<b>No discoveries</b>: {why}.{_too_small(d.summary, q_cut)} Drawn instead, and not to be "
                           "read as a circuit: the pairs with the smallest p."))
         nodes = circuit.node_frame(int(d.info["n_layers"]), int(d.info["n_heads"]), d.heads, *cuts)
-        page.figure(circuit.circuit_chart(d.edges, nodes, d.model, d.latest, d.lead, q_cut, d.candidates), f"{s}__circuit")
-        page.add(top_discoveries(d))
+        page.figure(circuit.circuit_chart(d.edges, nodes, d.model, d.latest, d.lead, q_cut, d.candidates, d.combos),
+                    f"{s}__circuit")
+        floor = findings.floor_summary(con, d.model, d.latest, *d.lead, findings.kv_group(d.info))
+        page.add(findings.top_discoveries(d.edges, d.info, d.model, d.lead, d.candidates, floor, q_cut))
     if d.combos:
         metric, space = d.lead
         df = q.pairs(con, d.model, d.latest, metric, space)

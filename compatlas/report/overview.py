@@ -13,6 +13,7 @@ import altair as alt
 import polars as pl
 
 from compatlas.report.behaviour import MIN_CLASS
+from compatlas.report.findings import why_none
 from compatlas.report.model import ModelData
 from compatlas.report.page import fmt, head, table
 from compatlas.vocab import COMPS, METRICS, SPACES
@@ -29,10 +30,18 @@ def _heads(df: pl.DataFrame, col: str, n: int = 3) -> str:
     return s + (f" +{df.height - n} more" if df.height > n else "")
 
 
-def _strongest(d: ModelData) -> str:
-    """Per comp, the lead metric x space's number of discoveries and its strongest one."""
+def _circuit_elsewhere(d: ModelData) -> str:
+    return (f"; its circuit: <a href='{html.escape(d.page)}#behaviour'>head scores</a>"
+            + (f" and <a href='{html.escape(d.page)}#training'>composition over training</a>" if d.outcome else ""))
+
+
+def _strongest(d: ModelData, q_cut: float | None = None) -> str:
+    """Per comp, the lead metric x space's number of discoveries and its strongest one; or why
+    the model can have none (``findings.why_none``) and where its circuit shows instead."""
     if d.lead is None:
         return "no pairs"
+    if (why := why_none(d.summary, q_cut)) is not None:
+        return f"<small>{html.escape(why)}{_circuit_elsewhere(d)}</small>"
     summ = d.summary.filter((pl.col("metric") == d.lead[0]) & (pl.col("space") == d.lead[1]))
     n = {r["comp"]: r["discoveries"] for r in summ.iter_rows(named=True)}
     e = d.edges.filter((pl.col("metric") == d.lead[0]) & (pl.col("space") == d.lead[1])) if d.edges.height else d.edges
@@ -47,7 +56,7 @@ def _strongest(d: ModelData) -> str:
     return "<br>".join(out) + f"<br><small>({html.escape(d.lead[0])}, {html.escape(d.lead[1])} space)</small>"
 
 
-def models_table(data: list[ModelData], cuts: tuple[float, float]) -> str:
+def models_table(data: list[ModelData], cuts: tuple[float, float], q_cut: float | None = None) -> str:
     rows = []
     for d in data:
         i = d.info
@@ -62,19 +71,24 @@ def models_table(data: list[ModelData], cuts: tuple[float, float]) -> str:
                      f"{fmt(i.get('n_layers'))} x {fmt(i.get('n_heads'))}{kv}", fmt(i.get("d_model")), src,
                      "yes" if i.get("quantized") else "no", ck,
                      html.escape(_heads(prev, "prev_token_mean")) if not d.heads.is_empty() else "–",
-                     html.escape(_heads(ind, "induction_mean")) if not d.heads.is_empty() else "–", _strongest(d)])
+                     html.escape(_heads(ind, "induction_mean")) if not d.heads.is_empty() else "–", _strongest(d, q_cut)])
     return table(["model", "architecture", "layers x heads", "d_model", "source", "quantised", "checkpoints",
                   f"previous-token heads (score >= {cuts[0]:g})", f"induction heads (score >= {cuts[1]:g})",
                   "discoveries per comp: strongest"], rows, cls="models", raw=True)
 
 
-def finds_table(data: list[ModelData]) -> str:
-    """Per model and metric x space: how K-composition with previous-token heads finds its induction heads."""
+def finds_table(data: list[ModelData], q_cut: float | None = None) -> str:
+    """Per model and metric x space: how K-composition with previous-token heads finds its
+    induction heads; one line saying why for a model that can have no discoveries."""
     combos = [(m, s) for m in METRICS for s in SPACES if any((m, s) in d.combos for d in data)]
     rows = []
     for d in data:
         k = d.cvb.filter(pl.col("comp") == "K") if not d.cvb.is_empty() else d.cvb
         cells = [f"<a href='{html.escape(d.page)}#behaviour'>{html.escape(d.model)}</a>"]
+        if combos and (why := why_none(d.summary, q_cut)) is not None:
+            rows.append(cells + [f"<td colspan='{len(combos)}'><small>no recall or precision: discoveries "
+                                 f"{html.escape(why)}{_circuit_elsewhere(d)}</small>"])
+            continue
         for m, s in combos:
             g = k.filter((pl.col("metric") == m) & (pl.col("space") == s)) if k.height else k
             if g.is_empty():
@@ -93,7 +107,12 @@ def finds_table(data: list[ModelData]) -> str:
 
 
 def depth_chart(profile: pl.DataFrame) -> alt.FacetChart:
-    """Where in depth the discoveries sit: share of the possible pairs into each reader layer."""
+    """Where in depth the discoveries sit: share of the possible pairs into each reader layer.
+    Only the model x comp lines with discoveries are drawn (lines flat at zero hid the others);
+    the models without any are named in the subtitle."""
+    found = profile.with_columns(total=pl.col("n").sum().over("model", "comp")).filter(pl.col("total") > 0)
+    none = sorted(set(profile["model"]) - set(found["model"]))
+    profile = found
     comps = [c for c in COMPS if c in set(profile["comp"])]
     return alt.Chart(profile).mark_line(point=True).encode(
         x=alt.X("depth:Q", title="reader layer / (layers - 1)", scale=alt.Scale(domain=[0, 1])),
@@ -104,7 +123,8 @@ def depth_chart(profile: pl.DataFrame) -> alt.FacetChart:
         labelExpr="datum.value + '-composition'"))).properties(title=alt.TitleParams(
         "Where in depth each model's discoveries sit", anchor="start", subtitleColor="#444",
         subtitle=["Each model's lead metric x space at its last checkpoint: of the pairs writing into a reader layer, "
-                  "the share with q at or below the false discovery rate."]))
+                  "the share with q at or below the false discovery rate; a comp without discoveries is left out."]
+        + ([f"No discoveries, not drawn: {', '.join(none)}."] if none else [])))
 
 
 def circuit_chart(recall: pl.DataFrame) -> alt.LayerChart:

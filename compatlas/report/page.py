@@ -83,7 +83,9 @@ def table(header: list[str], rows: list[list[Any]], cls: str = "", raw: bool = F
     """An HTML table; cells are formatted with ``fmt`` and escaped unless ``raw`` (trusted HTML)."""
     th = "".join(f"<th>{html.escape(h)}</th>" for h in header)
     cell = (lambda c: str(c)) if raw else esc
-    body = "".join("<tr>" + "".join(f"<td>{cell(c)}</td>" for c in r) + "</tr>" for r in rows)
+    # a raw cell that is its own "<td colspan=...>..." spans columns
+    body = "".join("<tr>" + "".join(str(c) + "</td>" if raw and str(c).startswith("<td") else f"<td>{cell(c)}</td>"
+                                    for c in r) + "</tr>" for r in rows)
     return f'<table class="{cls}"><thead><tr>{th}</tr></thead><tbody>{body}</tbody></table>'
 
 

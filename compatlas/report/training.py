@@ -60,17 +60,17 @@ def trajectory_chart(t: TrainingOutcome, strength: pl.DataFrame, model: str) -> 
         w = max(1, t.loss.height // 300)  # bin to about 300 points
         loss = t.loss.with_columns(b=(pl.col("step") - 1) // w).group_by("b").agg(pl.col("step").max(), pl.col("loss").mean()).sort("step")
         panels.append(_rule(alt.Chart(loss).mark_line(color="#555").encode(
-            x=step_x(top, log, None), y=alt.Y("loss:Q", title="training loss", scale=alt.Scale(zero=False)),
+            x=step_x(top, log), y=alt.Y("loss:Q", title="training loss", scale=alt.Scale(zero=False)),
             tooltip=[alt.Tooltip("step:Q", format=","), alt.Tooltip("loss:Q", format=".3f")]).properties(
             width=PANEL_W, height=110), t.marker))
     panels.append(_rule(alt.Chart(beh).mark_line(point=True).encode(
-        x=step_x(top, log, None), y=alt.Y("value:Q", title="attention score", scale=alt.Scale(domain=[0, 1])),
+        x=step_x(top, log), y=alt.Y("value:Q", title="attention score", scale=alt.Scale(domain=[0, 1])),
         color=alt.Color("series:N", title=None, legend=alt.Legend(orient="top-left")),
         tooltip=["series:N", alt.Tooltip("step:Q", format=","), alt.Tooltip("value:Q", format=".3f")]).properties(
         width=PANEL_W, height=130), t.marker))
     if not strength.is_empty():
         panels.append(_rule(alt.Chart(strength).mark_line(point=True, color="#c44e52").encode(
-            x=step_x(top, log, None), y=alt.Y("strength:Q", title="induction strength"),
+            x=step_x(top, log), y=alt.Y("strength:Q", title="induction strength"),
             tooltip=[alt.Tooltip("step:Q", format=","), alt.Tooltip("strength:Q", format=".3f")]).properties(
             width=PANEL_W, height=90), t.marker))
     if not t.curves.is_empty():
@@ -79,8 +79,10 @@ def trajectory_chart(t: TrainingOutcome, strength: pl.DataFrame, model: str) -> 
         c = t.curves.with_columns(marker=pl.lit(t.marker)).cast({"step": pl.Float64})
         layers = [alt.Chart().mark_line(point=alt.OverlayMarkDef(size=18)).encode(
             x=step_x(top, log), y=alt.Y("score:Q", title=f"score of {head(pl_, ph)} → {head(il, ih)}"),
-            color=alt.Color("metric:N", sort=list(METRICS)),
-            strokeDash=alt.StrokeDash("space:N", sort=list(SPACES)),
+            color=alt.Color("metric:N", sort=list(METRICS), legend=alt.Legend(symbolType="stroke", symbolStrokeWidth=2.5)),
+            # the legend draws the dash as a line: as points it showed two identical dots
+            strokeDash=alt.StrokeDash("space:N", sort=list(SPACES), legend=alt.Legend(
+                symbolType="stroke", symbolStrokeWidth=2, symbolSize=300, symbolStrokeColor="#333")),
             tooltip=["metric", "space", "comp", alt.Tooltip("step:Q", format=","), alt.Tooltip("score:Q", format=".3f"),
                      alt.Tooltip("q_value:Q", title="q", format=".2e")])]
         if t.marker is not None:
@@ -110,13 +112,33 @@ def describe(t: TrainingOutcome) -> str:
     return f"<p>{s}</p>"
 
 
+def by_comp(v: pl.DataFrame) -> dict[str, str]:
+    """Curves named compactly, per comp: ``{"K": "frobenius (residual, token); svd_bound (residual)"}``."""
+    out = {}
+    for comp in [c for c in COMPS if c in set(v["comp"])]:
+        g = v.filter(pl.col("comp") == comp)
+        out[comp] = "; ".join(f"{m} ({', '.join(s for s in SPACES if s in set(g.filter(pl.col('metric') == m)['space']))})"
+                              for m in METRICS if m in set(g["metric"]))
+    return out
+
+
+def verdict_summary(v: pl.DataFrame) -> str:
+    """Which curves track the formation and which rise early: one line per comp, not a sentence."""
+    rows = []
+    for label, part in (("tracks the formation", fm.tracking(v)), ("rises early", v.filter(pl.col("rises_early")))):
+        named = by_comp(part)
+        rows.append([f"<b>{label}</b> ({part.height} of {v.height} curves)",
+                     *(html.escape(named.get(c, "–")) for c in COMPS)])
+    return table(["", *[f"{c}-composition" for c in COMPS]], rows, cls="finds", raw=True)
+
+
 def verdict_table(t: TrainingOutcome) -> str:
     v = t.verdicts
     if v is None:
         return ""
     rows = [[r["metric"], r["space"], r["comp"], r["before_formation"], r["final"], step(r["largest_rise_at"]),
              r["early_max"], r["tracks"], r["rises_early"]] for r in v.sort("comp", "metric", "space").iter_rows(named=True)]
-    return (f"<p><b>{html.escape(fm.statement(v))}</b></p>"
+    return (verdict_summary(v)
             + note("Tracks: ends above its value before the formation, with its largest rise between consecutive "
                    "checkpoints at (or next to) the formation step. Rises early: before half the formation step "
                    "(initialisation excluded) it already reaches its final value.")
@@ -135,11 +157,11 @@ def runs_table(outcomes: dict[str, TrainingOutcome], link) -> str:
         (il, ih), (pl_, ph) = t.pair
         last = t.heads.filter(pl.col("step") == t.heads["step"].max())
         score = {(r["layer"], r["head"]): r for r in last.iter_rows(named=True)}
-        tracks = "" if t.verdicts is None else ", ".join(
-            f"{r['comp']} {r['metric']} ({r['space']})" for r in fm.tracking(t.verdicts).iter_rows(named=True))
+        tracks = "" if t.verdicts is None else "<br>".join(
+            f"{c}: {html.escape(s)}" for c, s in by_comp(fm.tracking(t.verdicts)).items())
         rows.append([name, f"{head(il, ih)} ({score[(il, ih)]['induction_mean']:.2f})",
                      f"{head(pl_, ph)} ({score[(pl_, ph)]['prev_token_mean']:.2f})", step(t.formation), step(t.drop),
-                     html.escape(tracks or "none")])
+                     tracks or "none"])
     return ("<h2 id='training'>Composition over training</h2>"
             + note("Per model with a checkpoint series: the eventual induction and previous-token heads (final "
                    "scores), the formation step, the steepest loss drop, and the composition curves of the pair that "

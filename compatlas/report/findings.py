@@ -1,0 +1,117 @@
+"""The top-discovery tables of a model's page: one row per distinct finding (in a grouped-query
+model a K or V finding is one key/value head's, repeated for each query head that shares it),
+and, where the numbers are, what the null's floor p = 1 / (N + 1) means for them."""
+
+from __future__ import annotations
+
+import html
+
+import polars as pl
+
+from compatlas.report import queries as q
+from compatlas.report.page import fmt, head, note, table
+from compatlas.vocab import COMPS
+
+TOP_N = 10  # findings per comp
+
+
+def kv_group(info: dict) -> int:
+    """Query heads per key/value head (1 without grouped-query attention)."""
+    n, kv = info.get("n_heads") or 1, info.get("n_kv_heads") or info.get("n_heads") or 1
+    return max(1, int(n) // max(1, int(kv)))
+
+
+def why_none(summary: pl.DataFrame, q_cut: float | None) -> str | None:
+    """Why a model can have no discoveries at all, in a few words, or None when it can: its
+    atlas has no calibration, or its null of N pairs is too small (the smallest p, 1/(N+1), is
+    above the false discovery rate: the trained 2-layer, 2-head model's N = 4 gives 1/5)."""
+    if summary.is_empty():
+        return None
+    if q_cut is None or "n_null" not in summary.columns or summary["n_null"].is_null().all():
+        return "not calibrated (no p-values in this atlas)"
+    n = int(summary["n_null"].max())
+    if 1 / (n + 1) > q_cut:
+        return (f"none possible: its null has {n:,} pairs, so the smallest p is 1/{n + 1:,} = {fmt(1 / (n + 1))}, "
+                f"above the false discovery rate {q_cut:g}")
+    return None
+
+
+def findings(edges: pl.DataFrame, group: int) -> pl.DataFrame:
+    """One row per finding: rows with the same comp, writer, reader layer, reader KV head
+    (``reader_head // group``), score, p and q are one finding, shared by the query heads in
+    ``readers``. Smallest q first (ties: smaller p, then larger score)."""
+    keys = ["comp", "writer_layer", "writer_head", "reader_layer", "kv", "score", "p_value", "q_value"]
+    return (edges.with_columns(kv=pl.col("reader_head") // group)
+            .group_by(keys, maintain_order=True)
+            .agg(pl.col("reader_head").sort().alias("readers"), pl.col("baseline_spectrum_mean").first(),
+                 pl.col("z_spectrum").first())
+            .sort(["q_value", "p_value", "score"], descending=[False, False, True]))
+
+
+def readers_cell(layer: int, readers: list[int]) -> str:
+    """``L17.H3`` or, for query heads sharing a finding, ``L17.H3, H4, H5``."""
+    return head(layer, readers[0]) + "".join(f", H{h}" for h in readers[1:])
+
+
+def floor_summary(con: q.Con, model: str, checkpoint: str, metric: str, space: str, group: int) -> pl.DataFrame:
+    """Per comp of one metric x space: ``m`` (the tests Benjamini-Hochberg counted), ``n_null``,
+    ``k`` (tests beyond every null pair: p at most the counting floor 1 / (n_null + 1)) and
+    ``q_k`` (the largest q among them). A row is its own test unless the calibration says a KV
+    head's test is shared by its ``group`` query heads (``test_unit``): then one row stands for it."""
+    if not q.has(con, "calibration", "p_value", "q_value", "n_null"):
+        return pl.DataFrame()
+    one = (f"(test_unit IS DISTINCT FROM 'kv_head' OR reader_head % {int(group)} = 0)"
+           if "test_unit" in q.columns(con, "calibration") else "true")
+    return q._pl(con, f"""SELECT comp, count(*) AS m, max(n_null)::BIGINT AS n_null,
+                               count_if(p_value <= (1 + 1e-9) / (n_null + 1))::BIGINT AS k,
+                               max(q_value) FILTER (WHERE p_value <= (1 + 1e-9) / (n_null + 1)) AS q_k
+                        FROM calibration WHERE model = ? AND checkpoint = ? AND metric = ? AND space = ? AND {one}
+                        GROUP BY comp""", [model, checkpoint, metric, space])
+
+
+def floor_note(floor: pl.DataFrame, q_cut: float | None) -> str:
+    """Per comp with pairs beyond every null pair: how many, how many chance alone would put there
+    (m / (N + 1)), and what their q then says."""
+    if floor.is_empty() or q_cut is None:
+        return ""
+    parts = []
+    for r in floor.sort("comp").iter_rows(named=True):
+        m, n, k = r["m"], r["n_null"], r["k"]
+        if not k or not n or 1 / (n + 1) > q_cut:
+            continue
+        chance = m / (n + 1)
+        parts.append(f"<b>{html.escape(r['comp'])}</b>: {k:,} of the {m:,} tests score above every one of the "
+                     f"N = {n:,} null pairs; chance alone would put about m/(N+1) = {fmt(chance)} there, so their "
+                     f"q is about {fmt(chance)}/{k:,} = {fmt(chance / k)} (largest q among them {fmt(r['q_k'])}): "
+                     f"of these {k:,}, about {fmt(chance)} {'is' if round(chance) == 1 else 'are'} expected by chance.")
+    if not parts:
+        return ""
+    n = int(floor["n_null"].max())
+    return note(f"<b>Why so many p sit at {fmt(1 / (n + 1))}:</b> with N null pairs the counting p-value cannot go below "
+                f"1/(N+1) = 1/{n + 1:,}: a pair beyond every null pair gets that p whatever its score, and its z "
+                "against the spectrum-kept null says how far beyond. What such pairs show is their number against "
+                "chance. " + " ".join(parts))
+
+
+def top_discoveries(edges: pl.DataFrame, info: dict, model: str, lead: tuple[str, str] | None, candidates: bool,
+                    floor: pl.DataFrame, q_cut: float | None) -> str:
+    """The lead metric x space's strongest findings per comp, and the floor note."""
+    if edges.is_empty() or lead is None:
+        return ""
+    group = kv_group(info)
+    e = findings(edges.filter((pl.col("metric") == lead[0]) & (pl.col("space") == lead[1])), group)
+    parts, shared = [], False
+    for comp in [c for c in COMPS if c in set(e["comp"])]:
+        top = e.filter(pl.col("comp") == comp).head(TOP_N)
+        shared |= any(len(r) > 1 for r in top["readers"])
+        rows = [[head(r["writer_layer"], r["writer_head"]), readers_cell(r["reader_layer"], r["readers"]), r["score"],
+                 r["baseline_spectrum_mean"], r["z_spectrum"], r["p_value"], r["q_value"]] for r in top.iter_rows(named=True)]
+        parts.append(f"<div><b>{comp}-composition</b>"
+                     + table(["writer", "reader", "score", "spectrum null", "z", "p", "q"], rows) + "</div>")
+    what = "Pairs with the smallest p (no discoveries)" if candidates else "Top discoveries"
+    gqa = (f" Readers listed together (<code>L17.H3, H4, H5</code>) are the {group} query heads of one key/value head: "
+           "one finding, the same score, p and q." if shared else "")
+    return (f"<h3>{what}: {html.escape(lead[0])}, {html.escape(lead[1])} space</h3>"
+            + note(f"One row per finding, smallest q first (ties: smaller p, then larger z).{gqa} All discoveries: "
+                   f"<code>SELECT * FROM discoveries WHERE model = '{html.escape(model)}' AND latest</code>.")
+            + "<div class='side'>" + "".join(parts) + "</div>" + ("" if candidates else floor_note(floor, q_cut)))

@@ -81,7 +81,8 @@ def main() -> int:
             t_causal, _ = timed(lambda: run(causal_pairs), args.repeats)
             t_all, df = timed(lambda: run(all_pairs), args.repeats)
             is_causal = pl.col("writer_layer") < pl.col("reader_layer")
-            t_cal, _ = timed(lambda: calibrate(df.filter(is_causal), df.filter(~is_causal)), args.repeats)
+            t_cal, _ = timed(lambda: calibrate(df.filter(is_causal), df.filter(~is_causal),
+                                               kv_group=w.n_heads // w.n_kv_heads), args.repeats)
             worst = max(worst, (t_all + t_cal) / t_causal)
             print(f"{metric:<10} {space:<10} {t_causal:9.2f} {t_all:9.2f} {t_cal:12.2f} {(t_all + t_cal) / t_causal:6.2f}")
     print(f"worst ratio (composition with null + its calibration) / (composition without): {worst:.2f} "

@@ -27,6 +27,14 @@ q-values are Benjamini-Hochberg adjusted p-values over the causal pairs of the s
 the pairs with q <= FDR are the discoveries, of which the expected share of false ones is at
 most FDR (BH holds for independent or positively dependent p-values).
 
+One hypothesis per distinct test. In a grouped-query model the g query heads of a KV group
+share W_K and W_V, and some scores cannot differ across them (``hypothesis_unit``): then the
+family and the null hold that test once, as writer head x reader KV head, not g times (g copies
+of one test would let BH count one finding g times, and a null pair g times). Each query head's
+row carries its test's p and q, its ``test_unit`` and its ``reader_kv_head``; the rows of a KV
+head's test are checked to hold one score, so a kernel that started to tell them apart would
+stop the calibration rather than be counted as one test.
+
 Same-layer pairs of distinct heads cannot read each other either, and the composition jobs
 score them, but they are out of the default null (``null_pairs="mirror"``): no causal pair has
 layer distance 0, and heads of one layer are trained side by side on the same input, so they
@@ -34,7 +42,8 @@ share channels more than any causal pair's heads do (on SmolLM2 the null's maxim
 space is such a pair). Pooling them in would compare every causal pair with a population it
 does not contain; ``null_pairs="mirror_and_same_layer"`` does so anyway, a stricter test.
 Self pairs (a head with itself) are never in the null: a head's own W_OV and W_QK are trained
-together and are not exchangeable with other pairs.
+together and are not exchangeable with other pairs. For a KV head's test that includes a writer
+with the reader KV head of its own group (same layer), whose W_V the writer's own OV uses.
 """
 
 from __future__ import annotations
@@ -47,7 +56,7 @@ import numpy as np
 import polars as pl
 
 from compatlas.tables import CALIBRATION_SCHEMA
-from compatlas.vocab import NULL_PAIRS, NULL_STRATIFY, NullPairs, NullStratify
+from compatlas.vocab import COMPS, METRICS, NULL_PAIRS, NULL_STRATIFY, Comp, Metric, NullPairs, NullStratify, TestUnit
 
 TAIL_MIN_EXCEEDANCES = 10  # the tail fit needs at least this many null scores above its threshold
 TAIL_MIN_NULL = 100  # fewer null pairs than this: no tail fit, empirical p only
@@ -56,6 +65,23 @@ TAIL_SHAPE_Z = 1.645  # the shape's one-sided 95% upper bound: the tail p errs o
 
 KEY = ["model", "checkpoint", "processing", "metric", "space", "comp",
        "writer_layer", "writer_head", "reader_layer", "reader_head"]
+
+# The metric x comp cells whose score depends on the reader only through its KV head
+# (compatlas.composition.head_factors, reader R = A B): ``subspace`` uses the column space of A
+# alone, and A is W_K for K and W_V for V, one per KV head (for Q it is W_Q, per query head).
+# frobenius and svd_bound use A B, with B = W_Q (K) or W_O (V) per query head. Token spaces
+# transform every head's W_K and W_V alike, so the space does not change this.
+# tests/test_calibration.py checks it, both ways, against the kernel's scores of GQA models.
+KV_SHARED: frozenset[tuple[Metric, Comp]] = frozenset({("subspace", "K"), ("subspace", "V")})
+KV_SHARED_RTOL = 1e-6  # rows of one KV head's test agree to this (relative); the kernel repeats one value
+
+
+def hypothesis_unit(metric: str, comp: str, kv_group: int) -> TestUnit:
+    """What one test is in ``metric`` x ``comp`` of a model whose KV heads serve ``kv_group``
+    query heads each: a writer head x reader query head, or a writer head x reader KV head."""
+    if metric not in METRICS or comp not in COMPS:
+        raise ValueError(f"metric {metric!r}, comp {comp!r}: choose from {METRICS} and {COMPS}")
+    return "kv_head" if kv_group > 1 and (metric, comp) in KV_SHARED else "query_head"
 
 
 def tail_survival(null: np.ndarray) -> tuple[float, float, float, float] | None:
@@ -126,42 +152,75 @@ def _stratum(df: pl.DataFrame, stratify: NullStratify) -> pl.Series:
     return (df["reader_layer"] - df["writer_layer"]).abs().cast(pl.Int64)
 
 
+def _one_per_test(df: pl.DataFrame, unit: TestUnit, kv_group: int, cell: tuple) -> pl.DataFrame:
+    """``df``'s rows of one metric x space x comp with ``_unit`` (the reader's query or KV head),
+    one row per test: a KV head's test keeps its first row, after checking that its rows agree."""
+    if unit == "query_head":
+        return df.with_columns(pl.col("reader_head").alias("_unit"))
+    df = df.with_columns((pl.col("reader_head") // kv_group).alias("_unit"))
+    keys = ["writer_layer", "writer_head", "reader_layer", "_unit"]
+    spread = df.group_by(keys).agg((pl.col("score").max() - pl.col("score").min()).alias("d"),
+                                   pl.col("score").abs().max().alias("s"))
+    bad = spread.filter(pl.col("d") > KV_SHARED_RTOL * pl.max_horizontal(pl.col("s"), pl.lit(1e-12)))
+    if bad.height:
+        r = bad.row(0, named=True)
+        raise ValueError(f"{'/'.join(map(str, cell))}: the query heads of KV head {r['_unit']} (reader layer "
+                         f"{r['reader_layer']}, writer L{r['writer_layer']}.H{r['writer_head']}) score differently "
+                         f"(spread {r['d']:.3g}), so these are not one test per KV head: see calibration.KV_SHARED")
+    return df.unique(keys, keep="first", maintain_order=True)
+
+
 def calibrate(causal: pl.DataFrame, null: pl.DataFrame, stratify: NullStratify = "none", tail: bool = True,
-              null_pairs: NullPairs = "mirror") -> pl.DataFrame:
+              null_pairs: NullPairs = "mirror", *, kv_group: int = 1) -> pl.DataFrame:
     """p- and q-values of every causal pair (columns ``tables.CALIBRATION_SCHEMA``).
 
     ``causal`` and ``null`` are composition tables (``COMPOSITION_SCHEMA``) of one model x checkpoint,
     any metrics, spaces and comps; each group of those is calibrated on its own null, which is
-    ``null``'s anti-causal pairs (``"mirror"``) or all of its rows (``"mirror_and_same_layer"``)."""
+    ``null``'s anti-causal pairs (``"mirror"``) or all of its rows (``"mirror_and_same_layer"``).
+    ``kv_group``: query heads per KV head (1 without grouped-query attention; query head h reads
+    KV head h // kv_group). Where ``hypothesis_unit`` is ``kv_head`` the family and the null
+    hold each writer head x reader KV head once; every query head's row gets its test's p and q."""
     if stratify not in NULL_STRATIFY:
         raise ValueError(f"stratify {stratify!r}: choose one of {NULL_STRATIFY}")
     if null_pairs not in NULL_PAIRS:
         raise ValueError(f"null_pairs {null_pairs!r}: choose one of {NULL_PAIRS}")
+    if kv_group < 1:
+        raise ValueError(f"kv_group {kv_group}: query heads per KV head is at least 1")
     if null_pairs == "mirror":
         null = null.filter(pl.col("writer_layer") != pl.col("reader_layer"))
     groups = ["model", "checkpoint", "processing", "metric", "space", "comp"]
-    causal = causal.with_columns(_stratum(causal, stratify).alias("_stratum"))
-    null = null.with_columns(_stratum(null, stratify).alias("_stratum"))
-    null_by = {k: g["score"].to_numpy() for k, g in null.group_by(groups + ["_stratum"])}
+    null_by = null.partition_by(groups, as_dict=True)
+    test = ["writer_layer", "writer_head", "reader_layer", "_unit"]
     parts = []
     for key, g in causal.group_by(groups, maintain_order=True):
-        p = np.empty(g.height)
-        n_null = np.empty(g.height, dtype=np.int64)
-        strata = g["_stratum"].to_numpy()
+        unit = hypothesis_unit(key[3], key[5], kv_group)
+        tests = _one_per_test(g, unit, kv_group, key)
+        ref = null_by.get(key, null.clear())
+        if unit == "kv_head":  # a writer with its own KV head is a self pair (module docstring)
+            ref = ref.filter((pl.col("writer_layer") != pl.col("reader_layer"))
+                             | (pl.col("writer_head") // kv_group != pl.col("reader_head") // kv_group))
+        ref = _one_per_test(ref, unit, kv_group, key)
+        strata, ref_strata = _stratum(tests, stratify).to_numpy(), _stratum(ref, stratify).to_numpy()
+        scores, ref_scores = tests["score"].to_numpy(), ref["score"].to_numpy()
+        p = np.empty(tests.height)
+        n_null = np.empty(tests.height, dtype=np.int64)
         for s in np.unique(strata):
             rows = strata == s
-            ref = null_by.get((*key, s), np.array([]))
-            p[rows] = empirical_p_values(g["score"].to_numpy()[rows], ref, tail)
-            n_null[rows] = len(ref)
-        parts.append(g.select(KEY).with_columns(pl.Series("n_null", n_null), pl.Series("p_value", p),
-                                                pl.Series("q_value", bh_q_values(p))))
+            p[rows] = empirical_p_values(scores[rows], ref_scores[ref_strata == s], tail)
+            n_null[rows] = int((ref_strata == s).sum())
+        pq = tests.select(test).with_columns(pl.Series("n_null", n_null), pl.Series("p_value", p),
+                                             pl.Series("q_value", bh_q_values(p)))
+        rows_of = g.select(KEY).with_columns(
+            (pl.col("reader_head") // kv_group if unit == "kv_head" else pl.col("reader_head")).alias("_unit"))
+        parts.append(rows_of.join(pq, on=test, how="left", maintain_order="left").with_columns(
+            pl.lit(unit).alias("test_unit"), (pl.col("reader_head") // kv_group).alias("reader_kv_head")))
     if not parts:
         return pl.DataFrame(schema=CALIBRATION_SCHEMA)
-    return pl.concat(parts).cast(CALIBRATION_SCHEMA).select(list(CALIBRATION_SCHEMA))
+    return pl.concat(parts).select(list(CALIBRATION_SCHEMA)).cast(CALIBRATION_SCHEMA)
 
 
 def calibrate_shards(causal: Sequence[str], null: Sequence[str], stratify: NullStratify = "none",
-                     tail: bool = True, null_pairs: NullPairs = "mirror") -> Iterator[pl.DataFrame]:
+                     tail: bool = True, null_pairs: NullPairs = "mirror", *, kv_group: int = 1) -> Iterator[pl.DataFrame]:
     """``calibrate`` over composition shards, one metric x space at a time (the blocks of one
     metric x space share a folder), so memory holds one metric x space, never a whole model."""
     by_folder: dict[str, tuple[list[str], list[str]]] = defaultdict(lambda: ([], []))
@@ -173,4 +232,5 @@ def calibrate_shards(causal: Sequence[str], null: Sequence[str], stratify: NullS
         if not c_paths:
             raise ValueError(f"null shards of {folder} have no causal shards beside them")
         scores = pl.read_parquet(c_paths)
-        yield calibrate(scores, pl.read_parquet(n_paths) if n_paths else scores.clear(), stratify, tail, null_pairs)
+        yield calibrate(scores, pl.read_parquet(n_paths) if n_paths else scores.clear(), stratify, tail, null_pairs,
+                        kv_group=kv_group)

@@ -36,11 +36,14 @@ COMPOSITION_SCHEMA: Schema = {
     "baseline_gaussian_std": pl.Float64, "baseline_spectrum_mean": pl.Float64, "baseline_spectrum_std": pl.Float64,
 }
 
-# p- and q-values of every causal pair against its null pairs (``calibration.calibrate``).
+# p- and q-values of every causal pair against its null pairs (``calibration.calibrate``), a row
+# per reader query head; ``test_unit`` (vocab.TEST_UNITS) says whether its test is that query
+# head's or its KV head's (``reader_kv_head``), shared by the query heads of that KV group.
 CALIBRATION_SCHEMA: Schema = {
     "model": pl.Utf8, "checkpoint": pl.Utf8, "processing": pl.Utf8, "metric": pl.Utf8, "space": pl.Utf8,
     "comp": pl.Utf8, "writer_layer": pl.Int32, "writer_head": pl.Int32, "reader_layer": pl.Int32,
-    "reader_head": pl.Int32, "n_null": pl.Int64, "p_value": pl.Float64, "q_value": pl.Float64,
+    "reader_head": pl.Int32, "test_unit": pl.Utf8, "reader_kv_head": pl.Int32, "n_null": pl.Int64,
+    "p_value": pl.Float64, "q_value": pl.Float64,
 }
 
 # ----------------------------------------------------------------------------- audits

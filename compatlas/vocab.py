@@ -58,6 +58,11 @@ NullPairs = Literal["mirror", "mirror_and_same_layer"]
 the same-layer pairs of distinct heads (a stricter test; ``compatlas.calibration``)."""
 NULL_PAIRS: tuple[NullPairs, ...] = get_args(NullPairs)
 
+TestUnit = Literal["query_head", "kv_head"]
+"""What one calibrated test is: a writer head x reader query head, or a writer head x reader KV
+head where the score cannot differ across the query heads of a KV group (``compatlas.calibration``)."""
+TEST_UNITS: tuple[TestUnit, ...] = get_args(TestUnit)
+
 AblationMode = Literal["zero", "mean"]
 """What an ablated head's output is replaced by (``compatlas.induction.ablation_effects``)."""
 ABLATION_MODES: tuple[AblationMode, ...] = get_args(AblationMode)

@@ -79,6 +79,15 @@ def pairs(con: Con, model: str, checkpoint: str, metric: str, space: str) -> pl.
                [model, checkpoint, metric, space])
 
 
+def test_key(con: Con) -> str:
+    """SQL naming a calibration row's test: in a grouped-query model a KV head's test
+    (``test_unit = 'kv_head'``) is one test whatever the query head, so counts count it once."""
+    if "test_unit" not in columns(con, "calibration"):
+        return "(writer_layer, writer_head, reader_layer, reader_head)"
+    return ("(writer_layer, writer_head, reader_layer, CASE WHEN test_unit = 'kv_head' THEN -1 - reader_kv_head "
+            "ELSE reader_head END)")
+
+
 def calibration_summary(con: Con, model: str, checkpoint: str, q_cut: float | None) -> pl.DataFrame:
     """Per metric x space x comp: pairs, discoveries, mean score and nulls, null pairs. Two
     aggregations (scores, p-values) joined when small: joining the pairs first costs seconds."""
@@ -90,7 +99,8 @@ def calibration_summary(con: Con, model: str, checkpoint: str, q_cut: float | No
                          FROM composition WHERE model = ? AND checkpoint = ? GROUP BY ALL""", [model, checkpoint])
     if q_cut is None or not has(con, "calibration", "q_value", "n_null"):
         return scores.with_columns(discoveries=pl.lit(None, pl.Int64), n_null=pl.lit(None, pl.Int64))
-    cal = _pl(con, f"""SELECT metric, space, comp, count_if(q_value <= {float(q_cut)})::BIGINT AS discoveries,
+    cal = _pl(con, f"""SELECT metric, space, comp,
+                              count(DISTINCT {test_key(con)}) FILTER (WHERE q_value <= {float(q_cut)})::BIGINT AS discoveries,
                               max(n_null)::BIGINT AS n_null
                        FROM calibration WHERE model = ? AND checkpoint = ? GROUP BY ALL""", [model, checkpoint])
     return scores.join(cal, on=keys, how="left")
@@ -108,11 +118,12 @@ def strongest(con: Con, model: str, checkpoint: str, limit: int = 30) -> pl.Data
 def _ranked(con: Con, model: str, checkpoint: str, cal_sql: str, limit: int) -> pl.DataFrame:
     """The p-values chosen by ``cal_sql`` joined to their scores, at most ``limit`` per metric x space."""
     k = "metric, space, comp, writer_layer, writer_head, reader_layer, reader_head"
-    return _pl(con, f"""WITH d AS (SELECT {k}, n_null, p_value, q_value FROM ({cal_sql})),
+    unit = ", test_unit, reader_kv_head" if "test_unit" in columns(con, "calibration") else ""
+    return _pl(con, f"""WITH d AS (SELECT {k}{unit}, n_null, p_value, q_value FROM ({cal_sql})),
         s AS (SELECT d.*, c.score, c.baseline_spectrum_mean, c.baseline_spectrum_std,
                      (c.score - c.baseline_spectrum_mean) / NULLIF(c.baseline_spectrum_std, 0) AS z_spectrum
               FROM d JOIN (SELECT * FROM composition WHERE model = ? AND checkpoint = ?) c USING ({k}))
-        SELECT * FROM (SELECT *, count(*) OVER (PARTITION BY metric, space) AS n_total,
+        SELECT * FROM (SELECT *, count(DISTINCT {test_key(con)}) OVER (PARTITION BY metric, space) AS n_total,
                               row_number() OVER (PARTITION BY metric, space ORDER BY q_value, p_value, z_spectrum DESC) AS rank
                        FROM s) WHERE rank <= {int(limit)}""", [model, checkpoint, model, checkpoint])
 
@@ -131,7 +142,8 @@ def depth_profile(con: Con, model: str, checkpoint: str, metric: str, space: str
     """Per comp and reader layer: head pairs writing into it and how many are discoveries."""
     if not has(con, "calibration", "q_value"):
         return pl.DataFrame()
-    return _pl(con, f"""SELECT comp, reader_layer, count(*) AS pairs, count_if(q_value <= {float(q_cut)})::BIGINT AS n
+    return _pl(con, f"""SELECT comp, reader_layer, count(*) AS pairs,
+                               count(DISTINCT {test_key(con)}) FILTER (WHERE q_value <= {float(q_cut)})::BIGINT AS n
                         FROM calibration WHERE model = ? AND checkpoint = ? AND metric = ? AND space = ?
                         GROUP BY ALL ORDER BY reader_layer""", [model, checkpoint, metric, space])
 

@@ -1,7 +1,7 @@
 -- The payoff table: does a metric (in a space, for a comp) pick out the heads that do induction?
 -- Spearman = Pearson on average ranks; AUROC = Mann-Whitney U / (n_pos n_neg) from the same ranks.
 -- Discovery precision / recall: of "the reader has a discovery from a previous-token head" for
--- "the reader is an induction head".
+-- "the reader is an induction head". n_discoveries counts tests: a KV head's finding once.
 CREATE VIEW composition_vs_behaviour AS
 WITH ranked AS (
     SELECT *,
@@ -22,5 +22,5 @@ SELECT model, checkpoint, metric, space, comp,
     count_if(prev_discovery AND is_induction) / NULLIF(count_if(prev_discovery), 0) AS discovery_precision,
     count_if(prev_discovery AND is_induction) / NULLIF(count_if(is_induction), 0) AS discovery_recall
 FROM ranked LEFT JOIN (SELECT model, checkpoint, metric, space, comp, count(*) AS n_discoveries
-                       FROM discoveries GROUP BY ALL) d USING (model, checkpoint, metric, space, comp)
+                       FROM discoveries WHERE reader_head = test_reader_heads[1] GROUP BY ALL) d USING (model, checkpoint, metric, space, comp)
 GROUP BY ALL;

@@ -20,8 +20,6 @@ Processing is part of the entry: ``none`` (raw weights) or ``compat``
 
 from __future__ import annotations
 
-import hashlib
-import importlib.util
 import json
 import logging
 import os
@@ -32,8 +30,9 @@ from typing import Any
 
 import torch
 
+from compatlas.hub import hub_folder, hub_provenance, hub_revision
 from compatlas.sources import ModelLoadError, gguf_file, gguf_header, local_model_dir
-from compatlas.storage import file_sha256
+from compatlas.storage import dir_checksum, file_sha256
 from compatlas.vocab import PROCESSINGS, SourceKind
 from compatlas.weights import AttentionWeights, extracted_weights
 
@@ -53,44 +52,6 @@ def build_hf_model(source: dict[str, Any]):
     # tie_embeddings is read for Llama (untied unless asked); a built GPT-2 ties, as GPT-2 does
     tying = {"tie_word_embeddings": source.get("tie_embeddings", False)} if arch == "llama" else {}
     return small_hf_model(shape, source.get("seed", 0), **tying)
-
-
-def dir_checksum(folder: Path) -> str:
-    """sha256 over the weight files of a save_pretrained directory (names and contents)."""
-    h = hashlib.sha256()
-    for p in sorted(folder.glob("*.safetensors")) + sorted(folder.glob("*.bin")):
-        h.update(p.name.encode())
-        h.update(file_sha256(p).encode())
-    return h.hexdigest()
-
-
-def hub_revision(source: dict[str, Any], checkpoint: dict[str, Any] | None) -> str | None:
-    """The hub revision (branch, tag or commit) a source x checkpoint names: ``checkpoint_value`` /
-    ``checkpoint_index`` through the family's naming (``step1000``, ``checkpoint-100``; offline,
-    transformer_lens's own resolution), else the checkpoint's or the source's ``revision``;
-    None for the default branch."""
-    from transformer_lens.model_bridge.sources.transformers.helpers import _resolve_checkpoint_to_revision
-
-    ckpt = checkpoint or {}
-    if ckpt.get("checkpoint_value") is not None or ckpt.get("checkpoint_index") is not None:
-        try:
-            return _resolve_checkpoint_to_revision(source["name"], ckpt.get("checkpoint_index"),
-                                                   ckpt.get("checkpoint_value"))
-        except ValueError as e:
-            raise ModelLoadError(f"{source['name']}: {e}") from e
-    return ckpt.get("revision") or source.get("revision")
-
-
-def hub_provenance(name: str, revision: str | None) -> dict[str, Any]:
-    """What pins a hub model loaded at ``revision``: the commit it resolved to and a sha256 over
-    the weight files of that commit's snapshot in the local cache (the same files the model was
-    loaded from). The commit comes from the cache's snapshot folder, so this works offline too
-    (``HF_HUB_OFFLINE=1``)."""
-    from huggingface_hub import hf_hub_download
-
-    config_path = Path(hf_hub_download(name, "config.json", revision=revision))
-    snapshot = config_path.parent  # <cache>/models--org--name/snapshots/<commit>/
-    return {"source_commit": snapshot.name, "source_path": str(snapshot), "source_checksum": dir_checksum(snapshot)}
 
 
 def error_chain(e: BaseException) -> list[BaseException]:
@@ -345,7 +306,7 @@ def load_and_extract(model_id: str, entry: dict[str, Any], checkpoint: dict[str,
     w = bridge = None
     try:
         if streaming and kind in ("local", "build", "trained", "gguf", "hub"):
-            from compatlas.streaming import StreamingUnsupported, hub_folder, stream_extract
+            from compatlas.streaming import StreamingUnsupported, stream_extract
 
             try:
                 if kind == "hub":

@@ -87,3 +87,12 @@ def check_shards(paths: list[str | os.PathLike]) -> None:
             pq.read_metadata(p)
         except Exception as e:  # pyarrow raises several types for truncated files
             raise RuntimeError(f"result shard {p} is corrupt or truncated ({e}); delete it and rerun") from e
+
+
+def dir_checksum(folder: Path) -> str:
+    """sha256 over the weight files of a save_pretrained directory (names and contents)."""
+    h = hashlib.sha256()
+    for p in sorted(folder.glob("*.safetensors")) + sorted(folder.glob("*.bin")):
+        h.update(p.name.encode())
+        h.update(file_sha256(p).encode())
+    return h.hexdigest()

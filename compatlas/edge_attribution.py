@@ -268,22 +268,24 @@ def exact_scores(model, task: InductionTask, edges: Sequence[Edge], batch_size: 
     return out
 
 
-def exact_sample(scores: dict[Comp, torch.Tensor], edges: Sequence[Edge], top: int, random: int, seed: int) -> list[Edge]:
-    """The edges exact patching measures: per comp, the ``top`` by |mean score| and ``random``
-    more drawn (seeded) from the rest; every edge where that is all of them."""
+def exact_sample(scores: Sequence[dict[Comp, torch.Tensor]], edges: Sequence[Edge], top: int, random: int,
+                 seed: int) -> list[Edge]:
+    """The edges exact patching measures: per comp, the ``top`` by |mean score| of each method's
+    ``scores`` (their union) and ``random`` more drawn (seeded) from the rest; every edge where
+    that is all of them."""
     chosen: list[Edge] = []
     for c in COMPS:
         mine = [e for e in edges if e.comp == c]
-        if top + random >= len(mine):
-            chosen += mine
-            continue
-        mean = scores[c].mean(0)
-        mag = torch.tensor([abs(mean[e.writer_layer, e.writer_head, e.reader_layer, e.reader_index].item()) for e in mine])
-        order = torch.argsort(mag, descending=True, stable=True).tolist()
-        rest = order[top:]
+        tops: list[int] = []
+        for per_comp in scores:
+            mean = per_comp[c].mean(0)
+            mag = torch.tensor([abs(mean[e.writer_layer, e.writer_head, e.reader_layer, e.reader_index].item())
+                                for e in mine])
+            tops += [i for i in torch.argsort(mag, descending=True, stable=True).tolist()[:top] if i not in tops]
+        rest = [i for i in range(len(mine)) if i not in tops]
         gen = torch.Generator().manual_seed(stable_seed(seed, "exact_sample", c))
         picked = [rest[i] for i in torch.randperm(len(rest), generator=gen)[:random].tolist()]
-        chosen += [mine[i] for i in order[:top] + sorted(picked)]
+        chosen += [mine[i] for i in tops + sorted(picked)]
     return chosen
 
 

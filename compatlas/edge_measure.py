@@ -80,7 +80,7 @@ def attribute_edges(model, tokens, settings: dict, seed: int = 0) -> tuple[pl.Da
                                             Progress(log, f"edge attribution ({method})", passes, "sequences"))
         log.info("%s: %d edges x %d sequences in %.1fs", method, len(edges), S, time.perf_counter() - t0)
     t1 = time.perf_counter()
-    sample = exact_sample(scores[settings["methods"][0]], edges, settings["exact_top"], settings["exact_random"], seed)
+    sample = exact_sample(list(scores.values()), edges, settings["exact_top"], settings["exact_random"], seed)
     exact = exact_scores(model, task, sample, bs, Progress(log, "exact edge patching", len(sample) * S, "edge x sequence"))
     log.info("exact patching: %d edges x %d sequences in %.1fs", len(sample), S, time.perf_counter() - t1)
     facts = {"edges": len(edges), "exact_edges": len(sample), "corruption": "every token but BOS resampled",

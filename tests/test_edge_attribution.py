@@ -176,14 +176,19 @@ def test_gqa_rows_share_their_kv_heads_score(gqa):
     assert table.filter(pl.col("exact").is_not_null()).height == 2 * 1 + 2 * 2 * 2  # Q rows 1 each, K/V 2 each
 
 
-def test_exact_sample_takes_the_top_and_a_seeded_draw():
-    scores = {c: torch.zeros(1, 2, 2, 2, 2, dtype=torch.float64) for c in "QKV"}
-    scores["K"][0, 0, 1, 1, 0] = -5.0
-    scores["K"][0, 0, 0, 1, 1] = 2.0
+def test_exact_sample_takes_each_methods_top_and_a_seeded_draw():
+    eap = {c: torch.zeros(1, 2, 2, 2, 2, dtype=torch.float64) for c in "QKV"}
+    eap["K"][0, 0, 1, 1, 0] = -5.0
+    eap["K"][0, 0, 0, 1, 1] = 2.0
+    ig = {c: torch.zeros(1, 2, 2, 2, 2, dtype=torch.float64) for c in "QKV"}
+    ig["K"][0, 0, 0, 1, 0] = 3.0  # another method's top edge joins the sample
     edges = [e for e in causal_edges_of(2, 2) if e.comp == "K"]
-    picked = exact_sample(scores, edges, top=2, random=1, seed=0)
+    picked = exact_sample([eap], edges, top=2, random=1, seed=0)
     assert [(e.writer_head, e.reader_index) for e in picked[:2]] == [(1, 0), (0, 1)]
-    assert len(picked) == 3 and picked == exact_sample(scores, edges, top=2, random=1, seed=0)
+    assert len(picked) == 3 and picked == exact_sample([eap], edges, top=2, random=1, seed=0)
+    both = exact_sample([eap, ig], edges, top=1, random=0, seed=0)
+    assert [(e.writer_head, e.reader_index) for e in both] == [(1, 0), (0, 0)]
+    assert len(exact_sample([eap], edges, top=3, random=5, seed=0)) == 4  # all of them, once each
 
 
 def causal_edges_of(L: int, H: int):

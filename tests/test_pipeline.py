@@ -132,12 +132,14 @@ def test_edge_attribution_views(pipeline_run: Path):
     # a 2 x 2-head model is patched exactly on every edge; one K/V score per KV head
     assert con.execute("SELECT count(*) FROM edge_attribution WHERE model = 'tiny-trained' AND exact IS NULL").fetchone()[0] == 0
     assert con.execute("""SELECT max(n) FROM (SELECT count(DISTINCT score) AS n FROM edge_attribution
-                          WHERE model = 'tiny-llama' AND comp <> 'Q' GROUP BY comp, writer_layer, writer_head,
+                          WHERE model = 'tiny-llama' AND comp <> 'Q' GROUP BY method, comp, writer_layer, writer_head,
                           reader_layer, reader_kv_head)""").fetchone()[0] == 1
-    assert con.execute("SELECT count(*) FROM eap_vs_exact").fetchone()[0] == (2 + 3) * 3
-    assert con.execute("SELECT count(*) FROM composition_vs_function").fetchone()[0] == 2 * 3 * 2 * 3 + 3 * 3 * 1 * 3
+    assert con.execute("SELECT DISTINCT method FROM edge_attribution ORDER BY 1").fetchall() == [("eap",), ("eap_ig",)]
+    assert con.execute("SELECT count(*) FROM eap_vs_exact WHERE method = 'eap'").fetchone()[0] == (2 + 3) * 3
+    assert con.execute("SELECT count(*) FROM composition_vs_function WHERE method = 'eap'").fetchone()[0] \
+        == 2 * 3 * 2 * 3 + 3 * 3 * 1 * 3
     edges = con.execute("""SELECT writer_layer, writer_head, reader_layer, reader_kv_head, any_value(abs(score))
-                           FROM edge_attribution WHERE model = 'tiny-llama' AND comp = 'K' GROUP BY ALL
+                           FROM edge_attribution WHERE model = 'tiny-llama' AND comp = 'K' AND method = 'eap' GROUP BY ALL
                            ORDER BY 1, 2, 3, 4""").fetchall()
     comp: dict[tuple, float] = {}  # a KV head's edge: the largest score of its group's query heads
     for w, h, r, q, s in con.execute("""SELECT writer_layer, writer_head, reader_layer, reader_head, score FROM composition_z
@@ -154,7 +156,8 @@ def test_edge_attribution_views(pipeline_run: Path):
     hits = np.cumsum(top[by_score])
     ap = np.mean([hits[k] / (k + 1) for k in range(len(fn)) if top[by_score][k]])
     got = con.execute("""SELECT n_edges, n_top, spearman, auroc, average_precision FROM composition_vs_function
-                         WHERE model = 'tiny-llama' AND comp = 'K' AND metric = 'frobenius' AND space = 'residual'""").fetchone()
+                         WHERE model = 'tiny-llama' AND comp = 'K' AND metric = 'frobenius' AND space = 'residual'
+                         AND method = 'eap'""").fetchone()
     assert got[:2] == (len(edges), top.sum()) and len(edges) == 3 * 4 * 2  # writer x reader KV head
     u = mannwhitneyu(score[top], score[~top]).statistic / (top.sum() * (~top).sum())
     assert got[2:] == pytest.approx((spearmanr(score, fn).statistic, u, ap), rel=1e-9)

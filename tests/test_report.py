@@ -292,6 +292,7 @@ def test_pages_mark_discoveries_list_every_combo_and_explain_small_models(tmp_pa
     index = (tmp_path / "report" / "index.html").read_text(encoding="utf-8")
     tiny_row = index.split("<h2 id='finds'>")[1].split("<a href='model-tiny.html#behaviour'>tiny</a>")[1].split("</tr>")[0]
     assert "smallest p is 1/5 = 0.200" in tiny_row and "recall 0" not in tiny_row and "#training" in tiny_row
+    assert '"model":"tiny"' not in index  # nor a row of zeros in the figures across models
     deep = (tmp_path / "report" / "model-deep.html").read_text(encoding="utf-8")
     def js(s: str) -> str:  # as the page's spec JSON spells a string (page.spec_json)
         return json.dumps(s)[1:-1].replace("<", "\\u003c")
@@ -309,6 +310,7 @@ def test_pages_mark_discoveries_list_every_combo_and_explain_small_models(tmp_pa
 def test_training_figure_legend_draws_the_dash_and_every_panel_names_its_axis(suite):
     _, out, _ = suite
     run = (out / "model-org-run.html").read_text(encoding="utf-8")
-    assert '"strokeDash":{"field":"space"' in run and '"symbolType":"stroke"' in run
+    # the dash drawn in the legend (as points it showed two identical dots; a stroke symbol without fill drew nothing)
+    assert re.search(r'"strokeDash":\{"field":"space","legend":\{[^}]*"symbolFillColor":"#333"[^}]*"symbolType":"stroke"', run)
     assert run.count('"title":"training step"') >= 4  # loss, heads, strength, composition panels
     assert "tracks the formation</b> (" in run  # one line per comp, not a sentence

@@ -20,6 +20,7 @@ import polars as pl
 from compatlas.atlas import connect as atlas_connect
 from compatlas.report import overview, queries as q
 from compatlas.report.audits import metric_audit_table
+from compatlas.report.findings import why_none
 from compatlas.report.model import ModelData, build_page, load
 from compatlas.report.page import Page, note, safe_name
 from compatlas.report.png import PngPool
@@ -85,7 +86,7 @@ def _build(con: duckdb.DuckDBPyConnection, out_dir: Path, config: dict[str, Any]
                  overview.finds_table(data, q_cut))
         recall = pl.DataFrame([{"model": d.model, "combo": f"{r['metric']} · {r['space']}", "recall": r.get("discovery_recall"),
                                 "precision": r.get("discovery_precision"), "induction_heads": r["n_induction_heads"]}
-                               for d in data if not d.cvb.is_empty()
+                               for d in data if not d.cvb.is_empty() and why_none(d.summary, q_cut) is None
                                for r in d.cvb.filter(pl.col("comp") == "K").iter_rows(named=True) if r["n_induction_heads"]])
         # models without calibration (an older atlas, a partial run) have no depth profile: none may be left
         profiles = [p.with_columns(model=pl.lit(d.model), depth=pl.col("reader_layer") / max(int(d.info["n_layers"]) - 1, 1),

@@ -76,7 +76,7 @@ def circuit_chart(edges: pl.DataFrame, nodes: pl.DataFrame, model: str, checkpoi
     pick = alt.param(name="combo", value=default if default in combos else (combos[0] if combos else default),
                      bind=alt.binding_select(options=combos or [default], labels=labels or None, name="metric · space: "))
     comps = order(e["comp"].unique().to_list(), COMPS) or list(COMPS)
-    panel_w = max(160, min(46 * n_heads + 40, (CONTENT - 220) // len(comps)))
+    panel_w = max(160, min(46 * n_heads + 40, (CONTENT - 330) // len(comps)))  # room for axes and legends
     height = min(900, max(200, 30 * n_layers))
     xs = alt.Scale(domain=[-1, n_heads], nice=False)
     ys = alt.Scale(domain=[n_layers - 0.5, -0.5], nice=False)

@@ -81,8 +81,10 @@ def trajectory_chart(t: TrainingOutcome, strength: pl.DataFrame, model: str) -> 
             x=step_x(top, log), y=alt.Y("score:Q", title=f"score of {head(pl_, ph)} → {head(il, ih)}"),
             color=alt.Color("metric:N", sort=list(METRICS), legend=alt.Legend(symbolType="stroke", symbolStrokeWidth=2.5)),
             # the legend draws the dash as a line: as points it showed two identical dots
+            # (with the points overlaid, the symbol needs a fill colour too, or Vega draws it blank)
             strokeDash=alt.StrokeDash("space:N", sort=list(SPACES), legend=alt.Legend(
-                symbolType="stroke", symbolStrokeWidth=2, symbolSize=300, symbolStrokeColor="#333")),
+                symbolType="stroke", symbolStrokeWidth=2, symbolSize=200, symbolStrokeColor="#333",
+                symbolFillColor="#333", symbolOpacity=1)),
             tooltip=["metric", "space", "comp", alt.Tooltip("step:Q", format=","), alt.Tooltip("score:Q", format=".3f"),
                      alt.Tooltip("q_value:Q", title="q", format=".2e")])]
         if t.marker is not None:

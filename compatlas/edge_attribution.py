@@ -60,6 +60,9 @@ log = logging.getLogger(__name__)
 FORK_HOOK = {"Q": "hook_q_input", "K": "hook_k_input", "V": "hook_v_input"}
 RESID_IN = "blocks.0.hook_resid_pre"
 UNEMBED_IN = "unembed.hook_in"
+# Rows per forward pass are capped so that the measured positions' logits stay within 2**28
+# floats (1 GiB in float32; Gemma's vocabulary is 262k), as the induction job caps its batches.
+LOGITS_BUDGET = 2**28
 
 
 @dataclass(frozen=True)
@@ -104,6 +107,11 @@ def induction_task(tokens: TokenSet, sequences: int, length: int, seed: int) -> 
 
 def _device(model) -> torch.device:
     return next(model.parameters()).device
+
+
+def _rows(model, task: InductionTask, batch_size: int) -> int:
+    """``batch_size``, lowered to LOGITS_BUDGET."""
+    return max(1, min(batch_size, LOGITS_BUDGET // (len(task.positions) * model.cfg.d_vocab)))
 
 
 @contextmanager
@@ -195,8 +203,9 @@ def attribution_scores(model, task: InductionTask, method: EdgeMethod = "eap", s
     width = {"Q": H, "K": n_kv_heads(model), "V": n_kv_heads(model)}
     out = {c: torch.zeros(S, L, H, L, width[c], dtype=torch.float64) for c in COMPS}
     with split_inputs(model):
-        for s0 in range(0, S, batch_size):
-            rows = slice(s0, min(s0 + batch_size, S))
+        bs = _rows(model, task, batch_size)
+        for s0 in range(0, S, bs):
+            rows = slice(s0, min(s0 + bs, S))
             z_corrupt, in_corrupt, _ = _pass(model, task, rows, corrupt=True)
             if method == "eap":
                 grads, z_clean, _ = _gradients(model, task, rows, None)
@@ -238,12 +247,13 @@ def exact_scores(model, task: InductionTask, edges: Sequence[Edge], batch_size: 
     out = torch.empty(E, S, dtype=torch.float64)
     W_O = model.W_O.detach().float()
     with split_inputs(model):
-        for s0 in range(0, S, batch_size):
-            rows = slice(s0, min(s0 + batch_size, S))
+        bs = _rows(model, task, batch_size)
+        for s0 in range(0, S, bs):
+            rows = slice(s0, min(s0 + bs, S))
             n = rows.stop - rows.start
             z_corrupt, _, _ = _pass(model, task, rows, corrupt=True)
             z_clean, _, clean_m = _pass(model, task, rows, corrupt=False)
-            per_pass = max(1, batch_size // n)
+            per_pass = max(1, bs // n)
             for e0 in range(0, E, per_pass):
                 chunk = edges[e0:e0 + per_pass]
                 patches: dict[tuple, list] = {}

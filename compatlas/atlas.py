@@ -44,7 +44,8 @@ log = logging.getLogger(__name__)
 
 # Views derived from the ones over shards (SQL, so they follow the shards whenever the atlas is
 # rebuilt), in the order they are created: each reads only views before it. The SQL of each is
-# views/<name>.sql beside this module; {fdr}, {prev} and {ind} in it are build_atlas's thresholds.
+# views/<name>.sql beside this module; {fdr}, {prev} and {ind} in it are build_atlas's thresholds,
+# {min_readers} and {min_class} the counts below which a statistic is NULL (MIN_READERS, MIN_CLASS).
 DERIVED_VIEWS = ("checkpoints", "composition_z", "discoveries", "induction_summary", "reader_best_composition",
                  "composition_vs_behaviour", "composition_vs_function", "eap_vs_exact")
 
@@ -56,10 +57,17 @@ SEARCH_PATH_HINT = "SET file_search_path = '{parent}'"
 _BASE_COMMENT = re.compile(r"shard paths are relative to the folder holding '([^']*)/'")
 
 
+# composition_vs_behaviour gives no Spearman from fewer readers than this (2 readers give +-1), and
+# no AUROC unless the induction heads and the other readers number at least MIN_CLASS each; the
+# report shows these NULLs as they are, beside the counts.
+MIN_READERS = 10
+MIN_CLASS = 3
+
+
 def derived_view_sql(name: str, fdr: float, prev: float, ind: float) -> str:
     """The ``CREATE VIEW`` statement of a derived view, its thresholds filled in."""
     sql = resources.files("compatlas").joinpath("views", f"{name}.sql").read_text(encoding="utf-8")
-    return sql.format(fdr=float(fdr), prev=float(prev), ind=float(ind))
+    return sql.format(fdr=float(fdr), prev=float(prev), ind=float(ind), min_readers=MIN_READERS, min_class=MIN_CLASS)
 
 
 _DUCK_TYPES = {pl.Utf8: "VARCHAR", pl.Int32: "INTEGER", pl.Int64: "BIGINT", pl.Float64: "DOUBLE", pl.Boolean: "BOOLEAN"}

@@ -11,18 +11,18 @@ import polars as pl
 import pytest
 from scipy.stats import spearmanr
 
-from compatlas.atlas import build_atlas, connect
+from compatlas.atlas import MIN_CLASS, MIN_READERS, build_atlas, connect
 from compatlas.tables import COMPOSITION_SCHEMA, HEAD_SCORES_SCHEMA, INDUCTION_TOKENS_SCHEMA
 from compatlas.vocab import COMPS
 from compatlas.storage import write_shard
 
-L, H = 4, 3
+L, H = 4, 4  # 12 readers: enough for Spearman (atlas.MIN_READERS)
 
 
-def _heads(rng) -> pl.DataFrame:
+def _heads(rng, model: str = "m", L: int = L, H: int = H) -> pl.DataFrame:
     rows = []
     for layer, head in itertools.product(range(L), range(H)):
-        rows.append({"model": "m", "checkpoint": "final", "layer": layer, "head": head,
+        rows.append({"model": model, "checkpoint": "final", "layer": layer, "head": head,
                      "prev_token_mean": float(rng.uniform(0, 0.3)), "prev_token_std": 0.1,
                      "duplicate_mean": 0.0, "duplicate_std": 0.0,
                      "induction_mean": float(np.round(rng.uniform(0, 1), 1)),  # ties on purpose
@@ -33,12 +33,12 @@ def _heads(rng) -> pl.DataFrame:
     return pl.DataFrame(rows, schema=HEAD_SCORES_SCHEMA)
 
 
-def _composition(rng) -> pl.DataFrame:
+def _composition(rng, model: str = "m", L: int = L, H: int = H) -> pl.DataFrame:
     rows = []
     for (l1, h1), (l2, h2) in itertools.product(itertools.product(range(L), range(H)), repeat=2):
         if l1 < l2:
             for comp in COMPS:
-                rows.append({"model": "m", "checkpoint": "final", "processing": "none", "space": "residual",
+                rows.append({"model": model, "checkpoint": "final", "processing": "none", "space": "residual",
                              "metric": "frobenius", "comp": comp, "writer_layer": l1, "writer_head": h1,
                              "reader_layer": l2, "reader_head": h2, "score": float(rng.uniform()),
                              "baseline_gaussian_mean": 0.1, "baseline_gaussian_std": 0.01,
@@ -51,6 +51,8 @@ def atlas(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("views")
     rng = np.random.default_rng(0)
     heads, comp = _heads(rng), _composition(rng)
+    # a model too small for the statistics: 2 layers x 3 heads, 3 readers
+    small_heads, small_comp = _heads(rng, "small", 2, 3), _composition(rng, "small", 2, 3)
     toks = pl.DataFrame([{"model": "m", "checkpoint": "final", "filler_before": 10, "filler_between": 10,
                           "token_id": t, "token_text": f"t{t}", "role": r, "n": 4, "mean": float(t + (r == "B")),
                           "std": 1.0, "stderr": 0.5, "near_b_id": None, "near_b_mean": 0.5, "near_b_stderr": 0.2,
@@ -60,6 +62,9 @@ def atlas(tmp_path_factory):
     for name, df in (("composition", comp), ("head_scores", heads), ("induction_tokens", toks)):
         paths[name] = [tmp / f"{name}.parquet"]
         write_shard(df, paths[name][0], {"test": True})
+    for name, df in (("composition", small_comp), ("head_scores", small_heads)):
+        paths[name].append(tmp / f"{name}_small.parquet")
+        write_shard(df, paths[name][-1], {"test": True})
     build_atlas(tmp / "atlas.duckdb", paths, [], prev_token_threshold=0.4, induction_threshold=0.5)
     return connect(tmp / "atlas.duckdb"), heads, comp
 
@@ -67,7 +72,7 @@ def atlas(tmp_path_factory):
 def test_reader_best_composition_takes_the_max_over_prev_token_heads(atlas):
     con, heads, comp = atlas
     prev = {(0, 1), (1, 2)}
-    got = con.sql("SELECT layer, head, best_score FROM reader_best_composition WHERE comp = 'K'").pl()
+    got = con.sql("SELECT layer, head, best_score FROM reader_best_composition WHERE comp = 'K' AND model = 'm'").pl()
     expect = {}
     for r in comp.filter(pl.col("comp") == "K").iter_rows(named=True):
         if (r["writer_layer"], r["writer_head"]) in prev:
@@ -79,8 +84,8 @@ def test_reader_best_composition_takes_the_max_over_prev_token_heads(atlas):
 
 def test_spearman_and_auroc_match_independent_computations(atlas):
     con, heads, _ = atlas
-    best = con.sql("SELECT * FROM reader_best_composition WHERE comp = 'Q' ORDER BY layer, head").pl()
-    out = con.sql("SELECT * FROM composition_vs_behaviour WHERE comp = 'Q'").pl().row(0, named=True)
+    best = con.sql("SELECT * FROM reader_best_composition WHERE comp = 'Q' AND model = 'm' ORDER BY layer, head").pl()
+    out = con.sql("SELECT * FROM composition_vs_behaviour WHERE comp = 'Q' AND model = 'm'").pl().row(0, named=True)
     score, ind, abl = best["best_score"].to_numpy(), best["induction_mean"].to_numpy(), best["ablation_drop"].to_numpy()
     assert out["spearman_induction"] == pytest.approx(spearmanr(score, ind).statistic, abs=1e-12)
     assert out["spearman_ablation"] == pytest.approx(spearmanr(score, abl).statistic, abs=1e-12)
@@ -88,6 +93,18 @@ def test_spearman_and_auroc_match_independent_computations(atlas):
     pairs = [(p > n) + 0.5 * (p == n) for p in pos for n in neg]
     assert out["auroc"] == pytest.approx(sum(pairs) / len(pairs), abs=1e-12)
     assert out["n_readers"] == len(best) and out["n_induction_heads"] == len(pos)
+    assert len(best) >= MIN_READERS and min(len(pos), len(neg)) >= MIN_CLASS  # so the values above are given
+
+
+def test_no_statistic_below_its_minimum_count(atlas):
+    """3 readers: Spearman would be +-1 or so from noise, AUROC from one or two heads; the view
+    gives NULL, with the counts beside it, and the report shows what the view gives."""
+    con, _, _ = atlas
+    rows = con.sql("SELECT * FROM composition_vs_behaviour WHERE model = 'small'").pl()
+    assert rows.height == len(COMPS)
+    assert rows["n_readers"].to_list() == [3] * len(COMPS)
+    assert rows["spearman_induction"].is_null().all() and rows["spearman_ablation"].is_null().all()
+    assert rows["auroc"].is_null().all()
 
 
 def test_induction_summary_by_hand(atlas):

@@ -8,10 +8,9 @@ from __future__ import annotations
 import altair as alt
 import polars as pl
 
+from compatlas.atlas import MIN_CLASS, MIN_READERS  # below these counts the atlas's Spearman / AUROC are NULL
 from compatlas.report.page import by_metric_space, note, order, table
 
-MIN_READERS = 10  # no Spearman from fewer reader heads than this
-MIN_CLASS = 3     # no AUROC unless both classes (induction heads and the other readers) have this many
 HEAD_SCORE_TEXT = {"prev_token_mean": "previous-token score", "duplicate_mean": "duplicate-token score",
                    "induction_mean": "induction score", "ablation_drop": "drop in induction strength when ablated"}
 POWER_COLUMNS = ("filler_before", "filler_between", "role", "mean", "stderr")
@@ -112,10 +111,9 @@ def head_scores_chart(heads: pl.DataFrame, model: str) -> alt.TopLevelMixin:
 
 
 def _stats(r: dict) -> tuple:
-    """AUROC only with MIN_CLASS heads in each class, Spearman only from MIN_READERS readers."""
-    n, k = r["n_readers"] or 0, r["n_induction_heads"] or 0
-    au = r["auroc"] if k >= MIN_CLASS and n - k >= MIN_CLASS else None
-    return au, *((r["spearman_induction"], r["spearman_ablation"]) if n >= MIN_READERS else (None, None))
+    """AUROC and both Spearmans as the atlas gives them: NULL below MIN_CLASS heads of a class or
+    MIN_READERS readers (composition_vs_behaviour)."""
+    return r["auroc"], r["spearman_induction"], r["spearman_ablation"]
 
 
 PAYOFF_HEADER = ["metric", "space", "reader heads", "induction heads", "K discoveries", "K precision", "K recall",

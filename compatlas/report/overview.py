@@ -12,7 +12,6 @@ from typing import Any
 import altair as alt
 import polars as pl
 
-from compatlas.report.behaviour import MIN_CLASS
 from compatlas.report.findings import why_none
 from compatlas.report.model import ModelData
 from compatlas.report.page import fmt, head, table
@@ -99,7 +98,7 @@ def finds_table(data: list[ModelData], q_cut: float | None = None) -> str:
             if n_ind == 0:
                 cells.append("<small>no induction heads</small>")
                 continue
-            au = fmt(r["auroc"]) if n_ind >= MIN_CLASS and n - n_ind >= MIN_CLASS else "–"
+            au = fmt(r["auroc"])  # NULL in the atlas below MIN_CLASS heads of a class
             cells.append(f"recall {fmt(r.get('discovery_recall'))}<br>precision {fmt(r.get('discovery_precision'))}"
                          f"<br><small>AUROC {au} ({n_ind} of {n})</small>")
         rows.append(cells)

@@ -2,6 +2,8 @@
 -- Spearman = Pearson on average ranks; AUROC = Mann-Whitney U / (n_pos n_neg) from the same ranks.
 -- Discovery precision / recall: of "the reader has a discovery from a previous-token head" for
 -- "the reader is an induction head". n_discoveries counts tests: a KV head's finding once.
+-- Spearman is NULL from fewer than {min_readers} readers (2 readers give +-1), AUROC NULL unless
+-- both classes have {min_class} heads; n_readers and n_induction_heads stand beside them.
 CREATE VIEW composition_vs_behaviour AS
 WITH ranked AS (
     SELECT *,
@@ -14,9 +16,11 @@ WITH ranked AS (
     FROM reader_best_composition)
 SELECT model, checkpoint, metric, space, comp,
     count(*) AS n_readers, count_if(is_induction)::BIGINT AS n_induction_heads,
-    corr(r_score, r_ind) AS spearman_induction, corr(r_score, r_abl) AS spearman_ablation,
-    (sum(CASE WHEN is_induction THEN r_score ELSE 0 END) - sum(is_induction::INTEGER) * (sum(is_induction::INTEGER) + 1) / 2.0)
-      / NULLIF(sum(is_induction::INTEGER) * (count(*) - sum(is_induction::INTEGER)), 0) AS auroc,
+    CASE WHEN count(*) >= {min_readers} THEN corr(r_score, r_ind) END AS spearman_induction,
+    CASE WHEN count(*) >= {min_readers} THEN corr(r_score, r_abl) END AS spearman_ablation,
+    CASE WHEN count_if(is_induction) >= {min_class} AND count_if(NOT is_induction) >= {min_class} THEN
+      (sum(CASE WHEN is_induction THEN r_score ELSE 0 END) - sum(is_induction::INTEGER) * (sum(is_induction::INTEGER) + 1) / 2.0)
+      / NULLIF(sum(is_induction::INTEGER) * (count(*) - sum(is_induction::INTEGER)), 0) END AS auroc,
     coalesce(any_value(d.n_discoveries), 0)::BIGINT AS n_discoveries,
     count_if(prev_discovery)::BIGINT AS n_readers_with_discovery,
     count_if(prev_discovery AND is_induction) / NULLIF(count_if(prev_discovery), 0) AS discovery_precision,

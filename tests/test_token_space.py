@@ -25,10 +25,13 @@ def random_model(seed: int = 0) -> AttentionWeights:
                           embed_first=True, meta={"model": "t", "norm_type": "RMS"})
 
 
-def brute_token_scores(w: AttentionWeights, metric: str, comp: str, l1: int, l2: int) -> torch.Tensor:
-    """Scores from the d_vocab x d_vocab token-space matrices: OV -> W_E OV W_E^+, QK -> W_E QK W_E^T."""
+def brute_token_scores(w: AttentionWeights, metric: str, comp: str, l1: int, l2: int,
+                       E: torch.Tensor | None = None) -> torch.Tensor:
+    """Scores from the d_vocab x d_vocab token-space matrices: OV -> E OV E^+, QK -> E QK E^T,
+    with E = W_E (or the embedding given)."""
     W_K, W_V = w.expanded_kv()
-    E, E_pinv = w.W_E, torch.linalg.pinv(w.W_E)
+    E = w.W_E if E is None else E
+    E_pinv = torch.linalg.pinv(E)
     out = torch.zeros(H, H)
     for h1 in range(H):
         Lt = E @ W_V[l1, h1] @ w.W_O[l1, h1] @ E_pinv
@@ -136,11 +139,28 @@ def test_centred_embedding_and_writers_keep_token_space_invariant():
         assert (scores(w, metric, "token") - scores(wt, metric, "token")).abs().max() < 1e-8
 
 
-def test_token_norm_normalises_rows():
-    w = random_model()
-    ws, facts = to_space(w, "token_norm")
-    assert facts["embedding_condition"] >= 1
-    assert ws.W_Q.shape == w.W_Q.shape
+@pytest.mark.parametrize("norm", ["RMS", "LN"])
+@pytest.mark.parametrize("metric", METRICS)
+def test_token_norm_equals_brute_force_on_normalised_rows(metric, norm):
+    """token_norm is token space of W_E's rows as the first attention norm sees them: each row
+    centred (LayerNorm only), divided by its root mean square, times the norm's weight. The rows
+    are built here by hand and scored through the d_vocab x d_vocab matrices."""
+    base = random_weights(0, L=L, H=H, Hkv=HKV, d=D, dh=DH, vocab=VOCAB, embed_decades=1.0, unembed=True,
+                          embed_first=True, ln1=0.3, meta={"model": "t", "norm_type": norm})
+    E = base.W_E.clone()
+    if norm == "LN":
+        E = E - E.mean(1, keepdim=True)
+    E = torch.stack([row / (row @ row / D).sqrt() for row in E]) * base.ln1_w[0]
+    assert not torch.allclose(E / E.norm(dim=1, keepdim=True), base.W_E / base.W_E.norm(dim=1, keepdim=True))
+    df, facts = score_block(base, metric, "token_norm", [(0, 1), (1, 2)], baseline_samples=4, device="cpu",
+                            dtype="float64")
+    # centred rows span d_model - 1 directions: one is dropped, and E^+ is the pseudo-inverse
+    assert facts["embedding_dropped"] == (1 if norm == "LN" else 0)
+    for comp in COMPS:
+        for l1, l2 in [(0, 1), (1, 2)]:
+            got = df.filter((df["comp"] == comp) & (df["writer_layer"] == l1) & (df["reader_layer"] == l2)).sort(["writer_head", "reader_head"])
+            want = brute_token_scores(base, metric, comp, l1, l2, E=E).flatten()
+            torch.testing.assert_close(torch.tensor(got["score"].to_numpy()), want, atol=1e-6, rtol=0)
 
 
 def test_small_vocabulary_has_no_token_space_but_extracts():

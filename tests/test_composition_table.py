@@ -61,20 +61,26 @@ def test_spectrum_null_is_the_score_with_random_singular_vectors(metric):
     import numpy as np
     import torch
 
-    from compatlas.composition import head_factors
-
     w = random_weights(3, L=3, H=2, Hkv=1, d=10, dh=3, spectrum=0.7, scale=1.0)
     m = 400  # the kernel's draws (the Gaussian null's n x n heads grow with it too)
     table = score_block(w, metric, "residual", [(0, 1), (0, 2)], baseline_samples=m, device="cpu", dtype="float64")[0]
-    f = head_factors(w, metric)
+    # each head's spectrum from its dense d x d matrices (not the kernel's factors): writer
+    # W_OV = W_V W_O; reader W_Q W_K^T (Q), W_K W_Q^T (K), W_V W_O (V); subspace: rank-many ones
+    def spectrum(M: torch.Tensor) -> np.ndarray:
+        s = torch.linalg.svdvals(M)[:3].numpy()
+        return np.ones(3) if metric == "subspace" else s
+
+    def reader(comp: str, layer: int, h: int) -> torch.Tensor:
+        q, k, v, o = w.W_Q[layer, h], w.W_K[layer, 0], w.W_V[layer, 0], w.W_O[layer, h]  # one KV head (Hkv=1)
+        return {"Q": q @ k.T, "K": k @ q.T, "V": v @ o}[comp]
     rng = np.random.default_rng(0)
     n = 20000
     B = np.linalg.qr(rng.standard_normal((n, 10, 3)))[0]
     C = np.linalg.qr(rng.standard_normal((n, 10, 3)))[0]
     P2 = (B.transpose(0, 2, 1) @ C) ** 2  # [n, 3, 3] squared overlaps of two random frames
     for row in table.filter(pl.col("writer_head") == 0).iter_rows(named=True):
-        s_w = f.writer_sv[0, row["writer_head"]].numpy()
-        s_r = f.reader_sv[row["comp"]][row["reader_layer"], row["reader_head"]].numpy()
+        s_w = spectrum(w.W_V[0, 0] @ w.W_O[0, row["writer_head"]])
+        s_r = spectrum(reader(row["comp"], row["reader_layer"], row["reader_head"]))
         if metric == "subspace":  # indicator spectra; score ||U1^T U2||^2 / min(rank1, rank2)
             scores = np.einsum("i,nij,j->n", s_w, P2, s_r) / min(s_w.sum(), s_r.sum())
         else:

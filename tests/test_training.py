@@ -173,20 +173,18 @@ def test_loss_drop_step_finds_the_steepest_fall():
 
 
 def test_training_outcome_from_the_views():
-    """The per-run analysis (formation.training_outcome on the report's queries) on hand-made views: head 1.1 forms at step 500 (sigmoid),
+    """The per-run analysis as the report runs it (``report.model.load``: its queries of the views,
+    then formation.training_outcome) on hand-made views: head 1.1 forms at step 500 (sigmoid),
     0.0 is the previous-token head, the loss falls at the same step, and the pair's svd_bound K
     curve tracks the formation while the frobenius one is high early."""
     import duckdb
 
     from compatlas.report import queries as q
+    from compatlas.report.model import load
     from compatlas.report.training import runs_table
 
-    def training_outcome(con, model):  # what the report does: frames from the views, the analysis in formation
-        steps = q.checkpoints(con).filter(pl.col("model") == model)
-        heads = q.head_scores_over_training(con, model, steps)
-        pair = fm.eventual_pair(heads)
-        curves = q.pair_curves(con, model, pair, steps) if pair is not None else pl.DataFrame()
-        return fm.training_outcome(heads, q.loss(con, model), curves)
+    def training_outcome(con, model):  # the report's own wiring, not a copy of it
+        return load(con, model, q.checkpoints(con), None).outcome
 
     con = duckdb.connect()
     ckpts = [(f"step{s}", int(s)) for s in STEPS]
@@ -208,15 +206,15 @@ def test_training_outcome_from_the_views():
         comp.append(("run", ck, "svd_bound", "residual", "K", 0, 0, 1, 1, float(_sigmoid(step, 500, 0.3, 0.9))))
         comp.append(("run", ck, "frobenius", "residual", "K", 0, 0, 1, 1, 0.9 if 0 < step < 200 else 0.3))
     con.execute("""CREATE TABLE composition (model VARCHAR, checkpoint VARCHAR, metric VARCHAR, space VARCHAR, comp VARCHAR,
-                   writer_layer INTEGER, writer_head INTEGER, reader_layer INTEGER, reader_head INTEGER, score DOUBLE)""")
-    con.executemany("INSERT INTO composition VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)", comp)
+                   writer_layer INTEGER, writer_head INTEGER, reader_layer INTEGER, reader_head INTEGER, score DOUBLE,
+                   baseline_gaussian_mean DOUBLE, baseline_spectrum_mean DOUBLE, baseline_spectrum_std DOUBLE)""")
+    con.executemany("INSERT INTO composition VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, NULL, NULL, NULL)", comp)
     t = training_outcome(con, "run")
     assert t.pair == ((1, 1), (0, 0))
     assert 450 < t.formation < 550 and abs(t.drop - 500) < 60 and t.marker == t.formation
     assert set(t.curves["metric"]) == {"svd_bound", "frobenius"} and t.curves.height == 2 * len(STEPS)
     html = runs_table({"run": t}, lambda m: m)
     assert "<td>L1.H1 (0.90)</td>" in html and "<td>L0.H0 (0.80)</td>" in html
-    assert "K svd_bound (residual)" in html and "frobenius" not in html.split("</tr>")[-2]
-    assert training_outcome(con, "absent") is None
+    assert "K: svd_bound (residual)" in html and "frobenius" not in html.split("</tr>")[-2]
 
 

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from conftest import machine_slowdown
 
 from compatlas.config import ConfigError, validate_config
 from compatlas.checkpoints import schedule
@@ -90,7 +91,8 @@ def test_snakemake_names_the_config_file_not_common_smk(tmp_path: Path):
     path = tmp_path / "my-config.yaml"
     path.write_text(yaml.safe_dump(cfg))
     proc = subprocess.run([sys.executable, "-m", "snakemake", "-n", "-s", str(REPO / "Snakefile"), "--directory",
-                           str(tmp_path), "--configfile", str(path)], capture_output=True, text=True, timeout=120)
+                           str(tmp_path), "--configfile", str(path)], capture_output=True, text=True,
+                          timeout=120 * machine_slowdown())  # a bound on a hang, scaled for a busy machine
     assert proc.returncode != 0
     lines = [ln for ln in proc.stderr.splitlines() if "config error" in ln]
     assert lines == [f"{path}: config error at models.tiny-gpt2.source.architecture: 'gpt3' is not one of "

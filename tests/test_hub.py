@@ -24,11 +24,14 @@ import torch
 import yaml
 from safetensors.torch import load_file
 
+from conftest import machine_slowdown
 from hubstandin import StandInHub, served_state, tiny_repo
 
 REPO = Path(__file__).resolve().parent.parent
 STANDIN = Path(__file__).resolve().parent / "hubstandin.py"
-LIMIT_S = 180  # one subprocess: Python and transformer_lens start-up (~15 s) plus a few tiny models
+# one subprocess: Python and transformer_lens start-up (~15 s) plus a few tiny models; a bound on a hang,
+# scaled by the machine's slowdown (load / cores) so that a slow correct run on a busy machine passes
+LIMIT_S = 180 * machine_slowdown()
 
 CONFIG = {
     "results": "results", "device": "cpu", "metrics": ["frobenius"], "spaces": ["residual"],

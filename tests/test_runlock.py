@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from conftest import tiny_config
+from conftest import machine_slowdown, tiny_config
 
 from compatlas import runlock
 
@@ -61,7 +61,7 @@ def test_heartbeat_keeps_a_live_lock_fresh(tmp_path: Path):
     lock = runlock.acquire("results", tmp_path, heartbeat_s=0.1)
     old = time.time() - 1000
     os.utime(lock.path, (old, old))
-    deadline = time.monotonic() + 10
+    deadline = time.monotonic() + 10 * machine_slowdown()  # stops a hang; a busy machine gets longer
     while time.time() - lock.path.stat().st_mtime > 500 and time.monotonic() < deadline:
         time.sleep(0.05)
     assert time.time() - lock.path.stat().st_mtime < 500
@@ -79,14 +79,15 @@ def test_snakemake_run_on_a_results_folder_in_use_stops_before_any_job(tmp_path:
     cmd = [sys.executable, "-m", "snakemake", target, "-s", str(REPO / "Snakefile"), "--cores", "1",
            "--directory", str(work), "--configfile", str(work / "config.yaml")]
     lock = fake_holder(shared, workdir=str(tmp_path / "a"))  # a live run (this test's own process) from folder a
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    limit = 300 * machine_slowdown()
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=limit)
     assert proc.returncode != 0
     lines = [ln for ln in proc.stderr.splitlines() if "is in use by another run" in ln]
     assert len(lines) == 1 and f"from {tmp_path / 'a'}" in lines[0], proc.stderr[-3000:]
     assert not (shared / "weights").exists()
     lock.unlink()
     # Snakemake's own lock of folder b was given back: the next run needs no --unlock, and ends with no lock left
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=limit)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert (shared / "weights" / "tiny-gpt2" / "final" / "meta.json").exists()
     assert not (shared / runlock.LOCK_NAME).exists()

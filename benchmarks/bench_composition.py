@@ -53,6 +53,7 @@ from compatlas.vocab import COMPS, METRICS  # noqa: E402 -- names only; the time
 SEED = 0
 N_BASELINE = 32  # spectrum_baseline samples
 SPEEDUP_TARGET = 20.0
+LIMIT_TARGET = 0.75  # frobenius Q+K+V's rate / a plain float32 matmul of its own core shapes, same run
 MEMORY_TARGET = 0.1
 DIFF_TOL = 1e-5
 
@@ -222,7 +223,107 @@ def child_ours(cfg: dict, workdir: Path) -> dict:
     res["spectrum_baseline_frobenius"] = {
         comp: time_spectrum_baseline(timer, f, "frobenius", comp, 0, 1, shape["d_model"], stable_seed(SEED, comp, 0, 1), repeats)
         for comp in COMPS}
+    res["limit"] = machine_limit(w, timer, repeats)
     return res
+
+
+def machine_limit(w, timer: "Timer", repeats: int) -> dict:
+    """The kernel against the machine: each metric's Q+K+V (``head_factors`` once, then
+    ``layer_pair_scores`` for every writer layer) against its floor measured in the same
+    process, round by round (the rounds interleave, so a burst of load hits both sides):
+
+    - the plain float32 matmuls of the kernel's own core shapes, [H dh, d] @ [d, nR H dh] for
+      every writer layer and comp, on fresh contiguous operands (what a perfect kernel would
+      cost: the GEMMs and nothing else); also the same FLOPs as 768^3-style square matmuls;
+    - for ``svd_bound`` and ``subspace``, that plus the batched small factorisations no
+      kernel of theirs can skip: the singular values of the writer's and each comp's reader
+      d_head x d_head cores (4 batched ``svdvals`` of [L H, dh, dh]); for ``subspace``, the
+      thin QRs of the d_model x d_head factors whose bases it needs (4 batched ``qr``), one
+      thread each (the faster way on this machine).
+
+    Rates are GFLOP of the core GEMMs per second, wall and per CPU-second of this process
+    (the CPU rate is what other processes' load cannot dilute, the wall rate what a user sees)."""
+    import torch
+
+    from compatlas.composition import head_factors, layer_pair_scores
+
+    L, H, d, dh = w.n_layers, w.n_heads, w.d_model, w.d_head
+    Hkv = w.n_kv_heads
+    g = torch.Generator(device="cpu").manual_seed(SEED)
+    E = torch.randn(H * dh, d, generator=g).to(w.W_Q.device)
+    # per comp: Q reads per query head (H), K and V per KV head (Hkv) plus each query head's dh x dh post
+    widths = {"Q": H, "K": Hkv, "V": Hkv}
+    Fs = {c: [torch.randn(d, nR * widths[c] * dh, generator=g).to(E.device) for nR in range(1, L)] for c in COMPS}
+    Ps = {c: torch.randn(Hkv, dh, H // Hkv * dh, generator=g).to(E.device) for c in COMPS if widths[c] != H}
+    flops = sum(2 * E.shape[0] * d * F.shape[1] for c in COMPS for F in Fs[c])
+    flops += sum(2 * H * E.shape[0] * dh * dh * nR for c in Ps for nR in range(1, L))
+    sq = torch.randn(768, 768, generator=g).to(E.device)
+    n_square = max(1, round(flops / (2 * 768**3)))
+
+    def gemms():
+        for c in COMPS:
+            for F in Fs[c]:
+                core = E @ F
+                if c in Ps:  # grouped K/V: each query head's dh x dh product
+                    nR = F.shape[1] // (widths[c] * dh)
+                    core.view(E.shape[0], nR * widths[c], dh).transpose(0, 1) @ Ps[c].repeat(nR, 1, 1)
+
+    def square():
+        for _ in range(n_square):
+            sq @ sq
+
+    def one_thread(fn):
+        n = torch.get_num_threads()
+        torch.set_num_threads(1)
+        try:
+            fn()
+        finally:
+            torch.set_num_threads(n)
+
+    cores = torch.randn(L * H, dh, dh, generator=g).to(E.device)
+    tall = torch.randn(L * H, d, dh, generator=g).to(E.device)
+    small = {"svd_bound": lambda: one_thread(lambda: [torch.linalg.svdvals(cores) for _ in range(4)]),
+             "subspace": lambda: one_thread(lambda: [(torch.linalg.qr(tall), torch.linalg.svdvals(cores)) for _ in range(4)])}
+
+    def kernel(metric):
+        def run():
+            f = head_factors(w, metric)
+            for c in COMPS:
+                for l1 in range(L - 1):
+                    layer_pair_scores(f, l1, list(range(l1 + 1, L)), c)
+        return run
+
+    parts = {"matmul_core_shapes": gemms, "matmul_768_cubed": square, **{f"small_{m}": fn for m, fn in small.items()},
+             **{f"kernel_{m}": kernel(m) for m in METRICS}}
+    for fn in parts.values():  # warm-up
+        fn()
+    wall: dict = {k: [] for k in parts}
+    cpu: dict = {k: [] for k in parts}
+    for _ in range(max(repeats, 5)):
+        for k, fn in parts.items():
+            c0 = time.process_time()
+            wall[k].append(timer(fn)[0])
+            cpu[k].append(time.process_time() - c0)
+    med = lambda xs: statistics.median(xs)  # noqa: E731
+    out: dict = {"gflop": flops / 1e9, "n_square_768": n_square, "rounds": len(wall["kernel_frobenius"]),
+                 "wall_s": {k: med(v) for k, v in wall.items()}, "cpu_s": {k: med(v) for k, v in cpu.items()},
+                 "times_s": wall, "cpu_times_s": cpu}
+    for m in METRICS:
+        floor_w = [a + (wall[f"small_{m}"][i] if m != "frobenius" else 0.0) for i, a in enumerate(wall["matmul_core_shapes"])]
+        floor_c = [a + (cpu[f"small_{m}"][i] if m != "frobenius" else 0.0) for i, a in enumerate(cpu["matmul_core_shapes"])]
+        out[m] = {
+            "kernel_gflops": flops / 1e9 / med(wall[f"kernel_{m}"]),
+            "floor_s": med(floor_w),
+            # per round: floor / kernel (= kernel rate / floor rate), then the median over rounds
+            "fraction_of_floor_wall": med([f / k for f, k in zip(floor_w, wall[f"kernel_{m}"])]),
+            "fraction_of_floor_cpu": med([f / k for f, k in zip(floor_c, cpu[f"kernel_{m}"])]),
+        }
+    out["matmul_core_gflops"] = flops / 1e9 / med(wall["matmul_core_shapes"])
+    out["matmul_768_gflops"] = n_square * 2 * 768**3 / 1e9 / med(wall["matmul_768_cubed"])
+    out["pass"] = out["frobenius"]["fraction_of_floor_wall"] >= LIMIT_TARGET
+    log(f"limit: frobenius Q+K+V {out['frobenius']['kernel_gflops']:.0f} GFLOP/s, matmul of its core shapes "
+        f"{out['matmul_core_gflops']:.0f} GFLOP/s: {out['frobenius']['fraction_of_floor_wall']:.0%}")
+    return out
 
 
 # ----------------------------------------------------------------------------- child: TransformerLens reference
@@ -505,6 +606,22 @@ def report(results: dict) -> None:
             if side and side.get("foreign_cpu_fraction", 0) > 0.05:
                 print(f"    WARNING: other processes used {side['foreign_cpu_s']:.0f} CPU-s "
                       f"({side['foreign_cpu_fraction']:.0%} of the machine) while {name} ran")
+        lim = ours.get("limit") if ours else None
+        if lim:
+            print(f"\n    the kernel against the machine (same process, {lim['rounds']} interleaved rounds, medians; "
+                  f"{lim['gflop']:.0f} GFLOP of core GEMMs for Q+K+V):")
+            print(f"    plain float32 matmul of the kernel's core shapes {lim['matmul_core_gflops']:6.0f} GFLOP/s "
+                  f"({lim['wall_s']['matmul_core_shapes']:.3f} s); square 768^3 matmuls {lim['matmul_768_gflops']:.0f} GFLOP/s")
+            print(f"    {'metric':<11}{'kernel':>9}{'GFLOP/s':>9}{'floor':>9}{'of floor (wall)':>17}{'(CPU time)':>12}   floor")
+            for m in METRICS:
+                x = lim[m]
+                what = "core GEMMs" if m == "frobenius" else ("+ 4 batched svdvals" if m == "svd_bound" else "+ 4 batched qr + svdvals")
+                print(f"    {m:<11}{lim['wall_s']['kernel_' + m]:>7.3f} s{x['kernel_gflops']:>9.0f}{x['floor_s']:>7.3f} s"
+                      f"{x['fraction_of_floor_wall']:>16.0%}{x['fraction_of_floor_cpu']:>12.0%}   {what}")
+            print(f"    frobenius Q+K+V at {lim['frobenius']['fraction_of_floor_wall']:.0%} of the same-run matmul rate   "
+                  f"target >= {LIMIT_TARGET:.0%}   {verdict(lim['pass'])}")
+            if ref:
+                print(f"    (beside the TransformerLens ratio above: {p1['ratios']['speedup']:.1f}x)")
         if ours:
             sb = ours["spectrum_baseline_frobenius"]
             print(f"    spectrum_baseline, one layer pair, n={N_BASELINE}, frobenius: "
@@ -669,6 +786,8 @@ def main() -> int:
     # only at full size (at --quick shapes the fixed interpreter + torch RSS dominates)
     checks = ("agreement_pass",) if args.quick else ("speedup_pass", "memory_pass", "agreement_pass")
     failed = [k for k in checks if not results["gpt2"].get("ratios", {}).get(k, True)]
+    lim = (results["gpt2"].get("ours") or {}).get("limit")
+    failed += ["limit"] if lim and not lim["pass"] and not args.quick else []
     failed += [k for k in ("ours", "reference") if k not in results["gpt2"] and not args.skip_gpt2
                and not (k == "reference" and args.skip_reference)]
     failed += [] if args.skip_big or "big" in results else ["big"]

@@ -146,8 +146,12 @@ def test_random_models_are_calibrated_in_every_metric_space_and_comp():
     share one null the count is beta-binomial (conformal p-values), not binomial; pairs that
     share a head add a little more (measured over 60 models in 3 metric x space cells: variance
     1.23 to 1.34 times the beta-binomial's, mean 5.25 to 5.56 against 5.24 expected). Each of the
-    27 cells sums 8 models and must lie within 4 of those standard deviations of the expectation,
-    on both sides: neither liberal nor needlessly conservative."""
+    27 cells sums 8 models and must lie within 4 of those standard deviations of the expectation.
+    That band reaches 0 on the low side, so a needlessly conservative null is caught apart: no
+    cell may be empty (P(k = 0) = P_model(0)^8, with P_model(0) about 0.03 for the beta-binomial:
+    about 1e-12), and over all 27 cells the count must be at least half its expectation (the cells'
+    counts are correlated, the same models: at worst perfectly, so the pooled sd is at most 27 cell
+    sd's, a quarter of the pooled mean, and half the mean lies 2 of those below it)."""
     from scipy import stats
 
     n_models, m, alpha = 8, 540, 0.01
@@ -172,6 +176,9 @@ def test_random_models_are_calibrated_in_every_metric_space_and_comp():
         for k, name in zip(cell["k"], cell["metric"] + "/" + cell["space"] + "/" + cell["comp"]):
             assert abs(k - mean) <= 4 * sd, (f"{design} {name}: {k} of {n_models * m} causal pairs with p <= {alpha} "
                                              f"(expected {mean:.1f} +- {sd:.1f})")
+            assert k >= 1, f"{design} {name}: no causal pair at p <= {alpha}: a conservative null"
+        assert cell["k"].sum() >= 0.5 * mean * cell.height, (design, int(cell["k"].sum()), mean * cell.height)
+        assert per_model.pmf(0) ** n_models < 1e-9  # the empty-cell check above cannot fail by chance
 
 
 def plant_k_circuit(w: AttentionWeights, writer: tuple[int, int], reader: tuple[int, int], rank: int = 2,
@@ -429,3 +436,29 @@ def test_the_atlas_counts_a_kv_head_finding_once(tmp_path):
     summary = queries.calibration_summary(con, "random", "final", 0.05)
     assert summary.filter(pl.col("comp") == "K")["discoveries"].to_list() == [1]
     assert queries.discoveries(con, "random", "final", 0.05).filter(pl.col("comp") == "K")["n_total"].max() == 1
+
+
+def test_invalid_settings_are_refused_in_one_line():
+    w = random_weights(1, L=3, H=2, Hkv=2)
+    df, _ = score_block(w, "frobenius", "residual", layer_pairs([0, 1, 2]) + null_pairs([0, 1, 2], 1, 0),
+                        baseline_samples=2, device="cpu", dtype="float64")
+    causal, null = df.filter(pl.col("writer_layer") < pl.col("reader_layer")), df.filter(pl.col("writer_layer") >= pl.col("reader_layer"))
+    for kwargs, message in (({"stratify": "layer"}, "stratify 'layer': choose one of"),
+                            ({"null_pairs": "all"}, "null_pairs 'all': choose one of"),
+                            ({"kv_group": 0}, "kv_group 0: query heads per KV head is at least 1")):
+        with pytest.raises(ValueError, match="^" + message.replace("(", r"\(")) as e:
+            calibrate(causal, null, **{"kv_group": 1, **kwargs})
+        assert "\n" not in str(e.value)
+
+
+def test_null_shards_without_causal_shards_are_refused(tmp_path):
+    """A null shard whose metric x space folder has no causal shard (a partial copy, a deleted
+    causal shard) is an error naming that folder, not a calibration on nothing."""
+    w = random_weights(2, L=3, H=2, Hkv=2)
+    df, _ = score_block(w, "subspace", "token", null_pairs([0, 1, 2], 1, 0), baseline_samples=2, device="cpu",
+                        dtype="float64")
+    path = tmp_path / "null" / "metric=subspace" / "space=token" / "block=0.parquet"
+    path.parent.mkdir(parents=True)
+    df.write_parquet(path)
+    with pytest.raises(ValueError, match=r"^null shards of metric=subspace/space=token have no causal shards beside them$"):
+        list(calibrate_shards([], [str(path)], kv_group=1))

@@ -10,6 +10,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import polars as pl
 import pytest
 import yaml
 from conftest import machine_slowdown, tiny_config
@@ -58,11 +59,22 @@ def test_views_hold_every_score(pipeline_run: Path):
     assert con.execute("SELECT count(*) FROM composition WHERE baseline_spectrum_std IS NULL OR baseline_gaussian_mean IS NULL").fetchone()[0] == 0
     models = con.execute("SELECT model, n_layers, n_heads, n_kv_heads, processing, norm_type FROM models WHERE checkpoint = 'final' ORDER BY model").fetchall()
     assert models == [("tiny-gpt2", 3, 2, 2, "compat", "LN"), ("tiny-llama", 3, 4, 2, "none", "RMS")]
-    # the contract query of the README: strongest K-compositions above their baseline
+    # a contract query (strongest K-compositions above their baseline) answered by the views equals
+    # the same question put to the shards themselves, read with polars (not DuckDB)
     top = con.execute("""SELECT writer_layer, writer_head, reader_layer, reader_head, score - baseline_spectrum_mean AS adj
                          FROM composition WHERE model = 'tiny-llama' AND metric = 'frobenius' AND comp = 'K'
                          ORDER BY adj DESC LIMIT 10""").fetchall()
-    assert len(top) == 10 and top[0][4] >= top[-1][4]
+    shards = shard_frame(pipeline_run / "results" / "composition")
+    want = (shards.filter((pl.col("model") == "tiny-llama") & (pl.col("metric") == "frobenius") & (pl.col("comp") == "K"))
+            .with_columns(adj=pl.col("score") - pl.col("baseline_spectrum_mean")).sort("adj", descending=True).head(10)
+            .select("writer_layer", "writer_head", "reader_layer", "reader_head", "adj"))
+    assert [r[:4] for r in top] == [r[:4] for r in want.rows()]
+    assert [r[4] for r in top] == pytest.approx(want["adj"].to_list(), abs=1e-12)
+
+
+def shard_frame(folder: Path) -> pl.DataFrame:
+    """Every Parquet shard under ``folder``, read with polars: the answer the views must give."""
+    return pl.concat([pl.read_parquet(p) for p in sorted(folder.rglob("*.parquet"))], how="diagonal_relaxed")
 
 
 def test_calibration_views(pipeline_run: Path):
@@ -81,8 +93,15 @@ def test_calibration_views(pipeline_run: Path):
         # the default null (composition.null_pairs: mirror) is the anti-causal mirror alone
         n_null = con.execute("SELECT DISTINCT n_null FROM calibration WHERE model = ?", [model]).fetchall()
         assert n_null == [(causal,)], model
-    assert con.execute("SELECT count(*) FROM discoveries WHERE q_value > 0.05").fetchone()[0] == 0
-    assert {row[0] for row in con.execute("DESCRIBE discoveries").fetchall()} >= {"score", "z_spectrum", "p_value", "q_value"}
+    # discoveries are exactly the calibration shards' rows with q <= 0.05, with their shards' scores
+    keys = ["model", "checkpoint", "metric", "space", "comp", "writer_layer", "writer_head", "reader_layer", "reader_head"]
+    cal = shard_frame(pipeline_run / "results" / "calibration").filter(pl.col("q_value") <= 0.05)
+    want = cal.join(shard_frame(pipeline_run / "results" / "composition"), on=keys, how="inner")
+    got = con.sql(f"SELECT {', '.join(keys)}, score, p_value, q_value FROM discoveries").pl()
+    assert sorted(got.select(keys).rows()) == sorted(want.select(keys).rows())
+    joined = got.join(want.select(*keys, pl.col("score").alias("s"), pl.col("q_value").alias("q")), on=keys)
+    assert joined.height == got.height and (joined["score"] == joined["s"]).all() and (joined["q_value"] == joined["q"]).all()
+
 
 
 def test_audit_views(pipeline_run: Path):

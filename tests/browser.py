@@ -32,6 +32,7 @@ class Visit:
     url: str
     external: list[str] = field(default_factory=list)
     errors: list[str] = field(default_factory=list)
+    warnings: list[str] = field(default_factory=list)  # console warnings (Vega logs "WARN ..." there)
     figures: int = 0
     drawn: int = 0
     failed: list[str] = field(default_factory=list)
@@ -130,6 +131,8 @@ class Browser:
                 v.external.append(p["request"]["url"])
             elif m == "Runtime.consoleAPICalled" and p.get("type") in ("error", "assert"):
                 v.errors.append(" ".join(str(a.get("value", a.get("description", ""))) for a in p.get("args", [])))
+            elif m == "Runtime.consoleAPICalled" and p.get("type") == "warning":
+                v.warnings.append(" ".join(str(a.get("value", a.get("description", ""))) for a in p.get("args", [])))
             elif m == "Runtime.exceptionThrown":
                 v.errors.append(p["exceptionDetails"].get("exception", {}).get("description", "exception"))
             elif m == "Log.entryAdded" and p["entry"]["level"] == "error":
@@ -175,6 +178,8 @@ def check_report(report_dir: Path, shots: Path) -> list[str]:
             name = page.name
             problems += [f"{name}: request leaves the file: {u}" for u in v.external]
             problems += [f"{name}: console error: {e}" for e in v.errors]
+            # Vega's own warnings ("WARN domainMid exceeds domain", an unknown field): a figure drawn wrong
+            problems += [f"{name}: Vega warning: {w}" for w in v.warnings if "WARN" in w]
             problems += [f"{name}: {f}" for f in v.failed]
             if v.drawn != v.figures:
                 problems.append(f"{name}: {v.drawn} of {v.figures} figures drawn")

@@ -101,7 +101,7 @@ def circuit_chart(edges: pl.DataFrame, nodes: pl.DataFrame, model: str, checkpoi
             strokeDash=[4, 3] if candidates else [1, 0]).encode(
             x=alt.X("x:Q", scale=xs), y=alt.Y("y:Q", scale=ys), detail="eid:N", order="t:Q",
             strokeWidth=alt.StrokeWidth("score:Q", scale=alt.Scale(domain=[smin, max(smax, smin + 1e-9)], range=[0.8, 4.5]),
-                                        legend=alt.Legend(title="score", format=".3f") if comp == comps[-1] else None),
+                                        legend=alt.Legend(title="score", format=".3f")),  # the same in every panel: one legend
             tooltip=[alt.Tooltip("writer:N"), alt.Tooltip("reader:N"), "comp:N", alt.Tooltip("score:Q", format=".3f"),
                      alt.Tooltip("baseline_spectrum_mean:Q", title="spectrum-kept null mean", format=".3f"),
                      alt.Tooltip("z_spectrum:Q", title="z", format=".1f"),

@@ -13,7 +13,7 @@ import duckdb
 import polars as pl
 
 from compatlas import formation as fm
-from compatlas.report import behaviour, circuit, findings, heatmaps, queries as q, training
+from compatlas.report import behaviour, blocks, circuit, findings, heatmaps, queries as q, training
 from compatlas.report.audits import invariance_chart
 from compatlas.report.page import Page, esc, fmt, note, safe_name, step
 
@@ -132,15 +132,26 @@ def build_page(con: duckdb.DuckDBPyConnection, d: ModelData, out_dir: Path, q_cu
         page.add(findings.top_discoveries(d.edges, d.info, d.model, d.lead, d.candidates, floor, q_cut))
     if d.combos:
         metric, space = d.lead
-        df = q.pairs(con, d.model, d.latest, metric, space)
-        H = int(max(d.info.get("n_heads") or 1, df["writer_head"].max() + 1, df["reader_head"].max() + 1))
-        page.add("<h2 id='heatmap'>Every head pair</h2>",
+        L, H = int(d.info.get("n_layers") or 1), int(d.info.get("n_heads") or 1)
+        big = blocks.use_blocks(L, H)
+        page.add("<h2 id='heatmap'>" + ("Every layer pair" if big else "Every head pair") + "</h2>",
                  note(f"The heatmap shows {html.escape(metric)} in {html.escape(space)} space (the metric audit's one "
                       "metric x space that satisfies all four axioms, when scored); the table below counts the "
                       "discoveries of every metric x space. Any other: <code>SELECT * FROM composition_z WHERE "
                       f"model = '{html.escape(d.model)}' AND latest AND metric = ... AND space = ...</code>."))
-        page.figure(heatmaps.heatmap_chart(df, d.model, d.latest, metric, space, H, q_cut), f"{s}__heatmap",
-                    datasets={heatmaps.HEATMAP_DATA: heatmaps.heatmap_rows(df, H)}, png=df.height <= heatmaps.PNG_MAX_CELLS)
+        if big:  # aggregated in DuckDB: the page gets layers^2 cells per comp, whatever the heads
+            page.add(note(f"This model has {L * H:,} heads, {blocks.causal_pairs(L, H):,} causal head pairs per comp: "
+                          f"too many to draw a cell each. The map has a cell per writer layer x reader layer, the strongest "
+                          f"of its {H} x {H} head pairs (smallest p, then largest score); the circuit above and the "
+                          "findings tables give the discoveries and the strongest pairs themselves."))
+            bl = q.heatmap_blocks(con, d.model, d.latest, metric, space, q_cut)
+            page.figure(blocks.block_chart(bl, d.model, d.latest, metric, space, L, H, q_cut), f"{s}__heatmap",
+                        datasets={blocks.BLOCK_DATA: blocks.block_rows(bl)})
+        else:
+            df = q.pairs(con, d.model, d.latest, metric, space)
+            H = int(max(H, df["writer_head"].max() + 1, df["reader_head"].max() + 1))
+            page.figure(heatmaps.heatmap_chart(df, d.model, d.latest, metric, space, H, q_cut), f"{s}__heatmap",
+                        datasets={heatmaps.HEATMAP_DATA: heatmaps.heatmap_rows(df, H)}, png=df.height <= heatmaps.PNG_MAX_CELLS)
         page.add(heatmaps.calibration_table(d.summary))
     if d.outcome is not None:
         page.add("<h2 id='training'>Over training</h2>")

@@ -79,6 +79,40 @@ def pairs(con: Con, model: str, checkpoint: str, metric: str, space: str) -> pl.
                [model, checkpoint, metric, space])
 
 
+def heatmap_blocks(con: Con, model: str, checkpoint: str, metric: str, space: str, q_cut: float | None) -> pl.DataFrame:
+    """The heatmap of a model too large for a cell per head pair, aggregated in DuckDB: one row
+    per comp x writer layer x reader layer with the block's strongest pair (smallest p, then
+    largest score; largest score where the atlas has no calibration), its score, nulls, p and q,
+    and the block's pairs and discoveries. Two scans (the p-values, then the scores of each
+    block's smallest-p pairs only), never a join of the pairs with their p-values."""
+    where = "model = ? AND checkpoint = ? AND metric = ? AND space = ?"
+    args = [model, checkpoint, metric, space]
+    keys = "comp, writer_layer, writer_head, reader_layer, reader_head"
+    cols = "score, baseline_spectrum_mean, baseline_spectrum_std, baseline_gaussian_mean"
+    if not has(con, "calibration", "p_value", "q_value"):
+        return _pl(con, f"""SELECT comp, writer_layer, reader_layer, count(*) AS pairs, NULL::BIGINT AS discoveries,
+                                   arg_max(writer_head, score) AS writer_head, arg_max(reader_head, score) AS reader_head,
+                                   max(score) AS score, arg_max(baseline_spectrum_mean, score) AS baseline_spectrum_mean,
+                                   arg_max(baseline_spectrum_std, score) AS baseline_spectrum_std,
+                                   arg_max(baseline_gaussian_mean, score) AS baseline_gaussian_mean,
+                                   NULL::BIGINT AS n_null, NULL::DOUBLE AS p_value, NULL::DOUBLE AS q_value
+                            FROM composition WHERE {where} GROUP BY ALL""", args)
+    cut = float(q_cut) if q_cut is not None else -1.0
+    return _pl(con, f"""
+        WITH blocks AS (SELECT comp, writer_layer, reader_layer, count(*) AS pairs, min(p_value) AS block_p,
+                          count(DISTINCT {test_key(con)}) FILTER (WHERE q_value <= {cut})::BIGINT AS discoveries
+                   FROM calibration WHERE {where} GROUP BY ALL),
+        best AS (SELECT {', '.join('c.' + k.strip() for k in keys.split(','))}, c.n_null, c.p_value, c.q_value
+                 FROM (SELECT * FROM calibration WHERE {where}) c
+                 JOIN blocks b ON c.comp = b.comp AND c.writer_layer = b.writer_layer
+                      AND c.reader_layer = b.reader_layer AND c.p_value = b.block_p),
+        scored AS (SELECT b.*, {', '.join('c.' + x.strip() for x in cols.split(','))}
+                   FROM best b JOIN (SELECT {keys}, {cols} FROM composition WHERE {where}) c USING ({keys})
+                   QUALIFY row_number() OVER (PARTITION BY comp, writer_layer, reader_layer ORDER BY c.score DESC) = 1)
+        SELECT * EXCLUDE (block_p) FROM blocks JOIN scored USING (comp, writer_layer, reader_layer)
+        ORDER BY comp, writer_layer, reader_layer""", args * 3)
+
+
 def test_key(con: Con) -> str:
     """SQL naming a calibration row's test: in a grouped-query model a KV head's test
     (``test_unit = 'kv_head'``) is one test whatever the query head, so counts count it once."""
@@ -205,3 +239,4 @@ def pair_curves(con: Con, model: str, pair: tuple[tuple[int, int], tuple[int, in
 
 def metric_audit(con: Con) -> pl.DataFrame:
     return _pl(con, "SELECT * FROM metric_audit") if has(con, "metric_audit", "axiom") else pl.DataFrame()
+

@@ -212,3 +212,24 @@ def test_exact_patching_from_the_reader_layer_equals_the_whole_model(gqa):
     whole = exact_scores(gqa, task, edges, batch_size=12, skip=False)
     assert fast.abs().max() > 1e-4
     assert torch.allclose(fast, whole, rtol=1e-6, atol=1e-9)
+
+
+def test_first_order_on_gemma_with_one_kv_head(tmp_path):
+    """Gemma-style attention (one KV head for 4 query heads, GemmaRMSNorm's 1 + w gain) through
+    the bridge's split-QKV hooks: EAP is the derivative of edge patching there too."""
+    torch.manual_seed(1)
+    tiny_hf_model("gemma", V, num_hidden_layers=2).save_pretrained(tmp_path)
+    word_tokenizer(V, tmp_path)
+    model, _ = boot({"source": {"kind": "local", "path": str(tmp_path)}}, None, tmp_path, dtype=torch.float64)
+    model.eval()
+    task = induction_task(POOL, 3, 5, seed=5)
+    edges = causal_edges(model)
+    assert {e.reader_index for e in edges if e.comp != "Q"} == {0} and len(edges) == 4 * 4 + 2 * 4
+    eap = attribution_scores(model, task, "eap", batch_size=3)
+    eps = 1e-2
+    fd = (exact_scores(model, task, edges, batch_size=96, scale=eps)
+          - exact_scores(model, task, edges, batch_size=96, scale=-eps)).mean(1) / (2 * eps)
+    est = torch.tensor([eap[e.comp].mean(0)[e.writer_layer, e.writer_head, e.reader_layer, e.reader_index].item()
+                        for e in edges], dtype=torch.float64)
+    assert est.abs().max() > 1e-4
+    assert ((est - fd).abs() <= 1e-3 * est.abs() + 1e-3 * est.abs().max()).all()

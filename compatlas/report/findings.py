@@ -100,17 +100,18 @@ def top_discoveries(edges: pl.DataFrame, info: dict, model: str, lead: tuple[str
         return ""
     group = kv_group(info)
     e = findings(edges.filter((pl.col("metric") == lead[0]) & (pl.col("space") == lead[1])), group)
-    parts, shared = [], False
+    parts, shared = [], None
     for comp in [c for c in COMPS if c in set(e["comp"])]:
         top = e.filter(pl.col("comp") == comp).head(TOP_N)
-        shared |= any(len(r) > 1 for r in top["readers"])
+        shared = shared or next((readers_cell(r["reader_layer"], r["readers"]) for r in top.iter_rows(named=True)
+                                 if len(r["readers"]) > 1), None)
         rows = [[head(r["writer_layer"], r["writer_head"]), readers_cell(r["reader_layer"], r["readers"]), r["score"],
                  r["baseline_spectrum_mean"], r["z_spectrum"], r["p_value"], r["q_value"]] for r in top.iter_rows(named=True)]
         parts.append(f"<div><b>{comp}-composition</b>"
                      + table(["writer", "reader", "score", "spectrum null", "z", "p", "q"], rows) + "</div>")
     what = "Pairs with the smallest p (no discoveries)" if candidates else "Top discoveries"
-    gqa = (f" Readers listed together (<code>L17.H3, H4, H5</code>) are the {group} query heads of one key/value head: "
-           "one finding, the same score, p and q." if shared else "")
+    gqa = (f" Readers listed together (<code>{html.escape(shared)}</code>) are query heads of one key/value head "
+           f"({group} query heads each): one finding, the same score, p and q." if shared else "")
     return (f"<h3>{what}: {html.escape(lead[0])}, {html.escape(lead[1])} space</h3>"
             + note(f"One row per finding, smallest q first (ties: smaller p, then larger z).{gqa} All discoveries: "
                    f"<code>SELECT * FROM discoveries WHERE model = '{html.escape(model)}' AND latest</code>.")

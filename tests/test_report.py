@@ -284,6 +284,8 @@ def test_pages_mark_discoveries_list_every_combo_and_explain_small_models(tmp_pa
     tiny_row = index.split("<h2 id='finds'>")[1].split("<a href='model-tiny.html#behaviour'>tiny</a>")[1].split("</tr>")[0]
     assert "smallest p is 1/5 = 0.200" in tiny_row and "recall 0" not in tiny_row and "#training" in tiny_row
     assert '"model":"tiny"' not in index  # nor a row of zeros in the figures across models
+    tiny = (tmp_path / "report" / "model-tiny.html").read_text(encoding="utf-8")
+    assert "Its recall of 0 is not the method missing the circuit" in tiny
     deep = (tmp_path / "report" / "model-deep.html").read_text(encoding="utf-8")
     def js(s: str) -> str:  # as the page's spec JSON spells a string (page.spec_json)
         return json.dumps(s)[1:-1].replace("<", "\\u003c")

@@ -161,7 +161,7 @@ def build_page(con: duckdb.DuckDBPyConnection, d: ModelData, out_dir: Path, q_cu
             page.add(training.describe(d.outcome))
             page.figure(training.trajectory_chart(d.outcome, strength(con, d), d.model), f"{s}__training")
             page.add(training.verdict_table(d.outcome))
-    behaviour_part(page, con, d)
+    behaviour_part(page, con, d, findings.why_none(d.summary, q_cut))
     page.add("<h2 id='audits'>Audits</h2>")
     inv = q.rows(con, "invariance", d.model, d.latest)
     if inv.is_empty():
@@ -184,7 +184,7 @@ def strength(con: duckdb.DuckDBPyConnection, d: ModelData) -> pl.DataFrame:
             .agg(pl.col("mean_strength").mean().alias("strength")).drop_nulls().sort("step"))
 
 
-def behaviour_part(page: Page, con: duckdb.DuckDBPyConnection, d: ModelData) -> None:
+def behaviour_part(page: Page, con: duckdb.DuckDBPyConnection, d: ModelData, why_none: str | None = None) -> None:
     page.add("<h2 id='behaviour'>Induction behaviour (forward passes)</h2>")
     toks = q.rows(con, "induction_tokens", d.model, d.latest)
     s = d.stem
@@ -207,4 +207,7 @@ def behaviour_part(page: Page, con: duckdb.DuckDBPyConnection, d: ModelData) -> 
     if not d.cvb.is_empty():
         page.add("<h3>Does composition find the induction heads?</h3>",
                  note("Per reader head: its strongest composition with an earlier previous-token head, against whether "
-                      "it is an induction head."), behaviour.payoff_table(d.cvb))
+                      "it is an induction head."
+                      + (f" Precision and recall count discoveries; for this model, discoveries: {html.escape(why_none)}. "
+                         "Its recall of 0 is not the method missing the circuit; the head scores above show it."
+                         if why_none else "")), behaviour.payoff_table(d.cvb))

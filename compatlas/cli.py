@@ -32,6 +32,9 @@ TABLES = {
     "head_scores": "previous-token, duplicate and induction attention, and ablation drop per head",
     "reader_best_composition": "each reader head's strongest composition with a previous-token head",
     "composition_vs_behaviour": "how well each metric picks out the induction heads (Spearman, AUROC)",
+    "edge_attribution": "each writer -> reader edge per comp scored by its effect on induction (EAP, EAP-IG, exact)",
+    "eap_vs_exact": "how well the attribution estimates agree with exact edge patching",
+    "composition_vs_function": "which composition score predicts the edges that matter (Spearman, AUROC, precision)",
     "training_loss": "the loss of the pipeline's own training runs, per step",
     "excluded_shards": "result shards left out of the views because they do not open (truncated, corrupt)",
 }

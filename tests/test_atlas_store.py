@@ -118,3 +118,10 @@ def test_duckdb_1x_cli_opens_the_atlas(tmp_path: Path):
                           "SELECT count(*) AS n FROM composition; SELECT count(*) AS n FROM composition_z"],
                          cwd=project, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0 and out.stdout.split() == ["n", "2", "n", "2"], (out.stdout, out.stderr)
+    # every table and view binds in DuckDB 1.x's SQL too (the derived views are SQL written for 2.x)
+    from compatlas.cli import TABLES
+
+    every = "; ".join(f"SELECT '{v}' AS v, count(*) AS n FROM {v}" for v in TABLES)
+    out = subprocess.run([cli, "-readonly", "-csv", "-noheader", "results/atlas.duckdb", "-c", every],
+                         cwd=project, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and [ln.split(",")[0] for ln in out.stdout.split()] == list(TABLES), out.stderr

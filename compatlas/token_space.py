@@ -26,6 +26,7 @@ from compatlas.weights import AttentionWeights
 
 DEFAULT_MAX_CONDITION = 1e6
 GRAM_MAX_CONDITION = 1e5  # above this, the factor comes from Householder QR (float64 accuracy)
+GRAM_ROWS = 2048  # rows of W_E per float64 chunk of its Gram matrix: W_E is never copied whole to float64
 
 
 @dataclass
@@ -36,34 +37,64 @@ class EmbeddingBasis:
     n_dropped: int
 
 
+def _row_normaliser(w: AttentionWeights):
+    """Rows of W_E (a float64 chunk of them) as the first attention norm would see them, its weight folded in."""
+    centre = str(w.meta.get("norm_type", "RMS")).upper().startswith("LN")
+    gain = w.ln1_w[0].double() if w.ln1_w is not None else None
+
+    def rows(E: torch.Tensor) -> torch.Tensor:
+        if centre:
+            E = E - E.mean(-1, keepdim=True)
+        E = E / E.pow(2).mean(-1, keepdim=True).clamp_min(1e-30).sqrt()
+        return E * gain if gain is not None else E
+    return rows
+
+
 def normalised_embedding(w: AttentionWeights) -> torch.Tensor:
     """Rows of W_E as the first attention norm would see them, its weight folded in."""
-    E = w.W_E.double()
-    norm = str(w.meta.get("norm_type", "RMS")).upper()
-    if norm.startswith("LN"):
-        E = E - E.mean(-1, keepdim=True)
-    E = E / E.pow(2).mean(-1, keepdim=True).clamp_min(1e-30).sqrt()
-    if w.ln1_w is not None:
-        E = E * w.ln1_w[0].double()
-    return E
+    return _row_normaliser(w)(w.W_E.double())
+
+
+def embedding_gram(W_E: torch.Tensor, rows=None, chunk: int = GRAM_ROWS) -> torch.Tensor:
+    """``W^T W`` in float64 for ``W = rows(W_E)`` (W_E itself without ``rows``), accumulated over
+    chunks of rows: the float64 copy of a 32k x 8192 W_E alone would be 2.1 GB."""
+    d = W_E.shape[1]
+    G = torch.zeros(d, d, dtype=torch.float64, device=W_E.device)
+    for i in range(0, W_E.shape[0], chunk):
+        X = W_E[i:i + chunk].double()
+        X = rows(X) if rows is not None else X
+        G.addmm_(X.T, X)
+    return G
+
+
+def factor_and_spectrum(W_E: torch.Tensor, rows=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """A d_model x d_model R with ``W = Q R`` (Q orthonormal columns; ``W = rows(W_E)``, or W_E)
+    and R's singular values, descending, in float64.
+
+    Cholesky of the Gram matrix gives the same R (up to row signs) several times faster than
+    Householder QR, but squares the condition number: used only while that is harmless (the
+    Gram's eigenvalues, the squared singular values, say so), else the QR of W."""
+    if W_E.shape[0] < W_E.shape[1]:
+        raise ValueError(f"W_E is {tuple(W_E.shape)}: token space needs d_vocab >= d_model")
+    G = embedding_gram(W_E, rows)
+    s = torch.linalg.eigvalsh(G).clamp_min(0).sqrt().flip(0)
+    if s[-1] > 0 and s[0] / s[-1] < GRAM_MAX_CONDITION:
+        L, info = torch.linalg.cholesky_ex(G)
+        del G
+        if info == 0:
+            return L.T.contiguous(), s
+    del G
+    W = W_E.double() if rows is None else rows(W_E.double())
+    R = torch.linalg.qr(W, mode="r").R
+    return R, torch.linalg.svdvals(R)
 
 
 def embedding_factor(W_E: torch.Tensor) -> torch.Tensor:
-    """A d_model x d_model R with ``W_E = Q R`` (Q orthonormal columns): the thin QR, in float64.
+    """A d_model x d_model R with ``W_E = Q R`` (Q orthonormal columns), in float64.
 
     The one O(d_vocab d_model^2) step of token space, done once per model at extraction.
     Under ``x -> x T``, ``W_E T = Q (R T)``: the factor of a transformed model is ``R T``."""
-    W = W_E.double()
-    if W.shape[0] < W.shape[1]:
-        raise ValueError(f"W_E is {tuple(W.shape)}: token space needs d_vocab >= d_model")
-    # Cholesky of the Gram matrix gives the same R (up to row signs) several times faster than
-    # Householder QR, but squares the condition number: use it only while that is harmless.
-    L, info = torch.linalg.cholesky_ex(W.T @ W)
-    if info == 0:
-        s = torch.linalg.svdvals(L)
-        if s[-1] > 0 and s[0] / s[-1] < GRAM_MAX_CONDITION:
-            return L.T
-    return torch.linalg.qr(W, mode="r").R
+    return factor_and_spectrum(W_E)[0]
 
 
 def embedding_basis(W_E: torch.Tensor | None = None, max_condition: float = DEFAULT_MAX_CONDITION,
@@ -102,9 +133,8 @@ def add_space_factors(w: AttentionWeights) -> None:
             w.meta[f"{space}_condition"] = None
         return
     for space in SPACES[1:]:
-        R = embedding_factor(w.W_E if space == "token" else normalised_embedding(w))
+        R, S = factor_and_spectrum(w.W_E, None if space == "token" else _row_normaliser(w))
         w.extras[f"R_{space}"] = R  # kept in float64: the basis change is sensitive to conditioning
-        S = torch.linalg.svdvals(R)
         w.meta[f"{space}_condition"] = float(S[0] / S[-1]) if S[-1] > 0 else float("inf")
 
 

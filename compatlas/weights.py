@@ -149,13 +149,11 @@ def save_weights(w: AttentionWeights, tensors_path: str | os.PathLike, meta_path
 
     The metadata is written last, so a shard without metadata is an unfinished one.
     """
-    from safetensors.torch import save_file
-
     w.validate()
     tensors = {k: getattr(w, k).detach().contiguous().cpu() for k in WEIGHT_KEYS if getattr(w, k) is not None}
     tensors.update({f"extra.{k}": v.detach().contiguous().cpu() for k, v in w.extras.items()})
     with atomic_path(tensors_path) as tmp:
-        save_file(tensors, str(tmp))
+        write_safetensors(tensors, tmp)
     meta = dict(w.meta)
     meta["weights_sha256"] = file_sha256(tensors_path)
     meta["weights_file"] = Path(tensors_path).name
@@ -168,6 +166,35 @@ def load_meta(meta_path: str | os.PathLike) -> dict[str, Any]:
         return json.loads(Path(meta_path).read_text())
     except (OSError, json.JSONDecodeError) as e:
         raise CorruptShardError(f"cannot read weight metadata {meta_path}: {e}") from e
+
+
+_ST_DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
+              torch.int64: "I64", torch.int32: "I32", torch.uint8: "U8", torch.bool: "BOOL"}
+
+
+def write_safetensors(tensors: dict[str, torch.Tensor], path: str | os.PathLike) -> None:
+    """A safetensors file written tensor by tensor from the tensors' own memory.
+
+    ``safetensors.torch.save_file`` first copies every tensor into bytes, a second copy of the
+    whole shard in memory (at Llama-2-70B shapes: 4.4 GB more at the extract rule's peak). The
+    format is simple: 8 bytes of little-endian header length, the JSON header (tensors in order,
+    ``data_offsets`` relative to the data), padded with spaces to 8 bytes, then the bytes."""
+    header: dict[str, Any] = {}
+    offset = 0
+    for k, t in tensors.items():
+        if t.dtype not in _ST_DTYPES or not t.is_contiguous():
+            raise ValueError(f"cannot write tensor {k!r} ({t.dtype}, contiguous={t.is_contiguous()})")
+        n = t.numel() * t.element_size()
+        header[k] = {"dtype": _ST_DTYPES[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + n]}
+        offset += n
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)
+    with open(path, "wb") as f:
+        f.write(len(raw).to_bytes(8, "little"))
+        f.write(raw)
+        for t in tensors.values():
+            if t.numel():
+                f.write(memoryview(t.reshape(-1).view(torch.uint8).numpy()))  # the tensor's bytes, no copy
 
 
 PER_LAYER_KEYS = ("W_Q", "W_K", "W_V", "W_O", "ln1_w")  # first dimension: layer

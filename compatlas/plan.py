@@ -15,7 +15,7 @@ frozen dataclasses, in the manner of nanoGPT's ``GPTConfig``:
 ``workflow/common.smk`` builds the plan when the workflow is parsed, and the rules hand each job
 what it needs from it as ``params``; nothing else reads the config. What can only be checked
 once the config is resolved (a step the family never published, a layer outside the model, two
-checkpoints with one label) is checked while planning, by ``compatlas.config.check_model``, with
+checkpoints with one label) is checked while planning, by ``compatlas.model_checks.check_model``, with
 the same one-line errors. The config a user wrote is never changed: validation works on a copy
 and the plan keeps read-only views of it (``freeze``; ``thaw`` gives back plain values).
 """
@@ -29,7 +29,8 @@ from types import MappingProxyType
 from typing import Any
 
 from compatlas.checkpoints import checkpoint_label, checkpoint_step, hub_series, schedule, tokens_per_step
-from compatlas.config import ConfigError, check_layers, check_model, validate_config
+from compatlas.config import ConfigError, validate_config
+from compatlas.model_checks import check_layers, check_model
 
 # what a training segment does not depend on: adding checkpoints, or scoring them otherwise,
 # must not change (and rerun) the segments already trained

@@ -57,3 +57,12 @@ def test_no_import_cycle():
         if m not in state:
             visit(m, [m])
     assert not cycles, cycles
+
+
+def test_the_configuration_flows_one_way():
+    """plan resolves a config and calls the checks; config knows only the schema, the checks only
+    what they read (checkpoints, sources): neither reaches back into the plan."""
+    g = graph()
+    assert not {m for m in g["compatlas.config"] if m.startswith("compatlas.")}, g["compatlas.config"]
+    assert "compatlas.plan" not in g["compatlas.model_checks"] | g["compatlas.checkpoints"] | g["compatlas.sources"]
+    assert {"compatlas.config", "compatlas.model_checks", "compatlas.checkpoints"} <= g["compatlas.plan"]

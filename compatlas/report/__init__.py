@@ -29,6 +29,9 @@ from compatlas.report.training import runs_table
 __all__ = ["build_report", "safe_name"]
 
 PNG_WORKERS = max(1, min(2, os.cpu_count() or 1))
+# DuckDB's own default takes 80% of the machine's memory for a scan of a large atlas (a 70B
+# model's 349M rows went past 6 GB); bounded, its aggregations stream and spill instead
+DUCKDB_MEMORY = "2GB"
 
 INTRO = ("How strongly each attention head (the <i>writer</i>) writes into what a head of a later layer (the "
          "<i>reader</i>) reads, through its queries (Q-composition), keys (K) or values (V). The answer leads with "
@@ -45,6 +48,7 @@ def build_report(db_path: str | Path, out_dir: str | Path, config: dict[str, Any
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     con = atlas_connect(db_path)  # resolves the views' shard paths, relative to the atlas's folder
+    con.execute(f"SET memory_limit = '{DUCKDB_MEMORY}'")
     pool = PngPool(PNG_WORKERS) if png else None  # PNGs drawn by worker processes while the pages are built
     try:
         written = _build(con, out_dir, config, png, pool)

@@ -133,10 +133,14 @@ def calibration_summary(con: Con, model: str, checkpoint: str, q_cut: float | No
                          FROM composition WHERE model = ? AND checkpoint = ? GROUP BY ALL""", [model, checkpoint])
     if q_cut is None or not has(con, "calibration", "q_value", "n_null"):
         return scores.with_columns(discoveries=pl.lit(None, pl.Int64), n_null=pl.lit(None, pl.Int64))
-    cal = _pl(con, f"""SELECT metric, space, comp,
-                              count(DISTINCT {test_key(con)}) FILTER (WHERE q_value <= {float(q_cut)})::BIGINT AS discoveries,
-                              max(n_null)::BIGINT AS n_null
-                       FROM calibration WHERE model = ? AND checkpoint = ? GROUP BY ALL""", [model, checkpoint])
+    # the discoveries filtered in WHERE, then counted: a DISTINCT under FILTER hashes every row
+    # (a 70B model's 349M p-values: 210 s against 9 s this way)
+    n_null = _pl(con, """SELECT metric, space, comp, max(n_null)::BIGINT AS n_null FROM calibration
+                         WHERE model = ? AND checkpoint = ? GROUP BY ALL""", [model, checkpoint])
+    found = _pl(con, f"""SELECT metric, space, comp, count(DISTINCT {test_key(con)})::BIGINT AS discoveries
+                         FROM calibration WHERE model = ? AND checkpoint = ? AND q_value <= {float(q_cut)}
+                         GROUP BY ALL""", [model, checkpoint])
+    cal = n_null.join(found, on=keys, how="left").with_columns(pl.col("discoveries").fill_null(0))
     return scores.join(cal, on=keys, how="left")
 
 

@@ -13,9 +13,14 @@ best AS (
            max(c.score) AS best_score,
            max((c.score - c.baseline_spectrum_mean) / NULLIF(c.baseline_spectrum_std, 0)) AS best_z_spectrum,
            arg_max(c.writer_layer || '.' || c.writer_head, c.score) AS best_writer,
-           coalesce(bool_or(c.q_value <= {fdr}), false) AS prev_discovery
-    FROM composition_z c JOIN prev_heads p
-      ON c.model = p.model AND c.checkpoint = p.checkpoint AND c.writer_layer = p.layer AND c.writer_head = p.head
+           coalesce(bool_or(v.q_value <= {fdr}), false) AS prev_discovery
+    -- scores and p-values each cut to the previous-token writers before they are joined (joining
+    -- them first, as composition_z does, hashes every pair: a 70B model's 349M)
+    FROM (SELECT * FROM composition x SEMI JOIN prev_heads p ON x.model = p.model AND x.checkpoint = p.checkpoint
+          AND x.writer_layer = p.layer AND x.writer_head = p.head) c
+    LEFT JOIN (SELECT * FROM calibration x SEMI JOIN prev_heads p ON x.model = p.model AND x.checkpoint = p.checkpoint
+          AND x.writer_layer = p.layer AND x.writer_head = p.head) v
+      USING (model, checkpoint, processing, metric, space, comp, writer_layer, writer_head, reader_layer, reader_head)
     GROUP BY ALL)
 SELECT b.*, h.prev_token_mean, h.induction_mean, h.ablation_drop, h.induction_mean >= {ind} AS is_induction
 FROM best b JOIN head_scores h USING (model, checkpoint, layer, head);

@@ -1,0 +1,128 @@
+"""Edge attribution's cost against the induction job on the same model, in the same run.
+
+Times, on one model of config/config.yaml (SmolLM2 by default) and on the trained 2-layer model
+(trained here, ~15 s): what the induction job computes (``induction.measure_behaviour``: sweep,
+head scores, exact ablation) and what the edge attribution job computes
+(``edge_measure.attribute_edges``: EAP for every edge plus the exact sample; the clean tokens
+timed apart), with the config's settings. Target: edge attribution at most half the induction
+job on SmolLM2. The floor it is measured against: one plain forward pass of the same batch
+(EAP needs two forwards and a backward; exact patching one forward per ``batch_size / sequences``
+edges). Also prints, on the trained model, whether its previous-token head's K edge into an
+induction head is the top K edge by EAP and by exact patching.
+
+    python benchmarks/bench_edge_attribution.py [--model smollm2-135m] [--trained induction-2l] [--device auto]
+
+Prints JSON; wall and CPU seconds (on a shared machine the CPU time is the steadier figure).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import platform
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import polars as pl  # noqa: E402
+import torch  # noqa: E402
+import yaml  # noqa: E402
+from bench_ablation import train_run  # noqa: E402
+
+from compatlas.config import validate_config  # noqa: E402
+from compatlas.plan import build_plan, thaw  # noqa: E402
+from compatlas.edge_attribution import induction_task  # noqa: E402
+from compatlas.edge_measure import attribute_edges  # noqa: E402
+from compatlas.induction import measure_behaviour  # noqa: E402
+from compatlas.loading import boot  # noqa: E402
+from compatlas.runtime import resolve_device  # noqa: E402
+from compatlas.tokens import clean_tokens, sample_tokens, token_directions, token_set  # noqa: E402
+
+REPO = Path(__file__).resolve().parent.parent
+log = logging.getLogger("bench_edge_attribution")
+
+
+def timed(fn, sync):
+    sync()
+    t, c = time.perf_counter(), time.process_time()
+    out = fn()
+    sync()
+    return out, round(time.perf_counter() - t, 2), round(time.process_time() - c, 2)
+
+
+def compare(model, settings: dict, sync) -> dict:
+    """The induction job's measurements and edge attribution, on the same model."""
+    with torch.no_grad():
+        W_E = model.W_E.detach().float().cpu()
+        W_U = model.W_U.detach().float().cpu()
+    out: dict = {"n_layers": model.cfg.n_layers, "n_heads": model.cfg.n_heads}
+    _, out["induction_seconds"], out["induction_cpu_seconds"] = timed(
+        lambda: measure_behaviour(model, model.tokenizer, token_directions(W_E, W_U), settings, W_E), sync)
+    (clean, _), out["clean_tokens_seconds"], _ = timed(
+        lambda: clean_tokens(model.tokenizer, W_E, token_directions(W_E, W_U)), sync)
+    tokens = token_set(model.tokenizer, sample_tokens(clean, settings["pool"], settings["seed"], "pool"),
+                       settings["prepend_bos"])
+    edge = settings["edge_attribution"]
+    (table, facts), out["edges_seconds"], out["edges_cpu_seconds"] = timed(
+        lambda: attribute_edges(model, tokens, edge, settings["seed"]), sync)
+    out |= {k: facts[k] for k in ("edges", "exact_edges", "attribution_seconds", "exact_seconds")}
+    # the edge job also finds the clean tokens (the induction job's measure_behaviour includes them)
+    out["ratio_edges_vs_induction"] = round((out["edges_seconds"] + out["clean_tokens_seconds"])
+                                            / out["induction_seconds"], 3)
+    out["cpu_ratio_edges_vs_induction"] = round(out["edges_cpu_seconds"] / out["induction_cpu_seconds"], 3)
+    task = induction_task(tokens, edge["sequences"], edge["length"], settings["seed"])
+    x = task.clean[:edge["batch_size"]].to(next(model.parameters()).device)
+    with torch.no_grad():
+        model(x)
+        _, out["one_forward_seconds"], _ = timed(lambda: model(x), sync)
+    out["eap_in_forwards"] = round(facts["attribution_seconds"] / max(out["one_forward_seconds"], 1e-9), 1)
+    eap = table.filter(pl.col("method") == edge["methods"][0])
+    sampled = eap.filter(pl.col("exact").is_not_null())
+    out["spearman_eap_vs_exact"] = round(sampled.select(pl.corr("score", "exact", method="spearman")).item(), 3)
+    for c in ("Q", "K", "V"):
+        rows = eap.filter(pl.col("comp") == c)
+        by = {k: rows.sort(pl.col(k).abs(), descending=True, nulls_last=True).row(0, named=True) for k in ("score", "exact")}
+        out[f"top_{c}_edge"] = {k: f"{r['writer_layer']}.{r['writer_head']} -> {r['reader_layer']}.{r['reader_head']}: "
+                                   f"{r[k]:.4f}" for k, r in by.items()}
+    return out
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="smollm2-135m", help="a model of config/config.yaml ('' to skip)")
+    p.add_argument("--trained", default="induction-2l", help="a training run of config/config.yaml ('' to skip)")
+    p.add_argument("--device", default="auto")
+    args = p.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", stream=sys.stderr)
+    raw = yaml.safe_load((REPO / "config" / "config.yaml").read_text())
+    config = validate_config(raw)
+    plan = build_plan(raw, check_sources=False)  # each model's induction settings, its overrides applied
+    dev = resolve_device(args.device)
+    sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
+    out = {"device": str(dev), "host": platform.node(), "cpu_threads": torch.get_num_threads(),
+           "edge_settings": {m: thaw(plan.models[m].induction["edge_attribution"]) for m in (args.trained, args.model) if m}}
+    with tempfile.TemporaryDirectory() as tmp:
+        if args.trained:
+            model, _ = boot(train_run(config, args.trained, Path(tmp) / "trained"), None, Path(tmp), str(dev))
+            out[args.trained] = compare(model.eval(), thaw(plan.models[args.trained].induction), sync)
+            print(json.dumps(out[args.trained]), file=sys.stderr, flush=True)
+            del model
+        if args.model:
+            model, _ = boot(config["models"][args.model], None, Path(tmp), str(dev))
+            out[args.model] = compare(model.eval(), thaw(plan.models[args.model].induction), sync)
+    print(json.dumps(out, indent=2))
+    if args.model:
+        r = out[args.model]["ratio_edges_vs_induction"]
+        print(f"edge attribution (EAP for {out[args.model]['edges']} edges + {out[args.model]['exact_edges']} exact) took "
+              f"{r}x the induction job's time on {args.model} (target <= 0.5: {'met' if r <= 0.5 else 'NOT met'})",
+              file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

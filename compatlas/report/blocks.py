@@ -88,7 +88,7 @@ def block_chart(blocks: pl.DataFrame, model: str, checkpoint: str, metric: str, 
         y=alt.Y("wl:Q", title="writer layer", scale=alt.Scale(domain=[0, n_layers], nice=False, zero=True, reverse=True)),
         y2="wl1:Q", color=colour, tooltip=tooltip)
     layers = [rect]
-    if calibrated and q_cut is not None:
+    if calibrated and q_cut is not None and side / n_layers >= 12:  # smaller cells: the colour alone says it
         layers.append(base.transform_filter("datum.d > 0").transform_calculate(rc="datum.rl + 0.5", wc="datum.wl + 0.5")
                       .mark_point(shape="square", filled=False, color=DISCOVERY_MARK, strokeWidth=1,
                                   size=max(16.0, (side / n_layers) ** 2 * 0.8))

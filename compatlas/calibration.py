@@ -171,7 +171,7 @@ def _one_per_test(df: pl.DataFrame, unit: TestUnit, kv_group: int, cell: tuple) 
 
 
 def calibrate(causal: pl.DataFrame, null: pl.DataFrame, stratify: NullStratify = "none", tail: bool = True,
-              null_pairs: NullPairs = "mirror", *, kv_group: int = 1) -> pl.DataFrame:
+              null_pairs: NullPairs = "mirror", *, kv_group: int) -> pl.DataFrame:
     """p- and q-values of every causal pair (columns ``tables.CALIBRATION_SCHEMA``).
 
     ``causal`` and ``null`` are composition tables (``COMPOSITION_SCHEMA``) of one model x checkpoint,
@@ -220,7 +220,7 @@ def calibrate(causal: pl.DataFrame, null: pl.DataFrame, stratify: NullStratify =
 
 
 def calibrate_shards(causal: Sequence[str], null: Sequence[str], stratify: NullStratify = "none",
-                     tail: bool = True, null_pairs: NullPairs = "mirror", *, kv_group: int = 1) -> Iterator[pl.DataFrame]:
+                     tail: bool = True, null_pairs: NullPairs = "mirror", *, kv_group: int) -> Iterator[pl.DataFrame]:
     """``calibrate`` over composition shards, one metric x space at a time (the blocks of one
     metric x space share a folder), so memory holds one metric x space, never a whole model."""
     by_folder: dict[str, tuple[list[str], list[str]]] = defaultdict(lambda: ([], []))

@@ -85,14 +85,16 @@ def test_calibration_views(pipeline_run: Path):
     assert con.execute("SELECT count(*) FROM composition_null WHERE writer_layer < reader_layer "
                        "OR (writer_layer = reader_layer AND writer_head = reader_head)").fetchone()[0] == 0
     # per model x metric x space x comp: null = anti-causal mirror (as many as causal) + same-layer pairs of distinct heads
-    for model, n_layers, n_heads in con.execute("SELECT model, n_layers, n_heads FROM models").fetchall():
+    for model, n_layers, n_heads, n_kv in con.execute("SELECT model, n_layers, n_heads, n_kv_heads FROM models").fetchall():
         per_cell = con.execute("SELECT count(*) FROM composition_null WHERE model = ? GROUP BY checkpoint, metric, space, comp",
                                [model]).fetchall()
         causal = expected_rows(n_layers, n_heads)
         assert {c for (c,) in per_cell} == {causal + n_layers * n_heads * (n_heads - 1)}, model
-        # the default null (composition.null_pairs: mirror) is the anti-causal mirror alone
-        n_null = con.execute("SELECT DISTINCT n_null FROM calibration WHERE model = ?", [model]).fetchall()
-        assert n_null == [(causal,)], model
+        # the default null (composition.null_pairs: mirror) is the anti-causal mirror alone, each
+        # test once: a KV head's test (grouped-query subspace K and V) once per KV head
+        n_null = con.execute("SELECT DISTINCT test_unit, n_null FROM calibration WHERE model = ?", [model]).fetchall()
+        kv = [("kv_head", causal * n_kv // n_heads)] if n_kv < n_heads else []
+        assert sorted(n_null) == sorted([("query_head", causal)] + kv), model
     # discoveries are exactly the calibration shards' rows with q <= 0.05, with their shards' scores
     keys = ["model", "checkpoint", "metric", "space", "comp", "writer_layer", "writer_head", "reader_layer", "reader_head"]
     cal = shard_frame(pipeline_run / "results" / "calibration").filter(pl.col("q_value") <= 0.05)

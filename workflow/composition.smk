@@ -28,11 +28,13 @@ rule composition:
 
 
 # p- and q-values of every causal pair of a model x checkpoint against its null pairs
-# (compatlas/calibration.py): all metrics, spaces and blocks at once, one small job.
+# (compatlas/calibration.py): all metrics, spaces and blocks at once, one small job. The weights'
+# metadata says how many query heads share a KV head (one test where their scores cannot differ).
 rule calibrate:
     input:
         causal=model_composition_shards(SHARD),
         null=model_composition_shards(NULL_SHARD),
+        meta=WEIGHTS_META,
     output:
         CALIBRATION,
     params:

@@ -64,7 +64,8 @@ def test_profiles_name_real_rules():
 
 def test_gpu_profile_is_the_slurm_profile_plus_gpus():
     cpu, gpu = profile("slurm"), profile("slurm-gpu")
-    assert {r for r, res in gpu["set-resources"].items() if res.get("gpu")} == {"composition", "induction", "invariance"}
+    assert {r for r, res in gpu["set-resources"].items() if res.get("gpu")} == {"composition", "induction", "edge_attribution",
+                                                                                "invariance"}
     assert not any(res.get("gpu") for res in cpu["set-resources"].values())
     # one GPU per Slurm job, composition bundles included (a local resource caps each job only)
     assert gpu["resources"]["gpu"] == 1 and gpu["resource-scopes"] == {"gpu": "local"}

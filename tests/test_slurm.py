@@ -60,12 +60,12 @@ SLURM_ARGS = [
     "--jobs", "8", "--latency-wait", "5",
     "--default-resources", "slurm_partition=debug", "mem_mb=1000", "runtime=10",
     "--set-resources", "extract:mem_mb=3000", "composition:mem_mb=1500", "invariance:mem_mb=2000",
-    "induction:mem_mb=3000", "metric_audit:mem_mb=1500",
-    "--set-threads", "extract=1", "composition=1", "invariance=1", "induction=1",
+    "induction:mem_mb=3000", "edge_attribution:mem_mb=3000", "metric_audit:mem_mb=1500",
+    "--set-threads", "extract=1", "composition=1", "invariance=1", "induction=1", "edge_attribution=1",
     "--cores", "2", "--resources", "mem_mb=4000",
 ]
 LOCAL_ARGS = ["--profile", str(REPO / "profiles" / "local"), "--cores", "2"]
-REMOTE_RULES = {"extract", "composition", "calibrate", "invariance", "induction", "metric_audit"}
+REMOTE_RULES = {"extract", "composition", "calibrate", "invariance", "induction", "edge_attribution", "metric_audit"}
 GROUPED_RULES = ("composition", "calibrate")  # one Slurm job per model x checkpoint (profiles/slurm)
 LOCAL_RULES = {"atlas", "report", "all"}
 ATLAS = ("results/atlas.duckdb",)
@@ -415,16 +415,16 @@ def incremental(cluster: Cluster, work: Path, first_run) -> tuple[Run, dict[Path
 
 def test_incremental_rerun_submits_only_new_jobs(cluster: Cluster, work: Path, incremental):
     run, before = incremental
-    # new model: extract, 3 metrics x 2 spaces, invariance, induction; old model: the new metric
+    # new model: extract, 3 metrics x 2 spaces, invariance, induction, edge attribution; old model: the new metric
     # in 2 spaces; invariance and the metric audit cover every metric, so they rerun too
     # (calibrate: one per model x checkpoint whose composition shards changed, in its group)
     assert run.remote == Counter(extract=1, composition=6 + 2, calibrate=2, invariance=2, induction=1,
-                                 metric_audit=1), run.remote
+                                 edge_attribution=1, metric_audit=1), run.remote
     assert sorted(run.groups) == ["composition_tiny-gpt2_final", "composition_tiny-llama_final"]
     old_model_jobs = re.findall(r"wildcards: model=tiny-gpt2, checkpoint=final, metric=(\w+)", run.out)
     assert old_model_jobs and set(old_model_jobs) == {"svd_bound"}, old_model_jobs
     assert_all_through_slurm(run, cluster)
-    assert len(run.submitted) == 7  # extract, induction, 2 x invariance, metric audit, 2 composition groups
+    assert len(run.submitted) == 8  # extract, induction, edge attribution, 2 x invariance, metric audit, 2 groups
     changed = [p for p, h in before.items() if sha(p) != h]
     assert not changed, f"old shards were rewritten: {changed}"
     counts = composition_counts(work)

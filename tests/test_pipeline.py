@@ -273,9 +273,10 @@ def test_adding_a_checkpoint_runs_only_its_jobs(pipeline_run: Path, tmp_path: Pa
     ran = [line.split("rule ")[1].rstrip(":") for line in proc.stderr.splitlines() if line.strip().startswith(("rule ", "localrule "))]
     jobs = [line for line in proc.stderr.splitlines() if line.strip().startswith("wildcards:")]
     assert jobs and all("step30" in j for j in jobs), jobs
-    # one segment (20 -> 30), its extraction, 3 metrics x 1 space, induction, and the audit of the new last checkpoint
+    # one segment (20 -> 30), its extraction, 3 metrics x 1 space, induction, edge attribution, and the audit of the
+    # new last checkpoint
     assert sorted(ran) == sorted(["train", "extract", "composition", "composition", "composition", "calibrate",
-                                  "induction", "invariance", "atlas", "report", "all"]), ran
+                                  "induction", "edge_attribution", "invariance", "atlas", "report", "all"]), ran
     assert all(sha(p) == h for p, h in before.items()), "old shards were rewritten"
     con = connect(work / "results" / "atlas.duckdb")
     assert con.execute("SELECT max(step) FROM training_loss").fetchone()[0] == 30

@@ -86,9 +86,12 @@ def floor_note(floor: pl.DataFrame, q_cut: float | None) -> str:
                      f"of these {k:,}, about {fmt(chance)} {'is' if round(chance) == 1 else 'are'} expected by chance.")
     if not parts:
         return ""
-    n = int(floor["n_null"].max())
-    return note(f"<b>Why so many p sit at {fmt(1 / (n + 1))}:</b> with N null pairs the counting p-value cannot go below "
-                f"1/(N+1) = 1/{n + 1:,}: a pair beyond every null pair gets that p whatever its score, and its z "
+    ns = sorted({int(n) for n in floor["n_null"].drop_nulls()})
+    # a KV head's tests have a smaller null (one test per writer x KV head) than a query head's
+    at = fmt(1 / (ns[0] + 1)) if len(ns) == 1 else "the floor"
+    bound = f"1/(N+1) = 1/{ns[0] + 1:,}" if len(ns) == 1 else "1/(N+1), N per comp below"
+    return note(f"<b>Why so many p sit at {at}:</b> with N null pairs the counting p-value cannot go below "
+                f"{bound}: a pair beyond every null pair gets that p whatever its score, and its z "
                 "against the spectrum-kept null says how far beyond. What such pairs show is their number against "
                 "chance. " + " ".join(parts))
 

@@ -17,7 +17,7 @@ import polars as pl
 
 from compatlas.atlas import build_atlas
 from compatlas.tables import (
-    CALIBRATION_SCHEMA, COMPOSITION_SCHEMA, HEAD_SCORES_SCHEMA, INDUCTION_TOKENS_SCHEMA, INVARIANCE_SCHEMA,
+    CALIBRATION_SCHEMA, COMPOSITION_SCHEMA, EDGE_ATTRIBUTION_SCHEMA, HEAD_SCORES_SCHEMA, INDUCTION_TOKENS_SCHEMA, INVARIANCE_SCHEMA,
     METRIC_AUDIT_SCHEMA, TRAINING_LOSS_SCHEMA,
 )
 from compatlas.vocab import COMPS, METRICS
@@ -31,6 +31,7 @@ class Spec:
     n_heads: int
     steps: list[int] | None = None  # checkpoint steps; None: one checkpoint "final"
     quantized: bool = False
+    edges: bool = False  # edge attribution shards (eap, eap_ig) with the planted K edges carrying the task
 
 
 def _checkpoints(s: Spec) -> list[tuple[str, int | None]]:
@@ -104,6 +105,26 @@ def _heads(s: Spec, ck: str, step: int | None, rng) -> pl.DataFrame:
                          "ablation_drop_stderr": 0.02, "clean_strength": 2.0}, schema=HEAD_SCORES_SCHEMA)
 
 
+def _edges(s: Spec, ck: str, step: int | None, rng) -> pl.DataFrame:
+    """Every causal edge per comp and method: small random attribution, the planted K edges (previous-token
+    head into the induction heads) -(0.05 + 2 f), f the formation; exact patching on every edge."""
+    wl, wh, rl, rh = _pairs(s.n_layers, s.n_heads)
+    ind_layers = list(range(max(1, (2 * s.n_layers) // 3), s.n_layers))
+    planted = (wl == 0) & (wh == 1) & np.isin(rl, ind_layers) & (rh == 0)
+    f = _formed(step, s)
+    out = []
+    for method in ("eap", "eap_ig"):
+        for c in COMPS:
+            score = rng.normal(0, 0.02, len(wl))
+            if c == "K":
+                score = np.where(planted, -(0.05 + 2 * f), score)
+            out.append(pl.DataFrame({"model": s.name, "checkpoint": ck, "comp": c, "writer_layer": wl, "writer_head": wh,
+                                     "reader_layer": rl, "reader_head": rh, "reader_kv_head": rh, "method": method,
+                                     "score": score, "score_stderr": 0.01, "exact": score * 1.1 + rng.normal(0, 0.002, len(wl)),
+                                     "exact_stderr": 0.01, "n_sequences": 16}))
+    return pl.concat(out).cast(EDGE_ATTRIBUTION_SCHEMA)  # type: ignore[arg-type]
+
+
 def _tokens(s: Spec, ck: str, rng, n_tokens: int = 16) -> pl.DataFrame:
     rows = []
     for role, mu in (("A", 3.0), ("B", 2.0)):
@@ -120,7 +141,7 @@ def write_suite(root: Path, specs: list[Spec], metrics=METRICS,
     """Shards, meta.json files and ``root/atlas.duckdb`` for ``specs``; returns the database path."""
     rng = np.random.default_rng(seed)
     shards: dict[str, list[Path]] = {k: [] for k in ("composition", "calibration", "head_scores", "induction_tokens",
-                                                      "invariance", "metric_audit", "training_loss")}
+                                                      "invariance", "metric_audit", "training_loss", "edge_attribution")}
     metas = []
 
     def put(view: str, df: pl.DataFrame, name: str) -> None:
@@ -137,6 +158,8 @@ def write_suite(root: Path, specs: list[Spec], metrics=METRICS,
                 comp, cal = _composition(s, ck, step, metrics, spaces, rng)
                 put("composition", comp, key)
                 put("calibration", cal, key)
+                if s.edges:
+                    put("edge_attribution", _edges(s, ck, step, rng), key)
             put("head_scores", _heads(s, ck, step, rng), key)
             put("induction_tokens", _tokens(s, ck, rng), key)
             meta = {"model": s.name, "checkpoint": ck, "checkpoint_step": step, "checkpoint_tokens": None if step is None else step * 512,

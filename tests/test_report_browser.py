@@ -27,9 +27,10 @@ def test_pages_in_chromium(tmp_path):
     if chromium() is None:
         pytest.fail("Chromium is not installed: `apt-get install -y chromium` (Debian's package; envs/setup.sh "
                     "installs it where apt-get is available)")
-    # a planted circuit in a 12 x 8 model (the widest heatmap here), a checkpoint series, a one-layer model
-    db = write_suite(tmp_path, [Spec("wide", 12, 8, quantized=True), Spec("run", 2, 2, steps=[0, 4, 64, 200, 400]),
-                                Spec("solo", 1, 2)])
+    # a planted circuit in a 12 x 8 model (the widest heatmap here), a checkpoint series (both with edge
+    # attribution), a one-layer model
+    db = write_suite(tmp_path, [Spec("wide", 12, 8, quantized=True, edges=True),
+                                Spec("run", 2, 2, steps=[0, 4, 64, 200, 400], edges=True), Spec("solo", 1, 2)])
     build_report(db, tmp_path / "report", png=False)
     shots = screenshots(tmp_path, "synthetic")
     problems = check_report(tmp_path / "report", shots)

@@ -13,7 +13,7 @@ import duckdb
 import polars as pl
 
 from compatlas import formation as fm
-from compatlas.report import behaviour, blocks, circuit, findings, heatmaps, queries as q, training
+from compatlas.report import behaviour, blocks, circuit, findings, function, heatmaps, queries as q, training
 from compatlas.report.audits import invariance_chart
 from compatlas.report.page import Page, esc, fmt, note, safe_name, step
 
@@ -161,6 +161,7 @@ def build_page(con: duckdb.DuckDBPyConnection, d: ModelData, out_dir: Path, q_cu
             page.add(training.describe(d.outcome))
             page.figure(training.trajectory_chart(d.outcome, strength(con, d), d.model), f"{s}__training")
             page.add(training.verdict_table(d.outcome))
+    function.section(page, con, d, cuts)
     behaviour_part(page, con, d, findings.why_none(d.summary, q_cut))
     page.add("<h2 id='audits'>Audits</h2>")
     inv = q.rows(con, "invariance", d.model, d.latest)

@@ -244,3 +244,66 @@ def pair_curves(con: Con, model: str, pair: tuple[tuple[int, int], tuple[int, in
 def metric_audit(con: Con) -> pl.DataFrame:
     return _pl(con, "SELECT * FROM metric_audit") if has(con, "metric_audit", "axiom") else pl.DataFrame()
 
+
+
+# -- composition against function (edge attribution; docs/edge_attribution.md) --------------------
+
+def edge_method(con: Con, model: str, checkpoint: str) -> str | None:
+    """The attribution method the report shows for a model x checkpoint: ``eap`` unless exact
+    patching contradicts it on the K edges (its top K edge not the exact one) and another method's
+    agrees; None where the atlas has no composition_vs_function rows for it."""
+    if not has(con, "composition_vs_function", "method", "auroc"):
+        return None
+    methods = [r[0] for r in con.execute("""SELECT DISTINCT method FROM composition_vs_function
+                                             WHERE model = ? AND checkpoint = ? ORDER BY 1""", [model, checkpoint]).fetchall()]
+    if not methods:
+        return None
+    first = "eap" if "eap" in methods else methods[0]
+    if not has(con, "eap_vs_exact", "method", "comp", "top_edge_agrees"):
+        return first
+    agrees = dict(con.execute("""SELECT method, bool_and(top_edge_agrees) FROM eap_vs_exact
+                                 WHERE model = ? AND checkpoint = ? AND comp = 'K' GROUP BY ALL""",
+                              [model, checkpoint]).fetchall())
+    if agrees.get(first) is False:
+        return next((m for m in methods if agrees.get(m)), first)
+    return first
+
+
+def function_agreement(con: Con, model: str, checkpoint: str, method: str) -> pl.DataFrame:
+    """composition_vs_function of one model x checkpoint x method (a row per metric x space x comp)."""
+    return _pl(con, "SELECT * FROM composition_vs_function WHERE model = ? AND checkpoint = ? AND method = ?",
+               [model, checkpoint, method])
+
+
+def eap_vs_exact(con: Con, model: str, checkpoint: str) -> pl.DataFrame:
+    if not has(con, "eap_vs_exact", "method", "spearman"):
+        return pl.DataFrame()
+    return _pl(con, "SELECT * FROM eap_vs_exact WHERE model = ? AND checkpoint = ? ORDER BY method, comp",
+               [model, checkpoint])
+
+
+def edge_scatter(con: Con, model: str, checkpoint: str, method: str, metric: str, space: str,
+                 comp: str = "K") -> pl.DataFrame:
+    """Every causal edge of one comp: its attribution and composition score, one row per query
+    head (a K/V edge's attribution repeats on its KV group's query heads; ``function.edge_points``
+    folds them as composition_vs_function does)."""
+    if not has(con, "edge_attribution", "reader_kv_head", "score") or not has(con, "composition", "score"):
+        return pl.DataFrame()
+    k = "comp, writer_layer, writer_head, reader_layer, reader_head"
+    return _pl(con, f"""SELECT e.writer_layer, e.writer_head, e.reader_layer, e.reader_head, e.reader_kv_head,
+                               e.score AS attribution, e.score_stderr AS attribution_stderr, c.score
+                        FROM (SELECT * FROM edge_attribution WHERE model = ? AND checkpoint = ? AND method = ?
+                              AND comp = ?) e
+                        JOIN (SELECT {k}, score FROM composition WHERE model = ? AND checkpoint = ? AND metric = ?
+                              AND space = ? AND comp = ?) c USING ({k})""",
+               [model, checkpoint, method, comp, model, checkpoint, metric, space, comp])
+
+
+def edge_over_training(con: Con, model: str, writer: tuple[int, int], reader: tuple[int, int], method: str,
+                       comp: str = "K") -> pl.DataFrame:
+    """One edge's attribution (and its standard error) at every checkpoint that has one."""
+    if not has(con, "edge_attribution", "score", "score_stderr"):
+        return pl.DataFrame()
+    return _pl(con, """SELECT checkpoint, score AS attribution, score_stderr AS attribution_stderr FROM edge_attribution
+                       WHERE model = ? AND method = ? AND comp = ? AND writer_layer = ? AND writer_head = ?
+                       AND reader_layer = ? AND reader_head = ?""", [model, method, comp, *writer, *reader])

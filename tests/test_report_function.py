@@ -1,0 +1,142 @@
+"""The report's composition-against-function parts (compatlas/report/function.py) on a synthetic
+atlas with edge attribution (tests/synthetic_atlas.py: the planted K edges carry the task), and
+an older atlas without edge attribution, whose pages are drawn as before."""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+from pathlib import Path
+
+import duckdb
+import numpy as np
+import pytest
+
+from compatlas.atlas import connect as atlas_connect
+from compatlas.report import build_report
+from compatlas.report.function import CIRCUIT
+from synthetic_atlas import Spec, write_suite
+
+STEPS = [0, 4, 64, 200, 400]
+SUITE = [Spec("wide", 6, 4, edges=True), Spec("run", 3, 3, steps=STEPS, edges=True), Spec("plain", 4, 4)]
+
+
+@pytest.fixture(scope="module")
+def report(tmp_path_factory) -> tuple[Path, Path]:
+    root = tmp_path_factory.mktemp("function")
+    db = write_suite(root, SUITE)
+    build_report(db, root / "report", png=False)
+    return db, root / "report"
+
+
+def specs(page: str) -> list[dict]:
+    return [json.loads(s.replace("\\u003c", "<"))
+            for s in re.findall(r'<script type="application/json" id="spec\d+">(.*?)</script>', page)]
+
+
+def title(spec: dict) -> str:
+    t = spec.get("title", {})
+    return t.get("text", "") if isinstance(t, dict) else str(t)
+
+
+def section(page: str) -> str:
+    return page.split("<h2 id='function'>")[1].split("<h2 ")[0]
+
+
+def test_model_page_has_the_agreement_table_and_names_the_best_cell(report):
+    db, out = report
+    part = section((out / "model-run.html").read_text(encoding="utf-8"))
+    body = part.split("<tbody>")[1].split("</tbody>")[0]
+    assert body.count("<tr>") == 3 * 2 * 3  # metric x space x comp
+    # the planted K edge alone holds the top of the function and has the highest K score: AUROC 1 in every K cell
+    con = atlas_connect(db)
+    k = con.execute("""SELECT auroc, n_top FROM composition_vs_function
+                       WHERE model = 'run' AND checkpoint = 'step400' AND method = 'eap' AND comp = 'K'""").fetchall()
+    assert k and all(a == 1.0 and n == 1 for a, n in k)
+    best = re.search(r"Best agreement with function: <b>(\w+) in (\w+) space, (\w)</b> \(AUROC ([0-9.]+)", part)
+    assert best and best.group(3) == "K" and best.group(4) == "1.00", part[:600]
+    # EAP against exact patching, one line per method with every comp
+    line = re.search(r"<b>eap</b> against exact patching.*?\.</p>", part, flags=re.S).group(0)
+    assert all(f"{c} Spearman" in line for c in "QKV")
+
+
+def test_scatter_marks_the_circuit_edge(report):
+    _, out = report
+    page = (out / "model-run.html").read_text(encoding="utf-8")
+    scatter = next(s for s in specs(page) if "K-composition against function" in title(s))
+    rows = [r for d in scatter["datasets"].values() for r in d]
+    circ = [r for r in rows if r["kind"] == CIRCUIT]
+    # previous-token head L0.H1 into the induction head L2.H0 (head scores), attribution -(0.05 + 2 f) at the last step
+    assert [r["edge"] for r in circ] == ["L0.H1 → L2.H0"]
+    assert circ[0]["fn"] == pytest.approx(max(r["fn"] for r in rows))
+    assert len(rows) == 3 * 3 * 3  # every causal K edge of 3 layers x 3 heads, once
+
+
+def test_function_and_composition_over_training(report):
+    db, out = report
+    page = (out / "model-run.html").read_text(encoding="utf-8")
+    fig = next(s for s in specs(page) if "over training: function and composition" in title(s))
+    rows = [r for d in fig["datasets"].values() for r in d]
+    fn = sorted((r["step"], r["attribution"]) for r in rows if "attribution" in r)
+    con = atlas_connect(db)
+    want = con.execute("""SELECT c.checkpoint_step, e.score FROM edge_attribution e JOIN checkpoints c USING (model, checkpoint)
+                          WHERE model = 'run' AND method = 'eap' AND comp = 'K' AND writer_layer = 0 AND writer_head = 1
+                          AND reader_layer = 2 AND reader_head = 0 ORDER BY 1""").fetchall()
+    assert [s for s, _ in fn] == STEPS and np.allclose([a for _, a in fn], [a for _, a in want])
+    assert fn[-1][1] < fn[0][1] - 1  # the function forms: the edge's attribution falls by about 2
+    comp = sorted((r["step"], r["score"]) for r in rows if "score" in r and "attribution" not in r)
+    assert [s for s, _ in comp] == STEPS and comp[-1][1] > comp[0][1]
+
+
+def test_overview_names_the_metric_space_that_agrees_best(report):
+    db, out = report
+    index = (out / "index.html").read_text(encoding="utf-8")
+    part = section(index)
+    con = atlas_connect(db)
+    rows = con.execute("""SELECT metric, space, model, auroc FROM composition_vs_function JOIN checkpoints USING (model, checkpoint)
+                          WHERE latest AND method = 'eap' AND comp = 'K'""").fetchall()
+    assert {r[2] for r in rows} == {"wide", "run"}  # "plain" has no edge attribution
+    means: dict[tuple[str, str], list[float]] = {}
+    for m, s, _, a in rows:
+        means.setdefault((m, s), []).append(a)
+    (bm, bs), best = max(((k, float(np.mean(v))) for k, v in means.items()), key=lambda kv: kv[1])
+    got = re.search(r"Agrees best across models: <b>(\w+) in (\w+) space</b> \(mean AUROC ([0-9.]+) over 2 models", part)
+    assert got and float(got.group(3)) == pytest.approx(best, abs=5e-3)
+    assert means[(got.group(1), got.group(2))] and np.mean(means[(got.group(1), got.group(2))]) == pytest.approx(best)
+    assert part.split("<tbody>")[1].count("<tr>") == len(means)
+    plain = (out / "model-plain.html").read_text(encoding="utf-8")
+    assert "No edge attribution for this model" in section(plain)
+
+
+def test_an_atlas_without_edge_attribution_draws_its_pages_as_before(report, tmp_path):
+    """An older atlas (no edge_attribution, composition_vs_function, eap_vs_exact views): no
+    function section, and every other part of each page the same."""
+    db, out = report
+    old = tmp_path / db.name
+    shutil.copytree(db.parent, tmp_path, dirs_exist_ok=True)
+    con = duckdb.connect(str(old))
+    for v in ("eap_vs_exact", "composition_vs_function", "edge_attribution"):
+        con.execute(f"DROP VIEW {v}")
+    con.close()
+    build_report(old, tmp_path / "old", png=False)
+
+    def strip(text: str) -> str:  # the footer's time and the specs' generated names differ between builds
+        text = re.sub(r"<h2 id='function'>.*?(?=<h2 |<footer>)", "", text, flags=re.S)
+        text = re.sub(r"<script type=\"application/json\".*?</script>", "", text, flags=re.S)
+        text = re.sub(r'data-spec="spec\d+"', "", text)
+        return text.split("<footer>")[0]
+
+    for name in ("index.html", "model-run.html", "model-wide.html", "model-plain.html"):
+        page = (tmp_path / "old" / name).read_text(encoding="utf-8")
+        assert "id='function'" not in page and "against function" not in page
+        new = (out / name).read_text(encoding="utf-8")
+        assert strip(page) == strip(new), name
+        assert [norm(s) for s in specs(page)] == [norm(s) for s in specs(new) if "function" not in title(s)], name
+
+
+def norm(spec: dict) -> tuple[str, list[str]]:
+    """A spec's title and its data rows, in no order (DuckDB returns some rows in any order, and the
+    circuit view numbers its edges in that order)."""
+    return title(spec), sorted(json.dumps({k: v for k, v in r.items() if k != "eid"}, sort_keys=True)
+                        for d in spec.get("datasets", {}).values() for r in d)

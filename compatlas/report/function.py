@@ -105,7 +105,9 @@ def scatter_chart(pts: pl.DataFrame, model: str, checkpoint: str, method: str, m
     x = alt.X("score:Q", title=f"K-composition score ({metric}, {space} space)", scale=alt.Scale(zero=False))
     tip = ["edge:N", alt.Tooltip("score:Q", format=".4f"), alt.Tooltip("attribution:Q", format=".4f"),
            alt.Tooltip("stderr:Q", title="standard error", format=".4f")]
-    colour = alt.Color("kind:N", title=None, scale=alt.Scale(domain=[CIRCUIT, OTHER], range=["#e45756", "#9a9a9a"]),
+    n_circ = int((pts["kind"] == CIRCUIT).sum())
+    kinds = [(k, c) for k, c, n in ((CIRCUIT, "#e45756", n_circ), (OTHER, "#9a9a9a", pts.height - n_circ)) if n]
+    colour = alt.Color("kind:N", title=None, scale=alt.Scale(domain=[k for k, _ in kinds], range=[c for _, c in kinds]),
                        legend=alt.Legend(orient="top", labelLimit=320))
     n_circ = int((pts["kind"] == CIRCUIT).sum())
     others = alt.Chart(pts.filter(pl.col("kind") == OTHER)).mark_circle(size=14, opacity=0.35).encode(
@@ -205,14 +207,15 @@ def overview_table(con: duckdb.DuckDBPyConnection, data: list[Any]) -> str:
         return head_ + note("No model has a K AUROC against edge attribution.")
     models = k["model"].unique(maintain_order=True).to_list()
     agg = k.group_by("metric", "space").agg(pl.col("auroc").mean().alias("mean"), pl.col("spearman").mean().alias("rho"),
-                                            pl.len().alias("n")).sort("mean", descending=True)
+                                            pl.len().alias("n")).sort(["n", "mean"], descending=True)
     per = {(r["metric"], r["space"], r["model"]): r["auroc"] for r in k.iter_rows(named=True)}
     rows = [[r["metric"], r["space"], r["mean"], r["rho"], r["n"], *[per.get((r["metric"], r["space"], m)) for m in models]]
             for r in agg.iter_rows(named=True)]
     best = agg.row(0, named=True)
     return (head_ + note("K-composition against edge attribution (the model page's method, last checkpoint): AUROC of the "
-                         "composition score for the fewest edges holding half the |attribution|, averaged over models, "
-                         "best first; details on each model's page.")
+                         "composition score for the fewest edges holding half the |attribution|, averaged over models; "
+                         "the metric x space scored on the most models first, then by mean AUROC; details on each "
+                         "model's page.")
             + f"<p>Agrees best across models: <b>{html.escape(best['metric'])} in {html.escape(best['space'])} space</b> "
               f"(mean AUROC {fmt(best['mean'])} over {best['n']} model{'s' if best['n'] != 1 else ''}).</p>"
             + table(["metric", "space", "mean AUROC", "mean Spearman", "models", *[f"AUROC {m}" for m in models]], rows))

@@ -111,6 +111,7 @@ def build_page(con: duckdb.DuckDBPyConnection, d: ModelData, out_dir: Path, q_cu
     s = d.stem
     page.add(f"<nav><a href='index.html'>← all models</a> <a href='#circuit'>circuit</a> <a href='#heatmap'>heatmap</a>"
              + (" <a href='#training'>training</a>" if d.outcome else "")
+             + (" <a href='#function'>function</a>" if q.has(con, "composition_vs_function", "method") else "")
              + " <a href='#behaviour'>induction behaviour</a> <a href='#audits'>audits</a></nav>",
              f"<h1>{html.escape(d.model)}</h1>", describe(d))
     page.add("<h2 id='circuit'>The circuit</h2>")

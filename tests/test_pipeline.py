@@ -105,7 +105,6 @@ def test_calibration_views(pipeline_run: Path):
     assert joined.height == got.height and (joined["score"] == joined["s"]).all() and (joined["q_value"] == joined["q"]).all()
 
 
-
 def test_audit_views(pipeline_run: Path):
     con = connect(pipeline_run / "results" / "atlas.duckdb")
     inv = con.execute("""SELECT space, transform, min(spearman), max(max_abs_change) FROM invariance

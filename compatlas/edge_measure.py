@@ -93,33 +93,18 @@ def boot_and_attribute_edges(model_id: str, entry: dict, checkpoint: dict | None
     """Boot one model (x checkpoint) as the induction job does (same devices, dtypes and token
     pool) and attribute its edges: the ``edge_attribution`` table and its shard's provenance.
     ``settings``: the model's ``induction`` section (``edge_attribution`` in it)."""
-    from compatlas.induction import forward_dtype
-    from compatlas.loading import boot
-    from compatlas.runtime import resolve_device
+    from compatlas.induction import boot_for_forward
     from compatlas.tables import provenance
     from compatlas.tokens import clean_tokens, sample_tokens, token_directions, token_set
-    from compatlas.weights import load_meta
 
     t0 = time.perf_counter()
-    meta = load_meta(meta_path)
-    if not meta.get("has_unembed", True):
-        raise ValueError(f"model {model_id!r} has no unembedding (an encoder): edge attribution needs next-token "
-                         f"logits; set models.{model_id}.induction.enabled: false")
     edge = settings["edge_attribution"]
-    dev = resolve_device(device)
-    dtype = forward_dtype(settings.get("dtype", "auto"), dev)
-    device_map = settings.get("device_map", "none")
-    device_map = None if device_map in (None, "none") else device_map
-    bridge, _ = boot(entry, checkpoint, workdir, str(dev), dtype=dtype, device_map=device_map)
-    bridge.eval()
-    n_ctx = getattr(bridge.cfg, "n_ctx", None)
-    if n_ctx and 2 * edge["length"] + 1 > n_ctx:
-        raise ValueError(f"model {model_id!r} has a context of {n_ctx} tokens; induction.edge_attribution.length "
-                         f"{edge['length']} needs {2 * edge['length'] + 1}")
-    with torch.no_grad():
-        W_E = bridge.W_E.detach().float().cpu()
-        W_U = bridge.W_U.detach().float().cpu()
-    clean, _ = clean_tokens(bridge.tokenizer, W_E, token_directions(W_E, W_U))
+    need = 2 * edge["length"] + 1
+    m = boot_for_forward(model_id, entry, checkpoint, settings, meta_path, workdir, device, "edge attribution",
+                         lambda n_ctx: f"induction.edge_attribution.length {edge['length']} needs {need}"
+                         if need > n_ctx else None)
+    meta, bridge, dtype, device_map, dev = m.meta, m.bridge, m.dtype, m.device_map, m.device
+    clean, _ = clean_tokens(bridge.tokenizer, m.W_E, token_directions(m.W_E, m.W_U))
     tokens = token_set(bridge.tokenizer, sample_tokens(clean, settings["pool"], settings["seed"], "pool"),
                        settings["prepend_bos"])
     table, facts = attribute_edges(bridge, tokens, edge, settings["seed"])

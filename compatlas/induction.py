@@ -26,6 +26,8 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
 
 import polars as pl
 import torch
@@ -137,20 +139,32 @@ def forward_dtype(name: str, device: torch.device) -> torch.dtype:
     return DTYPES[name]
 
 
-def boot_and_measure_behaviour(model_id: str, entry: dict, checkpoint: dict | None, settings: dict, meta_path: str,
-                               workdir, device: str = "auto") -> tuple[pl.DataFrame, pl.DataFrame, dict]:
-    """Boot one model (x checkpoint) and measure it: the tables of the ``induction_tokens`` and
-    ``head_scores`` views, and the provenance for their shards. Only the extraction's metadata
-    is read (the forward passes need the model, not the weight shard)."""
+@dataclass(frozen=True)
+class BootedModel:
+    """A model booted for forward passes (``boot_for_forward``) and what its provenance records."""
+
+    meta: dict
+    bridge: Any
+    device: torch.device
+    dtype: torch.dtype
+    device_map: str | None
+    W_E: torch.Tensor  # the raw embeddings, float32 on the CPU (the shard's may be centred by processing)
+    W_U: torch.Tensor
+
+
+def boot_for_forward(model_id: str, entry: dict, checkpoint: dict | None, settings: dict, meta_path: str, workdir,
+                     device: str, task: str, context: Callable[[int], str | None]) -> BootedModel:
+    """Boot one model (x checkpoint) on the job's device, dtype and device map, as the induction
+    and edge-attribution jobs both do. Only the extraction's metadata is read. ``task`` names
+    the job in the error for a model without an unembedding; ``context(n_ctx)`` says what the
+    settings need of a context of ``n_ctx`` tokens, or None when it is enough."""
     from compatlas.loading import boot
     from compatlas.runtime import resolve_device
-    from compatlas.tables import provenance
     from compatlas.weights import load_meta
 
-    t0 = time.perf_counter()
     meta = load_meta(meta_path)
     if not meta.get("has_unembed", True):
-        raise ValueError(f"model {model_id!r} has no unembedding (an encoder): induction needs next-token "
+        raise ValueError(f"model {model_id!r} has no unembedding (an encoder): {task} needs next-token "
                          f"logits; set models.{model_id}.induction.enabled: false")
     dev = resolve_device(device)
     dtype = forward_dtype(settings.get("dtype", "auto"), dev)
@@ -159,14 +173,29 @@ def boot_and_measure_behaviour(model_id: str, entry: dict, checkpoint: dict | No
     bridge, _ = boot(entry, checkpoint, workdir, str(dev), dtype=dtype, device_map=device_map)
     bridge.eval()
     n_ctx = getattr(bridge.cfg, "n_ctx", None)
-    longest = max([sum(f) + 3 for f in settings["fillers"]] + [2 * settings["head_scores"]["length"]]) + 1
-    if n_ctx and longest > n_ctx:
-        raise ValueError(f"model {model_id!r} has a context of {n_ctx} tokens; induction.fillers / head_scores.length "
-                         f"need {longest}")
-    with torch.no_grad():  # the raw embeddings (the shard's may be centred by processing)
+    if n_ctx and (needs := context(n_ctx)):
+        raise ValueError(f"model {model_id!r} has a context of {n_ctx} tokens; {needs}")
+    with torch.no_grad():
         W_E = bridge.W_E.detach().float().cpu()
         W_U = bridge.W_U.detach().float().cpu()
-    tokens, heads, chosen = measure_behaviour(bridge, bridge.tokenizer, token_directions(W_E, W_U), settings, W_E)
+    return BootedModel(meta, bridge, dev, dtype, device_map, W_E, W_U)
+
+
+def boot_and_measure_behaviour(model_id: str, entry: dict, checkpoint: dict | None, settings: dict, meta_path: str,
+                               workdir, device: str = "auto") -> tuple[pl.DataFrame, pl.DataFrame, dict]:
+    """Boot one model (x checkpoint) and measure it: the tables of the ``induction_tokens`` and
+    ``head_scores`` views, and the provenance for their shards. Only the extraction's metadata
+    is read (the forward passes need the model, not the weight shard)."""
+    from compatlas.tables import provenance
+
+    t0 = time.perf_counter()
+    longest = max([sum(f) + 3 for f in settings["fillers"]] + [2 * settings["head_scores"]["length"]]) + 1
+    m = boot_for_forward(model_id, entry, checkpoint, settings, meta_path, workdir, device, "induction",
+                         lambda n_ctx: f"induction.fillers / head_scores.length need {longest}"
+                         if longest > n_ctx else None)
+    meta, dtype, device_map, dev = m.meta, m.dtype, m.device_map, m.device
+    directions = token_directions(m.W_E, m.W_U)
+    tokens, heads, chosen = measure_behaviour(m.bridge, m.bridge.tokenizer, directions, settings, m.W_E)
     label = meta.get("checkpoint", "final")
     tokens = tokens.with_columns(model=pl.lit(model_id), checkpoint=pl.lit(label)).select(list(INDUCTION_TOKENS_SCHEMA))
     heads = heads.with_columns(model=pl.lit(model_id), checkpoint=pl.lit(label)).select(list(HEAD_SCORES_SCHEMA))

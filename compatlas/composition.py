@@ -33,12 +33,12 @@ Metrics (each in [0, 1]):
 
 from __future__ import annotations
 
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
+from compatlas.runtime import one_thread
 from compatlas.vocab import COMPS, METRICS, Comp, Metric
 from compatlas.weights import AttentionWeights
 
@@ -68,19 +68,6 @@ class HeadFactors:
     absorb_cols: dict[str, torch.Tensor] = field(default_factory=dict)
 
 
-@contextmanager
-def _one_thread():
-    """One intra-op thread for batched small factorisations (QR, Cholesky, SVD of d_head-sized
-    matrices): with two, every small call pays a thread hand-off, and on a busy machine the
-    spin-waits made head_factors 20x slower (GPT-2-small: 15 s against 0.8 s)."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(n)
-
-
 def _r_factor(A: torch.Tensor) -> torch.Tensor:
     """An upper-triangular R [..., k, k] with ``R^T R = A^T A`` for A [..., n, k] (n >= k), so
     ``||A X||_F = ||R X||_F`` for every X.
@@ -90,7 +77,7 @@ def _r_factor(A: torch.Tensor) -> torch.Tensor:
     is all a norm needs; heads whose Gram matrix is not numerically positive definite (rank
     deficient) fall back to the QR's R."""
     G = A.transpose(-2, -1) @ A  # the d_model-long product: all threads
-    with _one_thread():
+    with one_thread():
         R, info = torch.linalg.cholesky_ex(G, upper=True)
         bad = info != 0
         if bool(bad.any()):
@@ -139,7 +126,7 @@ def head_factors(w: AttentionWeights, metric: Metric, comps: tuple[Comp, ...] = 
     W_Ot = w.W_O.transpose(-2, -1)  # [L, H, d_model, d_head]
     absorb, r_norm, r_sv, post = {}, {}, {}, {}
     if metric == "subspace":
-        with _one_thread():
+        with one_thread():
             U_O, keep_O = _orthonormal_basis(W_Ot)
             emit = U_O.transpose(-2, -1)
             w_norm, w_sv = keep_O.sum(-1).sqrt(), keep_O
@@ -165,7 +152,7 @@ def head_factors(w: AttentionWeights, metric: Metric, comps: tuple[Comp, ...] = 
         def spectrum(a: str, b: str) -> tuple[torch.Tensor, torch.Tensor]:
             key = frozenset((a, b))
             if key not in spectra:
-                with _one_thread():
+                with one_thread():
                     spectra[key] = _core_spectrum(full(a), full(b))
             return spectra[key]
 

@@ -20,8 +20,6 @@ from __future__ import annotations
 import logging
 import math
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -29,7 +27,7 @@ import polars as pl
 import torch
 
 from compatlas.progress import Progress
-from compatlas.runtime import stable_seed
+from compatlas.runtime import one_thread, stable_seed
 from compatlas.tables import TRAINING_LOSS_SCHEMA
 
 log = logging.getLogger(__name__)
@@ -107,21 +105,6 @@ def copy_batch(spec: dict[str, Any], g: torch.Generator) -> torch.Tensor:
             dst = int(torch.randint(src + k, N - k + 1, (1,), generator=g))
             x[i, dst:dst + k] = x[i, src:src + k]
     return x
-
-
-@contextmanager
-def one_thread() -> Iterator[None]:
-    """Run torch on one CPU thread, then restore the count. With more threads a reduction's
-    order depends on the cores a job gets, and near the phase change a last-bit difference
-    grows into a different run: seed 1 of the default recipe formed its induction heads near
-    step 700 on 2 threads and a shifted circuit on 1. One thread makes a run the same on a
-    laptop and on a 64-core node (same CPU type)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(threads)
 
 
 def train_segment(spec: dict[str, Any], target_step: int, previous: Path | None, out_dir: Path,

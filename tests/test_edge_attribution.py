@@ -9,13 +9,12 @@ the task by construction: it must come first by EAP and by exact patching."""
 
 from __future__ import annotations
 
-import math
 
 import polars as pl
 import pytest
 import torch
 from conftest import tiny_hf_model
-from test_induction import D_HEAD, D_MODEL, OUT, POS, PREV, TOK, P, V, _boot, _hf_gpt2, _one_hot
+from test_induction import V, induction_model
 
 from compatlas.edge_attribution import (
     InductionTask, attribution_scores, causal_edges, exact_sample, exact_scores, induction_task,
@@ -35,35 +34,7 @@ SETTINGS = {"sequences": 12, "length": 10, "batch_size": 48, "methods": ["eap", 
 
 def planted_model(folder, sharp: float = 0.2):
     """test_induction.induction_model's circuit with attention logits scaled by ``sharp``."""
-    hf = _hf_gpt2()
-    g = torch.Generator().manual_seed(0)
-    s = sharp * math.sqrt(D_HEAD)
-    with torch.no_grad():
-        for name, p in hf.named_parameters():
-            p.fill_(1.0) if ".ln_" in name and name.endswith("weight") else p.zero_()
-        hf.transformer.wte.weight.copy_(_one_hot(V, TOK))
-        hf.transformer.wpe.weight.copy_(_one_hot(P, POS))
-        hf.lm_head.weight[:, OUT:OUT + V] = torch.eye(V)
-        W = [[torch.zeros(D_MODEL, D_MODEL) for _ in range(4)] for _ in range(2)]  # Q K V O per layer
-        (Q0, K0, V0, O0), (Q1, K1, V1, O1) = W
-        for i in range(1, P):
-            Q0[POS + i, i - 1] = s
-        K0[POS:POS + P, :P] = torch.eye(P)
-        V0[TOK:TOK + V, :V] = torch.eye(V)
-        O0[:V] = _one_hot(V, PREV)
-        Q1[TOK:TOK + V, :V] = s * torch.eye(V)
-        K1[PREV:PREV + V, :V] = torch.eye(V)
-        V1[TOK:TOK + V, :V] = torch.eye(V)
-        O1[:V] = _one_hot(V, OUT, 4.0)
-        h1 = slice(D_HEAD, 2 * D_HEAD)  # head 1 of each layer: small random weights
-        for block, (Wq, Wk, Wv, Wo) in zip(hf.transformer.h, W):
-            for M in (Wq, Wk, Wv):
-                M[:, h1] = 0.02 * torch.randn(D_MODEL, D_HEAD, generator=g)
-            noise = 0.02 * torch.randn(D_HEAD, D_MODEL, generator=g)
-            Wo[h1] = noise - noise.mean(1, keepdim=True)
-            block.attn.c_attn.weight.copy_(torch.cat([Wq, Wk, Wv], 1))
-            block.attn.c_proj.weight.copy_(Wo)
-    return _boot(hf, folder)
+    return induction_model(folder, sharp=sharp)
 
 
 @pytest.fixture(scope="module")

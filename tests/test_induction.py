@@ -48,16 +48,17 @@ def _one_hot(rows: int, offset: int, scale: float = 1.0) -> torch.Tensor:
     return m
 
 
-def induction_model(folder, dtype=torch.float32):
+def induction_model(folder, dtype=torch.float32, sharp: float = SHARP):
     """GPT-2 (LayerNorm, MLPs zeroed) with a hand-set induction circuit, booted through the bridge.
 
     Subspaces of the residual: TOK (the token), POS (the position), PREV (written by 0.0: the
     previous token), OUT (written by 1.0: read by W_U). 0.0 matches query position i to key
     position i - 1 and copies the key's token into PREV; 1.0 matches query token t to keys
-    whose PREV is t and copies the key's token into OUT."""
+    whose PREV is t and copies the key's token into OUT. ``sharp`` scales the attention logits of
+    a match (soft attention for edge attribution: test_edge_attribution)."""
     hf = _hf_gpt2()
     g = torch.Generator().manual_seed(0)
-    s = SHARP * math.sqrt(D_HEAD)
+    s = sharp * math.sqrt(D_HEAD)
     with torch.no_grad():
         for name, p in hf.named_parameters():
             if ".ln_" in name and name.endswith("weight"):

@@ -22,7 +22,12 @@ COMMIT = re.compile(r"[0-9a-f]{7,40}")
 
 
 class HubCheckError(ValueError):
-    """A hub source that names what the hub does not have (``compatlas.config`` adds the key)."""
+    """A hub source that names what the hub does not have: ``key`` is where in the model's entry
+    (``source.name``, ``checkpoints.1.value``...), the message says what (the plan adds the model)."""
+
+    def __init__(self, key: str, message: str):
+        super().__init__(message)
+        self.key = key
 
 
 @dataclass(frozen=True)
@@ -59,12 +64,13 @@ def fetch_refs(repo: str, timeout: float | None = None) -> HubRefs | str:
     except GatedRepoError:
         return "the repository is gated (log in with `hf auth login` to check it)"
     except RepositoryNotFoundError as e:
-        raise HubCheckError(f"{repo} is not a repository on the hub at {constants.ENDPOINT} (misspelt? a private "
-                            "or gated one needs `hf auth login`)") from e
+        raise HubCheckError("source.name", f"{repo} is not a repository on the hub at {constants.ENDPOINT} "
+                            "(misspelt? a private or gated one needs `hf auth login`)") from e
     except Exception as e:  # the hub is down or out of reach: the jobs will say so, with retries
         text = str(e).strip().splitlines()
         return f"the hub at {constants.ENDPOINT} did not answer ({type(e).__name__}: {text[0] if text else ''})"
-    return HubRefs(repo, tuple(b["name"] for b in data.get("branches", [])), tuple(t["name"] for t in data.get("tags", [])))
+    return HubRefs(repo, tuple(b["name"] for b in data.get("branches", [])),
+                   tuple(t["name"] for t in data.get("tags", [])))
 
 
 def _nearest(steps: Sequence[int], step: int) -> list[int]:
@@ -73,11 +79,11 @@ def _nearest(steps: Sequence[int], step: int) -> list[int]:
 
 def check_checkpoints(src: Mapping[str, Any], checkpoints: Sequence[Mapping[str, Any]], refs: HubRefs) -> None:
     """Every revision the source and its checkpoints ask for is published; raises
-    ``HubCheckError`` naming the first that is not (``checkpoints.<i>.<key>: ...``) with the
+    ``HubCheckError`` naming the first that is not (its key ``checkpoints.<i>.<key>``) with the
     nearest published steps."""
     name = src["name"]
     if src.get("revision") and not refs.has(src["revision"]):
-        raise HubCheckError(f"source.revision: {name} has no revision {src['revision']!r} (branches: "
+        raise HubCheckError("source.revision", f"{name} has no revision {src['revision']!r} (branches: "
                             f"{', '.join(refs.branches[:8])}{' ...' if len(refs.branches) > 8 else ''})")
     steps = refs.steps()
     series = hub_series(name)
@@ -86,7 +92,7 @@ def check_checkpoints(src: Mapping[str, Any], checkpoints: Sequence[Mapping[str,
             if not refs.has(c["revision"]):
                 m = STEP_BRANCH.fullmatch(c["revision"])
                 near = f" (nearest published steps: {_nearest(list(steps), int(m[1]))})" if m and steps else ""
-                raise HubCheckError(f"checkpoints.{i}.revision: {name} has no revision {c['revision']!r}{near}")
+                raise HubCheckError(f"checkpoints.{i}.revision", f"{name} has no revision {c['revision']!r}{near}")
             continue
         key = "value" if "value" in c else "index"
         step = c.get("value")
@@ -94,4 +100,4 @@ def check_checkpoints(src: Mapping[str, Any], checkpoints: Sequence[Mapping[str,
             step = series[0][c["index"]]
         if step is not None and step not in steps:
             near = f"nearest published: {_nearest(list(steps), step)}" if steps else "it publishes no step branches"
-            raise HubCheckError(f"checkpoints.{i}.{key}: {name} does not publish step {step} on the hub ({near})")
+            raise HubCheckError(f"checkpoints.{i}.{key}", f"{name} does not publish step {step} on the hub ({near})")

@@ -223,9 +223,7 @@ def _check_hub_sources(entries: Mapping[str, Mapping[str, Any]]) -> tuple[str, .
                 continue
             check_checkpoints(src, entry.get("checkpoints", []), found)
         except HubCheckError as e:
-            where = "source.name" if " is not a repository" in str(e) else str(e).split(":", 1)[0]
-            text = str(e) if where == "source.name" else str(e).split(": ", 1)[1]
-            raise ConfigError(f"config error at {key}.{where}: {text}") from e
+            raise ConfigError(f"config error at {key}.{e.key}: {e}") from e
     return tuple(f"hub sources not checked against the hub ({why}): {', '.join(ids)}" for why, ids in unchecked.items())
 
 

@@ -13,6 +13,8 @@ import time
 import polars as pl
 import torch
 
+from compatlas.block_skip import Skip as _Skip, arity_probe, skip_below  # noqa: F401 (_Skip: the name tests import)
+from compatlas.block_skip import block_list as _block_list
 from compatlas.progress import Progress
 from compatlas.runtime import stable_seed
 from compatlas.sequences import (
@@ -81,44 +83,12 @@ def _full_drops(model, seq, ctrl, target, clean, means, batch_size, progress) ->
     return drop
 
 
-def _block_list(model) -> torch.nn.ModuleList | None:
-    """The Hugging Face module list that runs the bridge's blocks (``model.layers``, ``transformer.h``, ...)."""
-    hf = getattr(model, "original_model", None)
-    blocks = getattr(model, "blocks", None)
-    if hf is None or blocks is None or not len(blocks):
-        return None
-    for module in hf.modules():
-        if isinstance(module, torch.nn.ModuleList) and len(module) == len(blocks) and module[0] is blocks[0]:
-            return module
-    return None
-
-
-class _Skip(torch.nn.Module):
-    """Stands in for a block below the ablated layer. The block just below returns the clean
-    residual stream cached for the batch (the input the ablated layer saw in the clean pass);
-    lower ones pass their input on. ``arity``: the block returns a tuple of that length (0: a tensor)."""
-
-    def __init__(self, residual: torch.Tensor | None, arity: int):
-        super().__init__()
-        self.residual, self.arity = residual, arity
-
-    def forward(self, hidden_states, *args, **kwargs):
-        h = hidden_states if self.residual is None else self.residual
-        return (h,) + (None,) * (self.arity - 1) if self.arity else h
-
-
 def _upper_logprobs(model, layers: torch.nn.ModuleList, batch: torch.Tensor, target: torch.Tensor, start: int,
                     resid: torch.Tensor | None, arity: int, hooks: list[Hook]) -> torch.Tensor:
     """log p(target) at the last position when only blocks ``start``.. run, the lower ones replaced
     by _Skip (block start - 1 handing on ``resid``, the clean stream entering ``start``)."""
-    saved = [layers[i] for i in range(start)]
-    try:
-        for i in range(start):
-            layers[i] = _Skip(resid if i == start - 1 else None, arity)
+    with skip_below(layers, start, resid, arity):
         logits = model.run_with_hooks(batch, fwd_hooks=hooks + last_position_hooks(model))
-    finally:
-        for i, block in enumerate(saved):
-            layers[i] = block
     return logits[:, -1].double().log_softmax(-1).gather(1, target.to(logits.device)).cpu()[:, 0]
 
 
@@ -143,22 +113,15 @@ def _cached_drops(model, seq, ctrl, target, clean, means, batch_size, progress) 
             rows = slice(c0, min(c0 + chunk, S))
             batch = X[rows].to(device)
             resid: list[torch.Tensor | None] = [None] * L
-            arity = [0]
 
             def keep(layer: int):
                 def hook(x, hook):
                     resid[layer] = x.detach().clone()
                 return hook
 
-            def shape(module, args, output):  # what a block returns: a tensor, or a tuple of some length
-                arity[0] = len(output) if isinstance(output, tuple) else 0
-
-            handle = layers[0].register_forward_hook(shape)
-            try:
+            with arity_probe(layers) as arity:
                 model.run_with_hooks(batch, fwd_hooks=[(f"blocks.{layer}.hook_in", keep(layer)) for layer in range(1, L)]
                                      + last_position_hooks(model))
-            finally:
-                handle.remove()
             n = batch.shape[0]
             for layer in range(L):
                 for g0 in range(0, H, per_pass):

@@ -14,6 +14,8 @@ sequence, averaged over sequences with its standard error.
   corrupted forward and one backward pass per batch,
   ``sum over positions and d_model of (a_u(corrupt) - a_u(clean)) * dM/dx_v^{q|k|v}``
   (gradients on the clean input).
+- ``eap_attn``: EAP exact through the reader head's attention, first order above it
+  (``compatlas.eap_attn``: AtP*'s fix for saturated attention).
 - ``eap_ig`` (Hanna et al. 2024, "EAP-IG-inputs"): the same with the gradient averaged over
   ``steps`` inputs interpolated between the corrupted and the clean residual stream entering
   layer 0 (midpoints (k + 1/2) / steps, k = 0..steps-1).
@@ -35,7 +37,7 @@ composition's ``subspace`` K/V scores are. ``frobenius`` and ``svd_bound`` score
 head; ``composition_vs_function`` compares a KV head's edge with the largest composition score
 of its group's query heads (the edge carries function if any of them uses it).
 
-Limits: EAP is first order (exact patching on a sample says how well it holds); only
+Limits: the three are first order (exact patching on a sample says how well each holds); only
 head -> head edges (not embeddings, MLPs, or the logits); a post-attention ("sandwich") norm
 sits between a_u and the residual, so a_u there is the pre-norm output.
 """
@@ -50,7 +52,8 @@ from dataclasses import dataclass
 
 import torch
 
-from compatlas.ablation import _block_list, _Skip
+from compatlas.block_skip import arity_probe, block_list, skip_below
+from compatlas.eap_attn import exact_attention_scores
 from compatlas.progress import Progress
 from compatlas.runtime import stable_seed
 from compatlas.sequences import TokenSet, _draw
@@ -174,11 +177,25 @@ def _writer_deltas(model, z_corrupt: list[torch.Tensor], z_clean: list[torch.Ten
     return d.flatten(2)
 
 
-def _gradients(model, task: InductionTask, rows: slice, resid_in: torch.Tensor | None
-               ) -> tuple[dict[Comp, list[torch.Tensor]], list[torch.Tensor], torch.Tensor]:
-    """dM/dx_v for every reader input (per comp, per layer from 1: [B, T, heads, d_model]) on the
-    clean tokens, with the residual entering layer 0 replaced by ``resid_in`` if given;
-    the clean hook_z of every layer; M per sequence."""
+@dataclass
+class CleanPass:
+    """One clean forward and backward pass: ``grads`` dM/dx_v for every reader input (per comp,
+    per layer from 1: [B, T, heads, d_model]); ``z`` the clean hook_z of every layer; ``m`` M per
+    sequence. With ``patterns``: the clean attention pattern of every layer, dM/dA there, the clean
+    stream entering every layer (None at 0) and the blocks' arity (what ``eap_attn`` needs)."""
+
+    grads: dict[Comp, list[torch.Tensor]]
+    z: list[torch.Tensor]
+    m: torch.Tensor
+    z_grads: list[torch.Tensor] | None = None
+    resid: list[torch.Tensor | None] | None = None
+    arity: int = 0
+
+
+def _gradients(model, task: InductionTask, rows: slice, resid_in: torch.Tensor | None, patterns: bool = False
+               ) -> CleanPass:
+    """The clean pass (``CleanPass``) on the clean tokens, with the residual entering layer 0
+    replaced by ``resid_in`` if given."""
     L, store = model.cfg.n_layers, {}
 
     def leaf(x, hook):
@@ -186,14 +203,20 @@ def _gradients(model, task: InductionTask, rows: slice, resid_in: torch.Tensor |
 
     hooks = [(RESID_IN, leaf)] + [(f"blocks.{layer}.attn.hook_z", _keep(store, ("z", layer))) for layer in range(L)]
     hooks += [(f"blocks.{layer}.attn.{FORK_HOOK[c]}", _keep(store, (c, layer))) for layer in range(1, L) for c in COMPS]
-    with torch.enable_grad():
+    if patterns:
+        hooks += [(f"blocks.{layer}.hook_in", _keep(store, ("in", layer))) for layer in range(1, L)]
+    keys = [(c, layer) for c in COMPS for layer in range(1, L)] + ([("z", layer) for layer in range(1, L)] if patterns else [])
+    with torch.enable_grad(), arity_probe(block_list(model) if patterns else None) as arity:
         m = _metric(model, task.clean[rows].to(_device(model)), task, rows, hooks)
-        keys = [(c, layer) for c in COMPS for layer in range(1, L)]
         grads = torch.autograd.grad(m.sum(), [store[k] for k in keys], allow_unused=True)
-    out: dict[Comp, list[torch.Tensor]] = {c: [] for c in COMPS}
-    for (c, layer), g in zip(keys, grads):
-        out[c].append(torch.zeros_like(store[(c, layer)], dtype=torch.float32) if g is None else g.float())
-    return out, [store[("z", layer)].detach() for layer in range(L)], m.detach()
+    got = {k: torch.zeros_like(store[k], dtype=torch.float32) if g is None else g.float() for k, g in zip(keys, grads)}
+    out = CleanPass({c: [got[(c, layer)] for layer in range(1, L)] for c in COMPS},
+                    [store[("z", layer)].detach() for layer in range(L)], m.detach())
+    if patterns:
+        out.z_grads = [None] + [got[("z", layer)] for layer in range(1, L)]
+        out.resid = [None] + [store[("in", layer)].detach() for layer in range(1, L)]
+        out.arity = arity[0]
+    return out
 
 
 def attribution_scores(model, task: InductionTask, method: EdgeMethod = "eap", steps: int = 8, batch_size: int = 16,
@@ -210,18 +233,27 @@ def attribution_scores(model, task: InductionTask, method: EdgeMethod = "eap", s
         for s0 in range(0, S, bs):
             rows = slice(s0, min(s0 + bs, S))
             z_corrupt, in_corrupt, _ = _pass(model, task, rows, corrupt=True)
-            if method == "eap":
-                grads, z_clean, _ = _gradients(model, task, rows, None)
+            clean = None
+            if method in ("eap", "eap_attn"):
+                clean = _gradients(model, task, rows, None, patterns=method == "eap_attn")
+                grads, z_clean = clean.grads, clean.z
             else:
                 z_clean, in_clean, _ = _pass(model, task, rows, corrupt=False)
                 grads = None
                 for k in range(steps):
                     alpha = (k + 0.5) / steps
-                    g, _, _ = _gradients(model, task, rows, in_corrupt + alpha * (in_clean - in_corrupt))
+                    g = _gradients(model, task, rows, in_corrupt + alpha * (in_clean - in_corrupt)).grads
                     grads = g if grads is None else {c: [a + b for a, b in zip(grads[c], g[c])] for c in COMPS}
                 grads = {c: [g / steps for g in grads[c]] for c in COMPS}
             delta = _writer_deltas(model, z_corrupt, z_clean)
             n = rows.stop - rows.start
+            if method == "eap_attn":  # exact through the reader's attention, first order above it
+                for c in COMPS:
+                    out[c][rows] = exact_attention_scores(
+                        model, task.clean[rows].to(_device(model)), delta, z_clean, clean.z_grads, clean.resid,
+                        clean.arity, c, width[c], FORK_HOOK[c],
+                        None if progress is None else progress.advance)
+                continue
             for layer in range(1, L):  # Q, K and V readers of the layer in one product: [B, l*H, T*d] @ [B, T*d, readers]
                 g = torch.cat([grads[c][layer - 1] for c in COMPS], 2).to(delta.device)
                 s = torch.bmm(delta[:, :layer * H], g.transpose(1, 2).flatten(2).transpose(1, 2))
@@ -232,6 +264,14 @@ def attribution_scores(model, task: InductionTask, method: EdgeMethod = "eap", s
     return out
 
 
+def attribution_work(model, method: EdgeMethod, sequences: int, steps: int) -> tuple[int, str]:
+    """How much work ``attribution_scores`` reports progress in: its total and unit."""
+    if method == "eap_attn":  # one reader-layer pass per writer head x reader layer x comp
+        L, H = model.cfg.n_layers, model.cfg.n_heads
+        return sequences * len(COMPS) * H * L * (L - 1) // 2, "writer x reader layer x comp x sequence"
+    return sequences * (1 if method == "eap" else steps), "sequences"
+
+
 def causal_edges(model) -> list[Edge]:
     """Every writer -> reader edge with writer layer < reader layer, per comp (K/V into KV heads)."""
     L, H = model.cfg.n_layers, model.cfg.n_heads
@@ -240,35 +280,18 @@ def causal_edges(model) -> list[Edge]:
             for lw in range(lr) for hw in range(H)]
 
 
-@contextmanager
-def _from_layer(layers: torch.nn.ModuleList | None, start: int, resid: torch.Tensor | None, arity: int) -> Iterator[None]:
-    """Blocks below ``start`` skipped (compatlas.ablation._Skip): the one below hands on ``resid``,
-    the clean stream entering ``start``. Nothing is skipped without a block list."""
-    if layers is None or start == 0:
-        yield
-        return
-    saved = [layers[i] for i in range(start)]
-    try:
-        for i in range(start):
-            layers[i] = _Skip(resid if i == start - 1 else None, arity)
-        yield
-    finally:
-        for i, block in enumerate(saved):
-            layers[i] = block
-
-
 @torch.no_grad()
 def exact_scores(model, task: InductionTask, edges: Sequence[Edge], batch_size: int = 16,
                  progress: Progress | None = None, scale: float = 1.0, skip: bool = True) -> torch.Tensor:
     """M(edge patched) - M(clean) per edge and sequence, float64 [E, S] (module docstring):
     edges into one reader layer side by side in a batch, each on its own copy of the sequences,
-    the blocks below that layer replaced by the clean stream cached per batch (``skip``; the
+    the blocks below that layer replaced by the clean stream cached per batch (``skip``, compatlas.block_skip; the
     same values as rerunning the whole model, tested). ``scale`` patches
     ``x_v += scale * (a_u(corrupt) - a_u(clean))`` (a small one: a finite difference of EAP)."""
     S, E, L = len(task.clean), len(edges), model.cfg.n_layers
     out = torch.empty(E, S, dtype=torch.float64)
     W_O = model.W_O.detach().float()
-    layers = _block_list(model) if skip else None
+    layers = block_list(model) if skip else None
     by_layer: dict[int, list[int]] = {}
     for i, e in enumerate(edges):
         by_layer.setdefault(e.reader_layer, []).append(i)
@@ -279,19 +302,10 @@ def exact_scores(model, task: InductionTask, edges: Sequence[Edge], batch_size: 
             n = rows.stop - rows.start
             z_corrupt, _, _ = _pass(model, task, rows, corrupt=True)
             store: dict = {}
-            arity = [0]
-
-            def shape(module, args, output):  # what a block returns: a tensor, or a tuple of some length
-                arity[0] = len(output) if isinstance(output, tuple) else 0
-
-            handle = layers[0].register_forward_hook(shape) if layers is not None else None
-            try:
-                hooks = [(f"blocks.{layer}.attn.hook_z", _keep(store, layer)) for layer in range(L)]
-                hooks += [(f"blocks.{layer}.hook_in", _keep(store, ("in", layer))) for layer in range(1, L)]
+            hooks = [(f"blocks.{layer}.attn.hook_z", _keep(store, layer)) for layer in range(L)]
+            hooks += [(f"blocks.{layer}.hook_in", _keep(store, ("in", layer))) for layer in range(1, L)]
+            with arity_probe(layers) as arity:
                 clean_m = _metric(model, task.clean[rows].to(_device(model)), task, rows, hooks)
-            finally:
-                if handle is not None:
-                    handle.remove()
             per_pass = max(1, bs // n)
             for lr, idx in sorted(by_layer.items()):
                 for e0 in range(0, len(idx), per_pass):
@@ -312,7 +326,7 @@ def exact_scores(model, task: InductionTask, edges: Sequence[Edge], batch_size: 
                     k = len(chunk)
                     hooks = [(f"blocks.{lr}.attn.{FORK_HOOK[c]}", patch(items)) for c, items in patches.items()]
                     resid = store[("in", lr)].detach().repeat(k, 1, 1) if lr > 0 else None
-                    with _from_layer(layers, lr, resid, arity[0]):
+                    with skip_below(layers, lr, resid, arity[0]):
                         m = _metric(model, task.clean[rows].to(_device(model)).repeat(k, 1), task, rows, hooks).view(k, n)
                     out[idx[e0:e0 + k], rows] = (m - clean_m[None]).cpu()
                     if progress is not None:

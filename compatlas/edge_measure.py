@@ -12,7 +12,7 @@ import polars as pl
 import torch
 
 from compatlas.edge_attribution import (
-    Edge, attribution_scores, causal_edges, exact_sample, exact_scores, induction_task, mean_stderr, n_kv_heads,
+    Edge, attribution_scores, attribution_work, causal_edges, exact_sample, exact_scores, induction_task, mean_stderr, n_kv_heads,
 )
 from compatlas.progress import Progress
 from compatlas.tables import EDGE_ATTRIBUTION_SCHEMA
@@ -75,9 +75,9 @@ def attribute_edges(model, tokens, settings: dict, seed: int = 0) -> tuple[pl.Da
     t0 = time.perf_counter()
     scores: dict[str, dict[Comp, torch.Tensor]] = {}
     for method in settings["methods"]:
-        passes = S * (1 if method == "eap" else settings["steps"])
+        work, unit = attribution_work(model, method, S, settings["steps"])
         scores[method] = attribution_scores(model, task, method, settings["steps"], bs,
-                                            Progress(log, f"edge attribution ({method})", passes, "sequences"))
+                                            Progress(log, f"edge attribution ({method})", work, unit))
         log.info("%s: %d edges x %d sequences in %.1fs", method, len(edges), S, time.perf_counter() - t0)
     t1 = time.perf_counter()
     sample = exact_sample(list(scores.values()), edges, settings["exact_top"], settings["exact_random"], seed)

@@ -73,9 +73,10 @@ tests and benchmarks compare ``exact`` with; the config offers ``exact`` and ``a
 ABLATION_METHODS: tuple[AblationMethod, ...] = get_args(AblationMethod)
 CONFIG_ABLATION_METHODS: tuple[AblationMethod, ...] = ("exact", "attribution")
 
-EdgeMethod = Literal["eap", "eap_ig"]
+EdgeMethod = Literal["eap", "eap_attn", "eap_ig"]
 """How every edge's effect is estimated (``compatlas.edge_attribution``): edge attribution
-patching, or the same with integrated gradients; exact patching measures a sample beside them."""
+patching; the same with the attention softmax of Q and K edges computed exactly (AtP*'s QK fix,
+``compatlas.eap_attn``); or with integrated gradients. Exact patching measures a sample beside them."""
 EDGE_METHODS: tuple[EdgeMethod, ...] = get_args(EdgeMethod)
 
 Architecture = Literal["gpt2", "llama"]

@@ -154,7 +154,7 @@ def test_edge_attribution_views(pipeline_run: Path):
     assert con.execute("""SELECT max(n) FROM (SELECT count(DISTINCT score) AS n FROM edge_attribution
                           WHERE model = 'tiny-llama' AND comp <> 'Q' GROUP BY method, comp, writer_layer, writer_head,
                           reader_layer, reader_kv_head)""").fetchone()[0] == 1
-    assert con.execute("SELECT DISTINCT method FROM edge_attribution ORDER BY 1").fetchall() == [("eap",), ("eap_ig",)]
+    assert con.execute("SELECT DISTINCT method FROM edge_attribution ORDER BY 1").fetchall() == [("eap",), ("eap_attn",), ("eap_ig",)]
     assert con.execute("SELECT count(*) FROM eap_vs_exact WHERE method = 'eap'").fetchone()[0] == (2 + 3) * 3
     assert con.execute("SELECT count(*) FROM composition_vs_function WHERE method = 'eap'").fetchone()[0] \
         == 2 * 3 * 2 * 3 + 3 * 3 * 1 * 3

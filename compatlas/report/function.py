@@ -17,7 +17,7 @@ import polars as pl
 from compatlas.report import queries as q
 from compatlas.report.page import Page, by_metric_space, fmt, head, note, order, table
 from compatlas.report.training import log_axis, step_x
-from compatlas.vocab import COMPS
+from compatlas.vocab import COMPS, EDGE_METHODS
 
 CIRCUIT, OTHER = "previous-token head → induction head", "other edge"
 COLUMNS = [("spearman", "auroc", "average_precision"), ("spearman_z", "auroc_z", "average_precision_z"),
@@ -63,7 +63,7 @@ def exact_line(eve: pl.DataFrame) -> str:
     if eve.is_empty():
         return "No exact patching in this atlas for this model: the approximation is not checked here."
     parts = []
-    for method in order(eve["method"].unique(), ("eap", "eap_ig")):
+    for method in order(eve["method"].unique(), EDGE_METHODS):
         g = {r["comp"]: r for r in eve.filter(pl.col("method") == method).iter_rows(named=True)}
         bits = [f"{c} Spearman {fmt(g[c]['spearman'])}, top-{g[c].get('top_k') or 5} overlap {fmt(g[c]['top_k_overlap'])}"
                 + ("" if g[c].get("top_edge_agrees") else " (top edge differs)") for c in COMPS if c in g]
@@ -136,9 +136,10 @@ def training_chart(fn: pl.DataFrame, comp_curve: pl.DataFrame, edge: str, method
     log = log_axis(pl.concat([fn["step"], comp_curve["step"]]) if comp_curve.height else fn["step"])
     f = fn.with_columns(lo=pl.col("attribution") - pl.col("attribution_stderr"),
                         hi=pl.col("attribution") + pl.col("attribution_stderr")).cast({"step": pl.Float64})
-    band = alt.Chart(f).mark_errorbar(color="#e45756").encode(x=step_x(top, log, None), y=alt.Y("lo:Q", title=None), y2="hi:Q")
+    y_title = ["edge attribution", f"({method})"]  # on both layers: a layer without it drops the shared axis title
+    band = alt.Chart(f).mark_errorbar(color="#e45756").encode(x=step_x(top, log, None), y=alt.Y("lo:Q", title=y_title), y2="hi:Q")
     line = alt.Chart(f).mark_line(point=True, color="#e45756").encode(
-        x=step_x(top, log, None), y=alt.Y("attribution:Q", title=["edge attribution", f"({method})"]),
+        x=step_x(top, log, None), y=alt.Y("attribution:Q", title=y_title),
         tooltip=[alt.Tooltip("step:Q", format=","), alt.Tooltip("attribution:Q", format=".4f"),
                  alt.Tooltip("attribution_stderr:Q", title="standard error", format=".4f")])
     panels = [alt.layer(band, line).properties(width=700, height=140)]

@@ -23,13 +23,11 @@ build also leaves a copy of itself (``last_good_path``) that queries fall back o
 
 from __future__ import annotations
 
-import atexit
 import json
 import logging
 import os
 import re
 import shutil
-import tempfile
 from importlib import resources
 from pathlib import Path
 from typing import Any
@@ -113,28 +111,35 @@ def bad_shards(paths: list[str | os.PathLike]) -> dict[str, str]:
     return bad
 
 
-_LINKS: list[str] = []  # folders of links made by connect for renamed atlases, removed at exit
-atexit.register(lambda: [shutil.rmtree(d, ignore_errors=True) for d in _LINKS])
-
-
 def connect(db_path: str | os.PathLike, read_only: bool = True) -> duckdb.DuckDBPyConnection:
-    """Open the atlas from any working directory, with its shards' relative paths
-    (``<folder name>/composition/...``) resolved against the folder that holds the database's
-    folder. A folder renamed since the build (``results`` copied to ``copy``) is reached through a
-    link of its old name in a temporary folder, so the views read the shards beside the database
-    and never those at the old place."""
+    """Open the atlas from any working directory. The views store their shards' paths relative
+    to the folder that holds the database's folder (``results/composition/...``), so that the
+    folder can be moved; DuckDB resolves such a path against the working directory first, and
+    only then against ``file_search_path``. So a read-only connection shadows each shard view
+    with a temporary view of the same name whose paths are absolute, in the database's folder as
+    it is now (renamed since the build, too): the views never read another atlas's shards, e.g.
+    the project's own ``results/`` while the atlas opened is a copy elsewhere (derived views
+    resolve to the temporary ones)."""
     folder = Path(db_path).resolve().parent
     con = duckdb.connect(str(db_path), read_only=read_only,
                          config={} if read_only else {"storage_compatibility_version": STORAGE_VERSION})
-    base = folder.parent
+    con.execute(f"SET file_search_path = '{str(folder.parent).replace(chr(39), chr(39) * 2)}'")
+    if read_only:
+        _pin_shard_paths(con, folder)
+    return con
+
+
+def _pin_shard_paths(con: duckdb.DuckDBPyConnection, folder: Path) -> None:
+    """The temporary views of ``connect``: each shard view's SQL with ``'<folder as built>/``
+    replaced by the folder's absolute path."""
     comment = con.execute("SELECT comment FROM duckdb_views() WHERE view_name = 'composition'").fetchone()
     built_as = m.group(1) if comment and comment[0] and (m := _BASE_COMMENT.search(comment[0])) else folder.name
-    if built_as != folder.name:
-        base = Path(tempfile.mkdtemp(prefix="compatlas-atlas-"))
-        _LINKS.append(str(base))
-        (base / built_as).symlink_to(folder, target_is_directory=True)
-    con.execute(f"SET file_search_path = '{str(base).replace(chr(39), chr(39) * 2)}'")
-    return con
+    relative = "'" + built_as.replace("'", "''") + "/"
+    absolute = "'" + (folder.as_posix() + "/").replace("'", "''")
+    views = con.execute("SELECT view_name, sql FROM duckdb_views() WHERE schema_name = 'main' AND NOT internal").fetchall()
+    for name, sql in views:
+        if name in SHARD_VIEWS and relative in sql:
+            con.execute(sql.replace(relative, absolute).replace(f"CREATE VIEW {name} ", f"CREATE TEMP VIEW {name} ", 1))
 
 
 def build_atlas(db_path: str | os.PathLike, shards: dict[str, list[str | os.PathLike]],

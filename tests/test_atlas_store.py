@@ -46,6 +46,22 @@ def test_moved_atlas_does_not_read_the_old_shards(tmp_path: Path):
     assert got["score"].to_list() == [0.25]
 
 
+def test_atlas_opened_from_a_folder_with_another_atlas_reads_its_own_shards(tmp_path: Path, monkeypatch):
+    """DuckDB looks a relative path up in the working directory first: opened from a project folder
+    whose own results/ holds a shard of the same path, the views (and the derived ones over them)
+    must still read the opened atlas's shards, not the working directory's."""
+    other = tmp_path / "project" / "results"
+    build_atlas(other / "atlas.duckdb", make_results(other), [])
+    shard(other / "composition" / "model=a" / "block=0.parquet", "a", 0.75)  # the working directory's atlas differs
+    mine = tmp_path / "run2" / "results"
+    build_atlas(mine / "atlas.duckdb", make_results(mine), [])
+    monkeypatch.chdir(tmp_path / "project")
+    got = query(mine / "atlas.duckdb", "SELECT model, score FROM composition ORDER BY model")
+    assert got.rows() == [("a", 0.25), ("b", 0.5)]
+    assert query(mine / "atlas.duckdb", "SELECT count(*) AS n FROM composition_z")["n"].item() == 2
+    assert query(other / "atlas.duckdb", "SELECT score FROM composition WHERE model = 'a'")["score"].to_list() == [0.75]
+
+
 def test_truncated_shard_is_left_out_and_named(tmp_path: Path, caplog):
     results = tmp_path / "results"
     shards = make_results(results)

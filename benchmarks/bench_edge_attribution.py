@@ -72,17 +72,23 @@ def compare(model, settings: dict, sync) -> dict:
     edge = settings["edge_attribution"]
     (table, facts), out["edges_seconds"], out["edges_cpu_seconds"] = timed(
         lambda: attribute_edges(model, tokens, edge, settings["seed"]), sync)
-    out |= {k: facts[k] for k in ("edges", "exact_edges", "attribution_seconds", "exact_seconds")}
+    out |= {k: facts[k] for k in ("edges", "exact_edges", "attribution_seconds", "method_seconds", "exact_seconds")}
     # the edge job also finds the clean tokens (the induction job's measure_behaviour includes them)
     out["ratio_edges_vs_induction"] = round((out["edges_seconds"] + out["clean_tokens_seconds"])
                                             / out["induction_seconds"], 3)
     out["cpu_ratio_edges_vs_induction"] = round(out["edges_cpu_seconds"] / out["induction_cpu_seconds"], 3)
+    # each method alone, with the exact sample and the clean tokens, as a job running only it would spend
+    out["ratio_per_method_vs_induction"] = {
+        m: round((t + facts["exact_seconds"] + out["clean_tokens_seconds"]) / out["induction_seconds"], 3)
+        for m, t in facts["method_seconds"].items()}
     task = induction_task(tokens, edge["sequences"], edge["length"], settings["seed"])
     x = task.clean[:edge["batch_size"]].to(next(model.parameters()).device)
     with torch.no_grad():
         model(x)
         _, out["one_forward_seconds"], _ = timed(lambda: model(x), sync)
-    out["eap_in_forwards"] = round(facts["attribution_seconds"] / max(out["one_forward_seconds"], 1e-9), 1)
+    # in plain forwards of the same batch (None where one forward is below the timer's 0.01 s)
+    out["attribution_in_forwards"] = ({m: round(t / out["one_forward_seconds"], 1) for m, t in facts["method_seconds"].items()}
+                                      if out["one_forward_seconds"] >= 0.01 else None)
     for method in edge["methods"]:  # per method: agreement with exact patching, top edge per comp
         eap = table.filter(pl.col("method") == method)
         sampled = eap.filter(pl.col("exact").is_not_null())

@@ -108,7 +108,8 @@ def test_default_run_forms_a_previous_token_and_an_induction_head(tmp_path):
     """The default demo run's recipe, trained here: at step 150 no head does either job; by
     step 500 a layer-0 head attends one token back and both layer-1 heads attend to the
     token after the current token's earlier occurrence (the pipeline's own head scores,
-    read through the bridge), and the loss has fallen with them."""
+    read through the bridge), and the loss has fallen with them. At step 800 the circuit's K edge
+    is the top K edge by exact patching and by eap_attn."""
     from compatlas.induction import TokenSet, head_attention_scores
     from compatlas.loading import boot
 
@@ -127,6 +128,35 @@ def test_default_run_forms_a_previous_token_and_an_induction_head(tmp_path):
     assert l0["prev_token_mean"].max() > 0.4, late
     assert l1["induction_mean"].min() > 0.7, late
     assert losses[500] < losses[150] - 2.0, losses
+
+    # The last checkpoint (800): a K edge from the previous-token head into an induction head
+    # carries the task. Exact patching and eap_attn rank it first on three sequence sets;
+    # plain EAP, whose gradient the saturated attention flattens, does not reliably
+    # (docs/edge_attribution.md).
+    from compatlas.edge_measure import attribute_edges
+
+    train_segment(spec, 800, previous, tmp_path / "s800")
+    bridge, _ = boot({"source": {"kind": "local", "path": str(tmp_path / "s800" / "hf_model")}}, None, tmp_path / "s800")
+    final = head_attention_scores(bridge, TokenSet(pool=torch.arange(1, spec["d_vocab"]), bos=0), sequences=16, length=12)
+    prev_head = final.filter(pl.col("layer") == 0).sort("prev_token_mean").row(-1, named=True)["head"]
+    induction_heads = set(final.filter((pl.col("layer") == 1) & (pl.col("induction_mean") > 0.4))["head"])
+    assert induction_heads, final
+    edge = {**validate_config(yaml.safe_load(open("config/config.yaml")))["induction"]["edge_attribution"],
+            "methods": ["eap", "eap_attn"]}
+    eap_first = 0
+    for seed in range(3):
+        table, _ = attribute_edges(bridge.eval(), TokenSet(pool=torch.arange(1, spec["d_vocab"]), bos=0), edge, seed=seed)
+        k = table.filter(pl.col("comp") == "K")
+
+        def top(method: str, column: str) -> tuple[int, int, int]:
+            r = k.filter(pl.col("method") == method).sort(pl.col(column).abs(), descending=True).row(0, named=True)
+            return r["writer_layer"], r["writer_head"], r["reader_head"]
+
+        circuit = top("eap", "exact")
+        assert circuit[:2] == (0, prev_head) and circuit[2] in induction_heads, (seed, final, k)
+        assert top("eap_attn", "score") == circuit, (seed, k)
+        eap_first += top("eap", "score") == circuit
+    print("plain EAP ranks the circuit edge first on", eap_first, "of 3 sequence sets")
 
 
 def _sigmoid(steps, at, lo=0.0, hi=1.0):

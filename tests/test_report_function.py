@@ -160,3 +160,24 @@ def test_a_kv_group_is_one_edge_with_its_largest_score():
     assert pts["kind"].to_list() == [OTHER, CIRCUIT]
     per_head = edge_points(df, prev, ind, grouped=False)
     assert per_head.height == 4 and per_head.filter(pl.col("kind") == CIRCUIT)["edge"].to_list() == ["L0.H1 → L1.H1"]
+
+
+def test_each_comp_shows_the_method_exact_patching_supports():
+    """Per comp, the method that agrees best with exact patching: its top edge first, then its
+    Spearman; EAP on ties and without exact patching."""
+    from compatlas.report import queries as q
+
+    con = duckdb.connect()
+    con.execute("CREATE TABLE composition_vs_function AS SELECT * FROM (VALUES ('m', 'c', 'eap', 0.5), ('m', 'c', 'eap_attn', 0.5),"
+                " ('m', 'c', 'eap_ig', 0.5)) t(model, checkpoint, method, auroc)")
+    assert q.edge_methods(con, "m", "c") == {"Q": "eap", "K": "eap", "V": "eap"}  # no exact patching: EAP
+    rows = [("eap", "K", False, 0.9), ("eap_attn", "K", True, 0.5), ("eap_ig", "K", True, 0.4),
+            ("eap", "Q", True, -0.8), ("eap_attn", "Q", True, 1.0), ("eap_ig", "Q", False, 1.0),
+            ("eap", "V", False, 0.2), ("eap_attn", "V", False, 0.2), ("eap_ig", "V", False, None)]
+    con.execute("CREATE TABLE eap_vs_exact (model VARCHAR, checkpoint VARCHAR, method VARCHAR, comp VARCHAR, "
+                "top_edge_agrees BOOLEAN, spearman DOUBLE)")
+    con.executemany("INSERT INTO eap_vs_exact VALUES ('m', 'c', ?, ?, ?, ?)", rows)
+    # K: the top edge outranks a higher Spearman; Q: both agree, the higher Spearman; V: a tie, EAP
+    assert q.edge_methods(con, "m", "c") == {"Q": "eap_attn", "K": "eap_attn", "V": "eap"}
+    assert q.edge_method(con, "m", "c") == "eap_attn"
+    assert q.edge_methods(con, "other", "c") is None

@@ -138,9 +138,9 @@ def test_default_run_forms_a_previous_token_and_an_induction_head(tmp_path):
     train_segment(spec, 800, previous, tmp_path / "s800")
     bridge, _ = boot({"source": {"kind": "local", "path": str(tmp_path / "s800" / "hf_model")}}, None, tmp_path / "s800")
     final = head_attention_scores(bridge, TokenSet(pool=torch.arange(1, spec["d_vocab"]), bos=0), sequences=16, length=12)
-    prev_head = final.filter(pl.col("layer") == 0).sort("prev_token_mean").row(-1, named=True)["head"]
+    prev_heads = set(final.filter((pl.col("layer") == 0) & (pl.col("prev_token_mean") > 0.4))["head"])
     induction_heads = set(final.filter((pl.col("layer") == 1) & (pl.col("induction_mean") > 0.4))["head"])
-    assert induction_heads, final
+    assert prev_heads and induction_heads, final
     edge = {**validate_config(yaml.safe_load(open("config/config.yaml")))["induction"]["edge_attribution"],
             "methods": ["eap", "eap_attn"]}
     eap_first = 0
@@ -153,7 +153,7 @@ def test_default_run_forms_a_previous_token_and_an_induction_head(tmp_path):
             return r["writer_layer"], r["writer_head"], r["reader_head"]
 
         circuit = top("eap", "exact")
-        assert circuit[:2] == (0, prev_head) and circuit[2] in induction_heads, (seed, final, k)
+        assert circuit[0] == 0 and circuit[1] in prev_heads and circuit[2] in induction_heads, (seed, final, k)
         assert top("eap_attn", "score") == circuit, (seed, k)
         eap_first += top("eap", "score") == circuit
     print("plain EAP ranks the circuit edge first on", eap_first, "of 3 sequence sets")

@@ -31,6 +31,11 @@ WHAT = ("Each edge (writer head → a later reader's query, or its KV head's key
         "discoveries against the top set.")
 
 
+def _rounded(v: Any) -> Any:
+    """A correlation of exactly 0 computed in floating point (4.4e-17) shown as 0."""
+    return 0.0 if isinstance(v, float) and abs(v) < 1e-12 else v
+
+
 def agreement_table(cvf: pl.DataFrame) -> str:
     rows = []
     for metric, space, _, by in by_metric_space(cvf):
@@ -38,10 +43,17 @@ def agreement_table(cvf: pl.DataFrame) -> str:
             if comp not in by:
                 continue
             r = by[comp]
-            rows.append([metric, space, comp, r["n_edges"], r["n_top"]] + [r.get(c) for cols in COLUMNS for c in cols]
+            rows.append([metric, space, comp, r["n_edges"], r["n_top"]] + [_rounded(r.get(c)) for cols in COLUMNS for c in cols]
                         + [r["n_discoveries"], r["discovery_precision"], r["discovery_recall"]])
     return table(["metric", "space", "comp", "edges", "top", "Spearman", "AUROC", "AP", "Spearman z", "AUROC z", "AP z",
                   "Spearman p", "AUROC p", "AP p", "discoveries", "precision", "recall"], rows)
+
+
+def method_line(methods: dict[str, str]) -> str:
+    """Which attribution each comp's rows use, and why where it is not EAP."""
+    parts = [f"{c} <b>{html.escape(m)}</b>" for c, m in methods.items()]
+    return ("Attribution per comp, the method that agrees best with exact patching there (its top edge, then its "
+            "Spearman; EAP on ties; the line below the table): " + "; ".join(parts) + ".")
 
 
 def best_worst(cvf: pl.DataFrame) -> str:
@@ -158,14 +170,14 @@ def section(page: Page, con: duckdb.DuckDBPyConnection, d: Any, cuts: tuple[floa
     if not q.has(con, "composition_vs_function", "method", "auroc"):
         return
     page.add("<h2 id='function'>Composition against function</h2>")
-    method = q.edge_method(con, d.model, d.latest)
-    if method is None:
+    methods = q.edge_methods(con, d.model, d.latest)
+    if methods is None:
         page.add(note("No edge attribution for this model (edge attribution disabled, or a one-layer model)."))
         return
-    cvf = q.function_agreement(con, d.model, d.latest, method)
-    page.add(note(WHAT + f" Attribution method: <b>{html.escape(method)}</b>"
-                  + (" (EAP's top K edge disagrees with exact patching on this model)." if method != "eap" else ".")),
-             f"<p>{best_worst(cvf)}</p>", agreement_table(cvf), f"<p>{exact_line(q.eap_vs_exact(con, d.model, d.latest))}</p>")
+    method = methods["K"]
+    cvf = q.function_agreement(con, d.model, d.latest, methods)
+    page.add(note(WHAT + " " + method_line(methods)), f"<p>{best_worst(cvf)}</p>", agreement_table(cvf),
+             f"<p>{exact_line(q.eap_vs_exact(con, d.model, d.latest))}</p>")
     if d.lead is not None:
         df = q.edge_scatter(con, d.model, d.latest, method, *d.lead)
         if not df.is_empty():

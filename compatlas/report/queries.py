@@ -14,6 +14,8 @@ from typing import Any
 import duckdb
 import polars as pl
 
+from compatlas.vocab import COMPS, EDGE_METHODS
+
 Con = duckdb.DuckDBPyConnection
 EDGE_MAX = 150  # the circuit view draws at most this many discoveries per metric x space (smallest q first)
 
@@ -248,31 +250,42 @@ def metric_audit(con: Con) -> pl.DataFrame:
 
 # -- composition against function (edge attribution; docs/edge_attribution.md) --------------------
 
-def edge_method(con: Con, model: str, checkpoint: str) -> str | None:
-    """The attribution method the report shows for a model x checkpoint: ``eap`` unless exact
-    patching contradicts it on the K edges (its top K edge not the exact one) and another method's
-    agrees; None where the atlas has no composition_vs_function rows for it."""
+def edge_methods(con: Con, model: str, checkpoint: str) -> dict[str, str] | None:
+    """The attribution method the report shows per comp for a model x checkpoint: the one that
+    agrees best with exact patching on that comp (``eap_vs_exact``): its top edge the exact one
+    first, then the higher Spearman; ties, and atlases without exact patching, go to the first
+    in ``EDGE_METHODS`` order (EAP). None where the atlas has no composition_vs_function rows."""
     if not has(con, "composition_vs_function", "method", "auroc"):
         return None
-    methods = [r[0] for r in con.execute("""SELECT DISTINCT method FROM composition_vs_function
-                                             WHERE model = ? AND checkpoint = ? ORDER BY 1""", [model, checkpoint]).fetchall()]
-    if not methods:
+    found = {r[0] for r in con.execute("""SELECT DISTINCT method FROM composition_vs_function
+                                          WHERE model = ? AND checkpoint = ?""", [model, checkpoint]).fetchall()}
+    if not found:
         return None
-    first = "eap" if "eap" in methods else methods[0]
-    if not has(con, "eap_vs_exact", "method", "comp", "top_edge_agrees"):
-        return first
-    agrees = dict(con.execute("""SELECT method, bool_and(top_edge_agrees) FROM eap_vs_exact
-                                 WHERE model = ? AND checkpoint = ? AND comp = 'K' GROUP BY ALL""",
-                              [model, checkpoint]).fetchall())
-    if agrees.get(first) is False:
-        return next((m for m in methods if agrees.get(m)), first)
-    return first
+    methods = [m for m in EDGE_METHODS if m in found] + sorted(found - set(EDGE_METHODS))
+    fit: dict[tuple[str, str], tuple[bool, float]] = {}
+    if has(con, "eap_vs_exact", "method", "comp", "top_edge_agrees", "spearman"):
+        fit = {(m, c): (bool(a), -1.0 if s is None or s != s else s) for m, c, a, s in con.execute(
+            """SELECT method, comp, bool_and(top_edge_agrees), min(spearman) FROM eap_vs_exact
+               WHERE model = ? AND checkpoint = ? GROUP BY ALL""", [model, checkpoint]).fetchall()}
+    # max keeps the first of equals: EAP wins ties
+    return {c: max(methods, key=lambda m: fit.get((m, c), (False, -1.0))) for c in COMPS}
 
 
-def function_agreement(con: Con, model: str, checkpoint: str, method: str) -> pl.DataFrame:
-    """composition_vs_function of one model x checkpoint x method (a row per metric x space x comp)."""
-    return _pl(con, "SELECT * FROM composition_vs_function WHERE model = ? AND checkpoint = ? AND method = ?",
-               [model, checkpoint, method])
+def edge_method(con: Con, model: str, checkpoint: str) -> str | None:
+    """The method of the K edges (``edge_methods``): what the scatter, the curve over training and
+    the overview show."""
+    methods = edge_methods(con, model, checkpoint)
+    return None if methods is None else methods["K"]
+
+
+def function_agreement(con: Con, model: str, checkpoint: str, methods: str | dict[str, str]) -> pl.DataFrame:
+    """composition_vs_function of one model x checkpoint (a row per metric x space x comp), each
+    comp's rows by its method (one method for all, or comp -> method)."""
+    per_comp = {c: methods for c in COMPS} if isinstance(methods, str) else methods
+    frames = [_pl(con, "SELECT * FROM composition_vs_function WHERE model = ? AND checkpoint = ? AND method = ? AND comp = ?",
+                  [model, checkpoint, m, c]) for c, m in per_comp.items()]
+    frames = [f for f in frames if f.height]
+    return pl.concat(frames) if frames else pl.DataFrame()
 
 
 def eap_vs_exact(con: Con, model: str, checkpoint: str) -> pl.DataFrame:

@@ -181,8 +181,8 @@ def _writer_deltas(model, z_corrupt: list[torch.Tensor], z_clean: list[torch.Ten
 class CleanPass:
     """One clean forward and backward pass: ``grads`` dM/dx_v for every reader input (per comp,
     per layer from 1: [B, T, heads, d_model]); ``z`` the clean hook_z of every layer; ``m`` M per
-    sequence. With ``patterns``: the clean attention pattern of every layer, dM/dA there, the clean
-    stream entering every layer (None at 0) and the blocks' arity (what ``eap_attn`` needs)."""
+    sequence. With ``reader_outputs`` (what ``eap_attn`` needs): dM/dz at every layer's hook_z
+    (None at 0), the clean stream entering every layer (None at 0) and the blocks' arity."""
 
     grads: dict[Comp, list[torch.Tensor]]
     z: list[torch.Tensor]
@@ -192,7 +192,7 @@ class CleanPass:
     arity: int = 0
 
 
-def _gradients(model, task: InductionTask, rows: slice, resid_in: torch.Tensor | None, patterns: bool = False
+def _gradients(model, task: InductionTask, rows: slice, resid_in: torch.Tensor | None, reader_outputs: bool = False
                ) -> CleanPass:
     """The clean pass (``CleanPass``) on the clean tokens, with the residual entering layer 0
     replaced by ``resid_in`` if given."""
@@ -203,16 +203,16 @@ def _gradients(model, task: InductionTask, rows: slice, resid_in: torch.Tensor |
 
     hooks = [(RESID_IN, leaf)] + [(f"blocks.{layer}.attn.hook_z", _keep(store, ("z", layer))) for layer in range(L)]
     hooks += [(f"blocks.{layer}.attn.{FORK_HOOK[c]}", _keep(store, (c, layer))) for layer in range(1, L) for c in COMPS]
-    if patterns:
+    if reader_outputs:
         hooks += [(f"blocks.{layer}.hook_in", _keep(store, ("in", layer))) for layer in range(1, L)]
-    keys = [(c, layer) for c in COMPS for layer in range(1, L)] + ([("z", layer) for layer in range(1, L)] if patterns else [])
-    with torch.enable_grad(), arity_probe(block_list(model) if patterns else None) as arity:
+    keys = [(c, layer) for c in COMPS for layer in range(1, L)] + ([("z", layer) for layer in range(1, L)] if reader_outputs else [])
+    with torch.enable_grad(), arity_probe(block_list(model) if reader_outputs else None) as arity:
         m = _metric(model, task.clean[rows].to(_device(model)), task, rows, hooks)
         grads = torch.autograd.grad(m.sum(), [store[k] for k in keys], allow_unused=True)
     got = {k: torch.zeros_like(store[k], dtype=torch.float32) if g is None else g.float() for k, g in zip(keys, grads)}
     out = CleanPass({c: [got[(c, layer)] for layer in range(1, L)] for c in COMPS},
                     [store[("z", layer)].detach() for layer in range(L)], m.detach())
-    if patterns:
+    if reader_outputs:
         out.z_grads = [None] + [got[("z", layer)] for layer in range(1, L)]
         out.resid = [None] + [store[("in", layer)].detach() for layer in range(1, L)]
         out.arity = arity[0]
@@ -235,7 +235,7 @@ def attribution_scores(model, task: InductionTask, method: EdgeMethod = "eap", s
             z_corrupt, in_corrupt, _ = _pass(model, task, rows, corrupt=True)
             clean = None
             if method in ("eap", "eap_attn"):
-                clean = _gradients(model, task, rows, None, patterns=method == "eap_attn")
+                clean = _gradients(model, task, rows, None, reader_outputs=method == "eap_attn")
                 grads, z_clean = clean.grads, clean.z
             else:
                 z_clean, in_clean, _ = _pass(model, task, rows, corrupt=False)

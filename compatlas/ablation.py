@@ -13,8 +13,7 @@ import time
 import polars as pl
 import torch
 
-from compatlas.block_skip import Skip as _Skip, arity_probe, skip_below  # noqa: F401 (_Skip: the name tests import)
-from compatlas.block_skip import block_list as _block_list
+from compatlas.block_skip import arity_probe, block_list, skip_below
 from compatlas.progress import Progress
 from compatlas.runtime import stable_seed
 from compatlas.sequences import (
@@ -86,7 +85,7 @@ def _full_drops(model, seq, ctrl, target, clean, means, batch_size, progress) ->
 def _upper_logprobs(model, layers: torch.nn.ModuleList, batch: torch.Tensor, target: torch.Tensor, start: int,
                     resid: torch.Tensor | None, arity: int, hooks: list[Hook]) -> torch.Tensor:
     """log p(target) at the last position when only blocks ``start``.. run, the lower ones replaced
-    by _Skip (block start - 1 handing on ``resid``, the clean stream entering ``start``)."""
+    by ``block_skip.Skip`` (block start - 1 handing on ``resid``, the clean stream entering ``start``)."""
     with skip_below(layers, start, resid, arity):
         logits = model.run_with_hooks(batch, fwd_hooks=hooks + last_position_hooks(model))
     return logits[:, -1].double().log_softmax(-1).gather(1, target.to(logits.device)).cpu()[:, 0]
@@ -97,7 +96,7 @@ def _cached_drops(model, seq, ctrl, target, clean, means, batch_size, progress) 
     """Exact ablation at a fraction of the cost: per batch of sequences, one clean pass caches the
     residual stream entering every block; each head's ablation then reruns only the blocks from
     its layer up, the blocks below replaced by the cached stream. Same drops as _full_drops."""
-    layers = _block_list(model)
+    layers = block_list(model)
     if layers is None:
         log.warning("no block list to skip through on %s: ablation reruns the whole model per head", type(model).__name__)
         return _full_drops(model, seq, ctrl, target, clean, means, batch_size, progress)

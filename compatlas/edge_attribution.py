@@ -179,10 +179,11 @@ def _writer_deltas(model, z_corrupt: list[torch.Tensor], z_clean: list[torch.Ten
 
 @dataclass
 class CleanPass:
-    """One clean forward and backward pass: ``grads`` dM/dx_v for every reader input (per comp,
-    per layer from 1: [B, T, heads, d_model]); ``z`` the clean hook_z of every layer; ``m`` M per
-    sequence. With ``reader_outputs`` (what ``eap_attn`` needs): dM/dz at every layer's hook_z
-    (None at 0), the clean stream entering every layer (None at 0) and the blocks' arity."""
+    """One clean forward and backward pass: ``z`` the clean hook_z of every layer; ``m`` M per
+    sequence; ``grads`` dM/dx_v for every reader input (per comp, per layer from 1:
+    [B, T, heads, d_model]), or, with ``reader_outputs`` (what ``eap_attn`` needs, in their place):
+    dM/dz at every layer's hook_z (None at 0), the clean stream entering every layer (None at 0)
+    and the blocks' arity."""
 
     grads: dict[Comp, list[torch.Tensor]]
     z: list[torch.Tensor]
@@ -202,15 +203,17 @@ def _gradients(model, task: InductionTask, rows: slice, resid_in: torch.Tensor |
         return (x if resid_in is None else resid_in).detach().clone().requires_grad_(True)
 
     hooks = [(RESID_IN, leaf)] + [(f"blocks.{layer}.attn.hook_z", _keep(store, ("z", layer))) for layer in range(L)]
-    hooks += [(f"blocks.{layer}.attn.{FORK_HOOK[c]}", _keep(store, (c, layer))) for layer in range(1, L) for c in COMPS]
     if reader_outputs:
         hooks += [(f"blocks.{layer}.hook_in", _keep(store, ("in", layer))) for layer in range(1, L)]
-    keys = [(c, layer) for c in COMPS for layer in range(1, L)] + ([("z", layer) for layer in range(1, L)] if reader_outputs else [])
+        keys = [("z", layer) for layer in range(1, L)]
+    else:
+        hooks += [(f"blocks.{layer}.attn.{FORK_HOOK[c]}", _keep(store, (c, layer))) for layer in range(1, L) for c in COMPS]
+        keys = [(c, layer) for c in COMPS for layer in range(1, L)]
     with torch.enable_grad(), arity_probe(block_list(model) if reader_outputs else None) as arity:
         m = _metric(model, task.clean[rows].to(_device(model)), task, rows, hooks)
         grads = torch.autograd.grad(m.sum(), [store[k] for k in keys], allow_unused=True)
     got = {k: torch.zeros_like(store[k], dtype=torch.float32) if g is None else g.float() for k, g in zip(keys, grads)}
-    out = CleanPass({c: [got[(c, layer)] for layer in range(1, L)] for c in COMPS},
+    out = CleanPass({} if reader_outputs else {c: [got[(c, layer)] for layer in range(1, L)] for c in COMPS},
                     [store[("z", layer)].detach() for layer in range(L)], m.detach())
     if reader_outputs:
         out.z_grads = [None] + [got[("z", layer)] for layer in range(1, L)]

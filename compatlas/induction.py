@@ -34,7 +34,7 @@ import torch
 
 # Each concept has its module; the names the pipeline, tests and benchmarks import from here stay here.
 from compatlas.ablation import (  # noqa: F401
-    _attribution_drops, _block_list, _cached_drops, _full_drops, ablation_effects, head_z_means,
+    _attribution_drops, _cached_drops, _full_drops, ablation_effects, head_z_means,
 )
 from compatlas.head_scores import head_attention_scores
 from compatlas.progress import Progress

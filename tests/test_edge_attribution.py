@@ -174,9 +174,9 @@ def causal_edges_of(L: int, H: int):
 
 def test_exact_patching_from_the_reader_layer_equals_the_whole_model(gqa):
     """Skipping the blocks below the reader (their clean stream cached) changes nothing."""
-    from compatlas.ablation import _block_list
+    from compatlas.block_skip import block_list
 
-    assert _block_list(gqa) is not None  # the blocks can be skipped on this model
+    assert block_list(gqa) is not None  # the blocks can be skipped on this model
     task = induction_task(POOL, 3, 6, seed=4)
     edges = causal_edges(gqa)[::5]
     fast = exact_scores(gqa, task, edges, batch_size=12)

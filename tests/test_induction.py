@@ -11,9 +11,9 @@ import pytest
 import torch
 from conftest import tiny_hf_model
 
-from compatlas.block_skip import Skip
+from compatlas.block_skip import Skip, block_list
 from compatlas.induction import (
-    NearbyB, TokenSet, _block_list, ablation_effects, clean_tokens, head_attention_scores, induction_sequences, induction_sweep,
+    NearbyB, TokenSet, ablation_effects, clean_tokens, head_attention_scores, induction_sequences, induction_sweep,
     logodds, measure_behaviour, nearest_tokens, sample_tokens, strengths,
 )
 from compatlas.loading import boot
@@ -302,7 +302,7 @@ def test_exact_ablation_skips_lower_blocks_on_llama(tmp_path):
     pool = TokenSet(pool=torch.arange(1, 40))
     full = ablation_effects(model, pool, sequences=6, method="full", seed=0, batch_size=12)
     calls = []
-    layers = _block_list(model)
+    layers = block_list(model)
     assert layers is not None and layers[0] is model.blocks[0]
     handle = layers[0].register_forward_hook(lambda m, a, o: calls.append(a[0].shape[0] if a else -1))
     try:

@@ -50,7 +50,7 @@ def agreement_table(cvf: pl.DataFrame) -> str:
 
 
 def method_line(methods: dict[str, str]) -> str:
-    """Which attribution each comp's rows use, and why where it is not EAP."""
+    """Which attribution each comp's rows use, and by what rule (``queries.edge_methods``)."""
     parts = [f"{c} <b>{html.escape(m)}</b>" for c, m in methods.items()]
     return ("Attribution per comp, the method that agrees best with exact patching there (its top edge, then its "
             "Spearman; EAP on ties; the line below the table): " + "; ".join(parts) + ".")
@@ -121,7 +121,6 @@ def scatter_chart(pts: pl.DataFrame, model: str, checkpoint: str, method: str, m
     kinds = [(k, c) for k, c, n in ((CIRCUIT, "#e45756", n_circ), (OTHER, "#9a9a9a", pts.height - n_circ)) if n]
     colour = alt.Color("kind:N", title=None, scale=alt.Scale(domain=[k for k, _ in kinds], range=[c for _, c in kinds]),
                        legend=alt.Legend(orient="top", labelLimit=320))
-    n_circ = int((pts["kind"] == CIRCUIT).sum())
     others = alt.Chart(pts.filter(pl.col("kind") == OTHER)).mark_circle(size=14, opacity=0.35).encode(
         x=x, y=y, color=colour, tooltip=tip)
     circ = alt.Chart(pts.filter(pl.col("kind") == CIRCUIT)).mark_point(size=70, filled=True, opacity=0.95,

@@ -247,7 +247,6 @@ def metric_audit(con: Con) -> pl.DataFrame:
     return _pl(con, "SELECT * FROM metric_audit") if has(con, "metric_audit", "axiom") else pl.DataFrame()
 
 
-
 # -- composition against function (edge attribution; docs/edge_attribution.md) --------------------
 
 def edge_methods(con: Con, model: str, checkpoint: str) -> dict[str, str] | None:
@@ -265,8 +264,8 @@ def edge_methods(con: Con, model: str, checkpoint: str) -> dict[str, str] | None
     fit: dict[tuple[str, str], tuple[bool, float]] = {}
     if has(con, "eap_vs_exact", "method", "comp", "top_edge_agrees", "spearman"):
         fit = {(m, c): (bool(a), -1.0 if s is None or s != s else s) for m, c, a, s in con.execute(
-            """SELECT method, comp, bool_and(top_edge_agrees), min(spearman) FROM eap_vs_exact
-               WHERE model = ? AND checkpoint = ? GROUP BY ALL""", [model, checkpoint]).fetchall()}
+            """SELECT method, comp, top_edge_agrees, spearman FROM eap_vs_exact WHERE model = ? AND checkpoint = ?""",
+            [model, checkpoint]).fetchall()}
     # max keeps the first of equals: EAP wins ties
     return {c: max(methods, key=lambda m: fit.get((m, c), (False, -1.0))) for c in COMPS}
 
@@ -282,10 +281,9 @@ def function_agreement(con: Con, model: str, checkpoint: str, methods: str | dic
     """composition_vs_function of one model x checkpoint (a row per metric x space x comp), each
     comp's rows by its method (one method for all, or comp -> method)."""
     per_comp = {c: methods for c in COMPS} if isinstance(methods, str) else methods
-    frames = [_pl(con, "SELECT * FROM composition_vs_function WHERE model = ? AND checkpoint = ? AND method = ? AND comp = ?",
-                  [model, checkpoint, m, c]) for c, m in per_comp.items()]
-    frames = [f for f in frames if f.height]
-    return pl.concat(frames) if frames else pl.DataFrame()
+    pairs = " OR ".join("(comp = ? AND method = ?)" for _ in per_comp)
+    return _pl(con, f"SELECT * FROM composition_vs_function WHERE model = ? AND checkpoint = ? AND ({pairs})",
+               [model, checkpoint, *(x for cm in per_comp.items() for x in cm)])
 
 
 def eap_vs_exact(con: Con, model: str, checkpoint: str) -> pl.DataFrame:

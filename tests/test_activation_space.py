@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import random_weights
+from conftest import random_moments, random_weights
 from test_composition import _boot_bridge
 
 from compatlas.composition_table import score_block
@@ -125,19 +125,6 @@ def test_moments_round_trip_and_name_a_corrupt_file(gpt2, tmp_path):
         load_moments(tmp_path / "m.safetensors", tmp_path / "m.json")
 
 
-def _random_psd(g: torch.Generator, *shape: int) -> torch.Tensor:
-    X = torch.randn(*shape[:-1], 3 * shape[-1], generator=g, dtype=F64)
-    return X @ X.transpose(-2, -1) / X.shape[-1]
-
-
-def _random_moments(L: int, H: int, Hkv: int, dh: int, seed: int) -> Moments:
-    g = torch.Generator().manual_seed(seed)
-    return Moments(query=_random_psd(g, L, H, dh, dh), key=_random_psd(g, L, Hkv, dh, dh),
-                   value=_random_psd(g, L, Hkv, dh, dh), z=_random_psd(g, L, H, dh, dh), inv_rms=torch.ones(L, dtype=F64),
-                   q_inv_rms=torch.ones(L, H, dtype=F64), k_inv_rms=torch.ones(L, Hkv, dtype=F64),
-                   out_inv_rms=torch.ones(L, dtype=F64), attn_scale=2.0)
-
-
 def _twin_scores(w, T_: torch.Tensor, m: Moments, metric: str, space: str) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
     """Per comp, the scores of w and of its twin x -> x T (W_O T, T^-1 W_Q, T^-1 W_K, T^-1 W_V),
     both with the same moments: with no norm, the twin computes the same q, k, v and z on every input."""
@@ -170,7 +157,7 @@ def test_contribution_survives_any_invertible_change_of_residual_basis():
     g = torch.Generator().manual_seed(9)
     gl = torch.randn(d, d, generator=g, dtype=F64) @ torch.diag(torch.logspace(-1, 1, d, dtype=F64))
     orthogonal = torch.linalg.qr(torch.randn(d, d, generator=g, dtype=F64)).Q
-    m = _random_moments(L, H, Hkv, dh, 4)
+    m = random_moments(L, H, Hkv, dh, 4)
     act = _twin_scores(w, gl, m, "contribution", "activation")
     residual = _twin_scores(w, gl, m, "contribution", "residual")
     whitened = _twin_scores(w, gl, m, "frobenius", "activation")

@@ -84,7 +84,7 @@ def _composition(s: Spec, ck: str, step: int | None, metrics, spaces, rng) -> tu
                                                         ("space", space), ("metric", metric), ("comp", c))]
                 comps.append(pl.DataFrame({**heads, "score": score, "baseline_gaussian_mean": 0.1, "baseline_gaussian_std": 0.02,
                                            "baseline_spectrum_mean": rng.uniform(0.1, 0.15, n),
-                                           "baseline_spectrum_std": 0.03}).with_columns(keys))
+                                           "baseline_spectrum_std": 0.03, "score_share": None}).with_columns(keys))
                 cals.append(pl.DataFrame({**heads, "test_unit": "query_head", "reader_kv_head": rh, "n_null": 2 * n,
                                           "p_value": p, "q_value": _bh(p)}).with_columns(keys))  # no GQA: n_kv_heads = n_heads
     return (pl.concat(comps).select(list(COMPOSITION_SCHEMA)).cast(COMPOSITION_SCHEMA),  # type: ignore[arg-type]

@@ -17,6 +17,7 @@ import pytest
 from compatlas.atlas import connect as atlas_connect
 from compatlas.report import build_report
 from compatlas.report.function import CIRCUIT, OTHER, edge_points
+from compatlas.vocab import METRICS
 from synthetic_atlas import Spec, write_suite
 
 STEPS = [0, 4, 64, 200, 400]
@@ -49,7 +50,7 @@ def test_model_page_has_the_agreement_table_and_names_the_best_cell(report):
     db, out = report
     part = section((out / "model-run.html").read_text(encoding="utf-8"))
     body = part.split("<tbody>")[1].split("</tbody>")[0]
-    assert body.count("<tr>") == 3 * 2 * 3  # metric x space x comp
+    assert body.count("<tr>") == len(METRICS) * 2 * 3  # metric x space x comp
     # the planted K edge alone holds the top of the function and has the highest K score: AUROC 1 in every K cell
     con = atlas_connect(db)
     k = con.execute("""SELECT auroc, n_top FROM composition_vs_function

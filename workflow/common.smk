@@ -50,10 +50,16 @@ wildcard_constraints:
     block=r"\d+",
 
 
+# Keys of a model's entry that say how it is scored or measured, not how it is loaded: each
+# reaches its jobs as a param of its own, so changing one reruns those jobs, not the extraction.
+NOT_LOADING_KEYS = ("description", "spaces", "blocks", "activation", "induction")
+
+
 def model_entry(wildcards):
-    """The model's config entry as jobs see it: without the checkpoint list, so that adding a
-    checkpoint does not change (and rerun) the jobs of the others."""
-    return thaw(PLAN.models[wildcards.model].entry)
+    """The model's config entry as loading jobs see it: without the checkpoint list (adding a
+    checkpoint does not change, and rerun, the jobs of the others) nor the scoring settings."""
+    entry = PLAN.models[wildcards.model].entry
+    return thaw({k: v for k, v in entry.items() if k not in NOT_LOADING_KEYS})
 
 
 def segment_spec(wildcards):

@@ -21,6 +21,9 @@ rule atlas:
             "induction_threshold": setting("induction", "induction_threshold"),
             "fdr": setting("composition", "fdr"),
         },
+        # Snakemake does not remake a missing shard while the atlas above it exists, so a shard
+        # set aside (failed checksum) reruns the atlas, whose missing inputs are then remade
+        set_aside=SET_ASIDE,
     conda:
         "../envs/compatlas.yaml"
     log:

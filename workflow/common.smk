@@ -7,8 +7,9 @@ import sys
 
 from snakemake.exceptions import WorkflowError
 
-from compatlas.config import ConfigError
+from compatlas.config import ConfigError, load_config_file
 from compatlas.plan import build_plan, thaw
+from compatlas.storage import remove_leftover_temps, set_aside_count
 from compatlas.vocab import METRICS, SPACES
 
 # Validate and plan before any job is scheduled: one line naming the config file, the key and the
@@ -17,6 +18,9 @@ from compatlas.vocab import METRICS, SPACES
 # The main process also asks the hub (once per repository) whether it has every hub source and
 # revision; a job's own Snakemake process (on a cluster) does not ask again.
 try:
+    if workflow.is_main_process:  # Snakemake's own YAML loader keeps the last of two equal keys
+        for _file in workflow.configfiles:
+            load_config_file(_file)
     PLAN = build_plan(config, check_hub=workflow.is_main_process)
 except ConfigError as e:
     print(f"{', '.join(map(str, workflow.configfiles)) or 'config'}: {e}", file=sys.stderr)
@@ -26,6 +30,8 @@ for note in PLAN.notes:
 
 RESULTS = PLAN.results
 LOGS = f"{RESULTS}/logs"
+# shards set aside so far (compatlas/storage.py): the atlas rule's rerun trigger
+SET_ASIDE = set_aside_count(RESULTS)
 
 WEIGHTS_TENSORS = f"{RESULTS}/weights/{{model}}/{{checkpoint}}/weights.safetensors"
 WEIGHTS_META = f"{RESULTS}/weights/{{model}}/{{checkpoint}}/meta.json"
@@ -206,6 +212,11 @@ onstart:
         except runlock.RunLockError as e:
             print(f"compatlas: {e}", file=sys.stderr)
             raise SystemExit(1)
+        # holding the lock, before any job: every temporary file under results/ is a killed job's
+        gone = remove_leftover_temps(RESULTS)
+        if gone:
+            print(f"compatlas: removed {len(gone)} temporary files left by killed jobs (e.g. {gone[0]})",
+                  file=sys.stderr)
 
 
 onsuccess:

@@ -148,6 +148,19 @@ def connect(db_path: str | os.PathLike, read_only: bool = True) -> duckdb.DuckDB
     return con
 
 
+def _pin_shard_paths(con: duckdb.DuckDBPyConnection, folder: Path) -> None:
+    """The temporary views of ``connect``: each shard view's SQL with ``'<folder as built>/``
+    replaced by the folder's absolute path."""
+    comment = con.execute("SELECT comment FROM duckdb_views() WHERE view_name = 'composition'").fetchone()
+    built_as = m.group(1) if comment and comment[0] and (m := _BASE_COMMENT.search(comment[0])) else folder.name
+    relative = "'" + built_as.replace("'", "''") + "/"
+    absolute = "'" + (folder.as_posix() + "/").replace("'", "''")
+    views = con.execute("SELECT view_name, sql FROM duckdb_views() WHERE schema_name = 'main' AND NOT internal").fetchall()
+    for name, sql in views:
+        if name in SHARD_VIEWS and relative in sql:
+            con.execute(sql.replace(relative, absolute).replace(f"CREATE VIEW {name} ", f"CREATE TEMP VIEW {name} ", 1))
+
+
 def _verified_shard_views(con: duckdb.DuckDBPyConnection, folder: Path) -> None:
     """The temporary views of ``connect`` from ``shard_files``: absolute paths in the folder as
     it is now, each shard unchanged since the build or verified again; the others left out."""

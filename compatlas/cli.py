@@ -87,6 +87,18 @@ def error_line(e: BaseException) -> str:
     return " ".join(lines[:1] + hints)
 
 
+class _Warnings(logging.Handler):
+    """The atlas's warnings while a query runs, each kept once (the CLI prints them after it)."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if (line := record.getMessage()) not in self.lines:
+            self.lines.append(line)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="compatlas", description=__doc__, epilog=EXAMPLES,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -124,20 +136,24 @@ def main(argv: list[str] | None = None) -> int:
             print(f"compatlas: warning: no {args.db} (a rebuild running or failed); answering from the last "
                   f"good atlas {last_good_path(args.db)}", file=sys.stderr)
             args.db = str(last_good_path(args.db))
-        logging.basicConfig(format="compatlas: warning: %(message)s", level=logging.WARNING, stream=sys.stderr)
+        said = _Warnings()  # what connecting found (a WAL, a changed atlas or shard), said once
+        logging.getLogger("compatlas").addHandler(said)
         try:
             df = query(args.db, args.sql)
+            try:  # shards the atlas left out (truncated, corrupt): say so beside every answer
+                excluded = query(args.db, "SELECT count(*) AS n FROM excluded_shards")["n"][0]
+            except Exception:  # noqa: BLE001 -- an atlas built before the table existed
+                excluded = 0
         except (RefusedStatement, AtlasChanged) as e:
             print(f"compatlas: {e}", file=sys.stderr)
             return 1
         except Exception as e:
             print(f"compatlas: query failed: {error_line(e)}", file=sys.stderr)
             return 1
-        logging.disable(logging.WARNING)  # said once, with the answer's query
-        try:  # shards the atlas left out (truncated, corrupt): say so beside every answer
-            excluded = query(args.db, "SELECT count(*) AS n FROM excluded_shards")["n"][0]
-        except Exception:  # noqa: BLE001 -- an atlas built before the table existed
-            excluded = 0
+        finally:
+            logging.getLogger("compatlas").removeHandler(said)
+            for line in said.lines:
+                print(f"compatlas: warning: {line}", file=sys.stderr)
         if excluded:
             print(f"compatlas: warning: {excluded} result shards are left out of this atlas "
                   "(SELECT * FROM excluded_shards)", file=sys.stderr)

@@ -120,6 +120,9 @@ def set_aside(path: str | os.PathLike, results: str | os.PathLike) -> Path | Non
         return None
     rel = p.relative_to(root) if p.is_relative_to(root) else Path(p.name)
     target = root / QUARANTINE / rel.parent / f"{rel.name}.{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}"
+    n = 1
+    while target.exists():  # set aside twice in one second: keep both
+        target, n = target.with_name(f"{target.name.split('~')[0]}~{n}"), n + 1
     target.parent.mkdir(parents=True, exist_ok=True)
     os.replace(p, target)
     if checksum_path(p).exists():

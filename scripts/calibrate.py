@@ -9,7 +9,8 @@ from compatlas.tables import CALIBRATION_SCHEMA, provenance
 
 log = setup(snakemake.log[0])
 inp, stratify, null_pairs = snakemake.input, snakemake.params.stratify, snakemake.params.null_pairs
-check_shards([*inp.causal, *inp.null], snakemake.params.results)  # a bad one: named, set aside, remade next run
+results = Path(snakemake.output[0]).parents[3]  # results/calibration/model=.../checkpoint=.../pvalues.parquet
+check_shards([*inp.causal, *inp.null], results)  # a bad one: named, set aside under results/, remade next run
 first = read_provenance(inp.causal[0])
 meta = json.loads(Path(inp.meta).read_text())  # read as JSON: compatlas.weights would import torch
 kv_group = int(meta["n_heads"]) // int(meta["n_kv_heads"])

@@ -40,7 +40,6 @@ rule calibrate:
     params:
         stratify=setting("composition", "null_stratify"),
         null_pairs=setting("composition", "null_pairs"),
-        results=RESULTS,  # where a shard that fails its checksum is set aside
     conda:
         "../envs/compatlas.yaml"
     log:

@@ -38,8 +38,9 @@ def file_sha256(path: str | os.PathLike, chunk: int = 1 << 22) -> str:
 
 
 @contextlib.contextmanager
-def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
-    """Yield a temp path next to ``path``; on success fsync and rename it over ``path``."""
+def atomic_path(path: str | os.PathLike, need: int | None = None) -> Iterator[Path]:
+    """Yield a temp path next to ``path``; on success fsync and rename it over ``path``. A full
+    disk is an error naming ``path`` and the space: ``need`` bytes where the caller knows them."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
@@ -59,9 +60,9 @@ def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
         # name the file and the space: "No space left on device" alone says neither
         written = tmp_path.stat().st_size if tmp_path.exists() else 0
         free = shutil.disk_usage(path.parent).free
-        raise OSError(errno.ENOSPC, f"no space left on device writing {path}: it needs more than the "
-                      f"{written / 1e6:.1f} MB written before the disk filled ({free / 1e6:.1f} MB free in "
-                      f"{path.parent}); free space and rerun") from e
+        needs = f"{need / 1e6:.1f} MB" if need else f"more than the {written / 1e6:.1f} MB written before the disk filled"
+        raise OSError(errno.ENOSPC, f"no space left on device writing {path}: it needs {needs} ({free / 1e6:.1f} MB "
+                      f"free in {path.parent}); free space and rerun") from e
     finally:
         tmp_path.unlink(missing_ok=True)
 

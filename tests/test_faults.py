@@ -322,3 +322,6 @@ def test_a_full_disk_names_the_file_and_the_space(tmp_path):
             raise OSError(errno.ENOSPC, "No space left on device")
     assert e.value.errno == errno.ENOSPC and str(target) in str(e.value) and "0.0 MB written" in str(e.value)
     assert "MB free in" in str(e.value) and not list(target.parent.glob(".*.tmp"))
+    with pytest.raises(OSError, match=r"writing .*weights.safetensors: it needs 4\.4 MB \("):
+        with atomic_path(target, need=4_400_000):
+            raise OSError(errno.ENOSPC, "No space left on device")

@@ -131,12 +131,6 @@ def set_aside(path: str | os.PathLike, results: str | os.PathLike) -> Path | Non
     return target
 
 
-def set_aside_count(results: str | os.PathLike) -> int:
-    """How many shards have been set aside under ``results`` (the atlas rule's rerun trigger)."""
-    q = Path(results) / QUARANTINE
-    return sum(1 for f in q.rglob("*") if f.is_file() and not f.name.endswith(CHECKSUM_SUFFIX)) if q.is_dir() else 0
-
-
 def remove_leftover_temps(results: str | os.PathLike) -> list[Path]:
     """Delete the temporary files (``.<name>.*.tmp``, ``atomic_path``'s) that killed jobs left
     under ``results``. Only safe while no job writes there: the run lock's holder, before its jobs."""

@@ -9,7 +9,7 @@ from snakemake.exceptions import WorkflowError
 
 from compatlas.config import ConfigError, load_config_file
 from compatlas.plan import build_plan, thaw
-from compatlas.storage import remove_leftover_temps, set_aside_count
+from compatlas.storage import remove_leftover_temps
 from compatlas.vocab import METRICS, SPACES
 
 # Validate and plan before any job is scheduled: one line naming the config file, the key and the
@@ -30,8 +30,6 @@ for note in PLAN.notes:
 
 RESULTS = PLAN.results
 LOGS = f"{RESULTS}/logs"
-# shards set aside so far (compatlas/storage.py): the atlas rule's rerun trigger
-SET_ASIDE = set_aside_count(RESULTS)
 
 WEIGHTS_TENSORS = f"{RESULTS}/weights/{{model}}/{{checkpoint}}/weights.safetensors"
 WEIGHTS_META = f"{RESULTS}/weights/{{model}}/{{checkpoint}}/meta.json"

@@ -118,6 +118,9 @@ def main(argv: list[str] | None = None) -> int:
     c.add_argument("folder", nargs="?", default="results")
     c.add_argument("--set-aside", action="store_true",
                    help="move each bad shard to results/quarantine/, so that the next snakemake run remakes it")
+    c.add_argument("--adopt", action="store_true",
+                   help="write the checksum of each shard that has none (written before shards were sealed), "
+                        "trusting it as it is now, instead of remaking it")
     args = p.parse_args(argv)
 
     if args.cmd == "query":
@@ -202,7 +205,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{args.config}: valid")
         return 0
     if args.cmd == "check-shards":
-        from compatlas.storage import QUARANTINE, bad_shards, set_aside
+        from compatlas.storage import QUARANTINE, bad_shards, seal, set_aside
 
         folder = Path(args.folder)
         if not folder.is_dir():
@@ -210,6 +213,12 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         shards = sorted(p for p in folder.rglob("*.parquet") if QUARANTINE not in p.relative_to(folder).parts)
         bad = bad_shards(shards)
+        if args.adopt:  # results from before shards were sealed: trusted as they are (an explicit choice)
+            unsealed = [p for p, err in bad.items() if err.startswith("no checksum")]
+            for p in unsealed:
+                seal(Path(p), p)
+                del bad[p]
+            print(f"{len(unsealed)} shards without a checksum adopted as they are", file=sys.stderr)
         # results/: the folder (or the first above it) holding an atlas; the pipeline looks there
         results = next((q for q in (folder.resolve(), *folder.resolve().parents)
                         if (q / "atlas.duckdb").exists() or (q / ".atlas.last-good.duckdb").exists()), folder.resolve())

@@ -186,3 +186,15 @@ def test_validate_a_config_that_is_not_a_mapping(capsys, tmp_path):
 def test_check_shards_without_the_folder(capsys, tmp_path):
     rc, _, err = run(capsys, "check-shards", str(tmp_path / "nowhere"))
     assert rc == 2 and err.strip() == f"compatlas: no folder {tmp_path / 'nowhere'}"
+
+
+def test_check_shards_adopts_shards_written_before_sealing(capsys, tmp_path):
+    old, sealed = tmp_path / "old.parquet", tmp_path / "sealed.parquet"
+    pl.DataFrame({"x": [1.0]}).write_parquet(old)  # as shards were written before their checksums
+    write_shard(pl.DataFrame({"x": [1.0]}), sealed, {})
+    sealed.write_bytes(sealed.read_bytes()[:-9] + b"X" + sealed.read_bytes()[-8:])  # one byte of its footer
+    rc, _, err = run(capsys, "check-shards", str(tmp_path))
+    assert rc == 1 and "no checksum beside it (old.parquet.sha256)" in err and "sealed.parquet" in err
+    rc, _, err = run(capsys, "check-shards", "--adopt", str(tmp_path))
+    assert rc == 1 and "1 shards without a checksum adopted" in err and "old.parquet" not in err.splitlines()[-1]
+    assert "sealed.parquet is corrupt or truncated (content does not match its checksum" in err  # never adopted

@@ -135,7 +135,8 @@ def remove_leftover_temps(results: str | os.PathLike) -> list[Path]:
     """Delete the temporary files (``.<name>.*.tmp``, ``atomic_path``'s) that killed jobs left
     under ``results``. Only safe while no job writes there: the run lock's holder, before its jobs."""
     root = Path(results)
-    gone = [p for p in root.rglob(".*.tmp") if p.is_file()] if root.is_dir() else []
+    # (.tmp.wal: DuckDB's log beside an atlas being built)
+    gone = [p for pat in (".*.tmp", ".*.tmp.wal") for p in root.rglob(pat) if p.is_file()] if root.is_dir() else []
     for p in gone:
         p.unlink(missing_ok=True)
     return gone

@@ -308,7 +308,8 @@ def test_blocks_beyond_the_layer_pairs_are_noted():
 def test_leftover_temp_files_are_removed(tmp_path):
     kept = tmp_path / "composition" / "block=0.parquet"
     write_shard(composition_frame("a"), kept, {})
-    left = [kept.with_name(".block=0.parquet.abc123.tmp"), tmp_path / ".atlas.duckdb.x1y2.tmp"]
+    left = [kept.with_name(".block=0.parquet.abc123.tmp"), tmp_path / ".atlas.duckdb.x1y2.tmp",
+            tmp_path / ".atlas.duckdb.x1y2.tmp.wal"]
     for p in left:
         p.write_bytes(b"half")
     assert sorted(remove_leftover_temps(tmp_path)) == sorted(left)

@@ -81,13 +81,13 @@ def readable(db_path: str | os.PathLike) -> tuple[Path, bool, list[str]]:
         good = last_good_path(db)
         if db == good or not good.exists() or as_built(good) is False:
             raise AtlasChanged(f"{db} was changed since it was built (a read-write session) and no good copy is "
-                               "left; rebuild it: snakemake --forcerun atlas")
+                               "left; rerun snakemake to rebuild it")
         notes.append(f"{db} was changed since it was built (a read-write session); answering from the last good "
-                     f"atlas {good} (snakemake --forcerun atlas rebuilds it)")
+                     f"atlas {good} (the next snakemake run rebuilds it)")
         db = good
     if wal_path(db).exists():
-        notes.append(f"{wal_path(db)} was left by a read-write session; its writes are not read (the next build "
-                     f"moves it to {db.parent / SESSIONS}/)")
+        notes.append(f"{wal_path(db)} was left by a read-write session; its writes are not read (the next snakemake "
+                     f"run moves it to {db.parent / SESSIONS}/ and rebuilds the atlas)")
         return private_copy(db), True, notes
     return db, False, notes
 

@@ -231,7 +231,7 @@ def test_sixty_byte_flips_in_the_score_column_are_each_caught_and_remade(tmp_pat
     others = query(db, "SELECT count(*) AS n, round(sum(score), 9) AS s FROM composition WHERE model = 'a'").row(0)
     lo, hi = score_chunk(victim)
     rng = np.random.default_rng(30)
-    silent = 0  # flips a footer check alone passes and that change the numbers read
+    silent = refused = 0  # flips that change the numbers read with no error / that the decoder refuses
     for pos in rng.integers(lo, hi, 60):
         bad = bytearray(good)
         bad[pos] ^= int(rng.integers(1, 256))
@@ -239,7 +239,7 @@ def test_sixty_byte_flips_in_the_score_column_are_each_caught_and_remade(tmp_pat
         try:
             silent += not pl.read_parquet(victim)["score"].equals(pl.read_parquet(good)["score"])
         except Exception:  # noqa: BLE001 -- a flip the decoder itself catches
-            pass
+            refused += 1
         build_atlas(db, shards, metas)
         assert query(db, "SELECT count(*) AS n, round(sum(score), 9) AS s FROM composition").row(0) == others
         ex = query(db, "SELECT path, error FROM excluded_shards")
@@ -250,7 +250,8 @@ def test_sixty_byte_flips_in_the_score_column_are_each_caught_and_remade(tmp_pat
     assert len(set_aside) == 60 and silent > 0
     build_atlas(db, shards, metas)
     assert numbers(db) == clean
-    print(f"60 flips in the score column: all caught; {silent} would have changed scores silently")
+    print(f"60 flips in the score column: all caught; without the checksum {silent} would have changed scores "
+          f"silently, {refused} the decoder refuses, {60 - silent - refused} change no score")
 
 
 def test_a_truncated_or_vanished_shard_degrades_its_model_and_names_the_file(capsys, tmp_path):

@@ -22,7 +22,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from compatlas import cli
-from compatlas.atlas import build_atlas, connect, query
+from compatlas.atlas import build_atlas, query
 from compatlas.atlas_files import SESSIONS, wal_path
 from compatlas.storage import QUARANTINE, atomic_path, checksum_path, remove_leftover_temps, write_shard
 from compatlas.tables import COMPOSITION_SCHEMA, HEAD_SCORES_SCHEMA

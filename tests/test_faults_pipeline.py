@@ -118,6 +118,7 @@ def test_kill_9_at_each_rule_then_the_rerun_gives_the_clean_numbers(clean, tmp_p
             break
         killed.append(victim)
         subprocess.run([*cmd, "--unlock"], capture_output=True, timeout=300)  # Snakemake's advice after a kill
+    print(f"killed at: {', '.join(killed)}; then completed")
     assert {"extract", "composition", "calibrate", "induction", "atlas", "report"} <= set(killed), killed
     assert numbers(work) == clean[1]
     assert not list((work / "results").rglob(".*.tmp"))  # left by the kills, removed by the runs after

@@ -30,14 +30,6 @@ rule atlas:
         "../scripts/atlas.py"
 
 
-def atlas_inputs():
-    """Every file the atlas rule reads (its input above, flattened)."""
-    return [*all_shards(SHARD)(None), *all_shards(NULL_SHARD)(None), *calibration_shards(None),
-            *invariance_shards(None), f"{RESULTS}/metric_audit/metric_audit.parquet", *all_metas(None),
-            *induction_shards(INDUCTION_TOKENS), *induction_shards(HEAD_SCORES), *edge_attribution_shards(None),
-            *training_loss_shards(None)]
-
-
 # Snakemake remakes a missing file only for a job that needs it, and while the atlas exists none
 # does ("Nothing to be done"): a shard set aside for failing its checksum, removed with a failed
 # job or deleted by hand would stay missing, and the atlas would go on lacking it. So with any of

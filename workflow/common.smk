@@ -150,6 +150,14 @@ def invariance_shards(wildcards):
     return [INVARIANCE.format(model=m.name, checkpoint=m.last.label) for m in PLAN.models.values()]
 
 
+def atlas_inputs():
+    """Every file the atlas rule reads (its input in workflow/atlas.smk, flattened)."""
+    return [*all_shards(SHARD)(None), *all_shards(NULL_SHARD)(None), *calibration_shards(None),
+            *invariance_shards(None), f"{RESULTS}/metric_audit/metric_audit.parquet", *all_metas(None),
+            *induction_shards(INDUCTION_TOKENS), *induction_shards(HEAD_SCORES), *edge_attribution_shards(None),
+            *training_loss_shards(None)]
+
+
 def previous_train_state(wildcards):
     """The train rule resumes the checkpoint before this one (none for the first)."""
     previous = PLAN.models[wildcards.model].previous(wildcards.checkpoint)

@@ -34,12 +34,14 @@ NUMBERS = "SELECT (SELECT count(*) FROM composition) AS n, (SELECT round(sum(sco
 def composition_frame(model: str, rows: int = 400, seed: int = 0) -> pl.DataFrame:
     rng = np.random.default_rng(seed)
     n = rows
-    return pl.DataFrame({
+    df = pl.DataFrame({
         "model": model, "checkpoint": "final", "processing": "none", "space": "residual", "metric": "frobenius",
         "comp": rng.choice(["Q", "K", "V"], n), "writer_layer": np.zeros(n, np.int32), "writer_head": rng.integers(0, 8, n),
         "reader_layer": np.ones(n, np.int32), "reader_head": rng.integers(0, 8, n), "score": rng.uniform(0, 0.3, n),
         "baseline_gaussian_mean": 0.1, "baseline_gaussian_std": 0.02, "baseline_spectrum_mean": 0.1,
-        "baseline_spectrum_std": 0.02}).cast(COMPOSITION_SCHEMA).select(list(COMPOSITION_SCHEMA))  # type: ignore[arg-type]
+        "baseline_spectrum_std": 0.02})
+    df = df.with_columns(pl.lit(None).alias(c) for c in COMPOSITION_SCHEMA if c not in df.columns)  # e.g. score_share
+    return df.select(list(COMPOSITION_SCHEMA)).cast(COMPOSITION_SCHEMA)  # type: ignore[arg-type]
 
 
 def make_atlas(project: Path) -> tuple[Path, dict[str, list[Path]], list[Path]]:

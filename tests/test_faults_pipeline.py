@@ -148,6 +148,29 @@ def test_a_bad_composition_shard_is_named_and_the_advice_recovers(clean, tmp_pat
     assert numbers(work) == clean[1]
 
 
+def test_bit_rot_snakemake_cannot_see_is_found_by_check_shards_whose_advice_recovers(clean, tmp_path):
+    """A byte flipped with the shard's mtime kept (rot on the disk): Snakemake sees nothing to do
+    and a connection trusts the unchanged size and mtime; `compatlas check-shards` names it, and
+    its advice (--set-aside, then snakemake) gives the clean numbers."""
+    work = copy_of(clean, tmp_path)
+    bad = shard(work, block=0)
+    st = bad.stat()
+    data = bytearray(bad.read_bytes())
+    data[len(data) // 3] ^= 0x01
+    bad.write_bytes(bytes(data))
+    os.utime(bad, ns=(st.st_atime_ns, st.st_mtime_ns))
+    cli = [sys.executable, "-m", "compatlas.cli", "check-shards", "results"]
+    proc = subprocess.run(cli, cwd=work, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 1 and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+    assert str(bad.relative_to(work)) in proc.stderr and "content does not match its checksum" in proc.stderr
+    assert "compatlas check-shards --set-aside results, then rerun snakemake" in proc.stderr
+    proc = subprocess.run([*cli[:-1], "--set-aside", "results"], cwd=work, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 1 and "set aside as" in proc.stderr and not bad.exists()
+    snakemake(work)
+    assert numbers(work) == clean[1]
+    assert subprocess.run(cli, cwd=work, capture_output=True, text=True, timeout=300).returncode == 0
+
+
 def test_a_truncated_head_score_shard_is_left_out_said_in_the_report_and_remade(clean, tmp_path):
     work = copy_of(clean, tmp_path)
     heads = work / "results" / "induction" / "model=toy-gpt2" / "checkpoint=final" / "heads.parquet"

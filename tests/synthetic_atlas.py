@@ -12,10 +12,12 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+import duckdb
 import numpy as np
 import polars as pl
 
 from compatlas.atlas import build_atlas
+from compatlas.storage import checksum_path, write_shard
 from compatlas.tables import (
     CALIBRATION_SCHEMA, COMPOSITION_SCHEMA, EDGE_ATTRIBUTION_SCHEMA, HEAD_SCORES_SCHEMA, INDUCTION_TOKENS_SCHEMA, INVARIANCE_SCHEMA,
     METRIC_AUDIT_SCHEMA, TRAINING_LOSS_SCHEMA,
@@ -147,7 +149,7 @@ def write_suite(root: Path, specs: list[Spec], metrics=METRICS,
     def put(view: str, df: pl.DataFrame, name: str) -> None:
         p = root / view / f"{name}.parquet"
         p.parent.mkdir(parents=True, exist_ok=True)
-        df.write_parquet(p)
+        write_shard(df, p, {})  # sealed, as the pipeline writes them
         shards[view].append(p)
 
     for s in specs:
@@ -192,3 +194,13 @@ def write_suite(root: Path, specs: list[Spec], metrics=METRICS,
     db = root / "atlas.duckdb"
     build_atlas(db, {k: v for k, v in shards.items() if v}, metas)
     return db
+
+
+def as_older_atlas(db: Path) -> duckdb.DuckDBPyConnection:
+    """``db`` opened read-write to be made into an atlas of an older build (views changed by
+    hand): without ``shard_files`` and the atlas's checksum, which older builds did not write, so
+    that ``atlas.connect`` reads it as it is instead of as changed since it was built."""
+    checksum_path(db).unlink(missing_ok=True)
+    con = duckdb.connect(str(db))
+    con.execute("DROP TABLE IF EXISTS shard_files")
+    return con

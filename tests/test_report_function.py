@@ -18,7 +18,7 @@ from compatlas.atlas import connect as atlas_connect
 from compatlas.report import build_report
 from compatlas.report.function import CIRCUIT, OTHER, edge_points
 from compatlas.vocab import METRICS
-from synthetic_atlas import Spec, write_suite
+from synthetic_atlas import Spec, as_older_atlas, write_suite
 
 STEPS = [0, 4, 64, 200, 400]
 SUITE = [Spec("wide", 6, 4, edges=True), Spec("run", 3, 3, steps=STEPS, edges=True), Spec("plain", 4, 4)]
@@ -118,7 +118,7 @@ def test_an_atlas_without_edge_attribution_draws_its_pages_as_before(report, tmp
     db, out = report
     old = tmp_path / db.name
     shutil.copytree(db.parent, tmp_path, dirs_exist_ok=True)
-    con = duckdb.connect(str(old))
+    con = as_older_atlas(old)
     for v in ("eap_vs_exact", "composition_vs_function", "edge_attribution"):
         con.execute(f"DROP VIEW {v}")
     con.close()

@@ -35,8 +35,8 @@ def _fill_defaults(schema: dict, node: Any, root: dict) -> None:
     if not isinstance(node, dict):
         return
     for name, sub in schema.get("properties", {}).items():
-        if "$ref" in sub:
-            sub = _resolve(root, sub["$ref"])
+        if "$ref" in sub:  # a default beside the reference is this property's own
+            sub = {**_resolve(root, sub["$ref"]), **({"default": sub["default"]} if "default" in sub else {})}
         if name not in node and "default" in sub:
             node[name] = copy.deepcopy(sub["default"])
         if name in node:

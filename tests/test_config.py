@@ -301,3 +301,12 @@ def test_params_are_the_plain_values_of_the_config():
     m = build_plan(tiny(), check_sources=False).models["tiny-gpt2"]
     entry = {k: v for k, v in cfg["models"]["tiny-gpt2"].items()}
     assert repr(thaw(m.entry)) == repr(entry) and list(entry) == ["source", "processing"]
+
+
+def test_a_default_beside_a_reference_is_filled():
+    """activation.text is a $ref with its own default: a config without an activation section
+    samples the standard library's docstrings (the moments job reads the key)."""
+    validated = validate_config({"models": {"m": {"source": {"kind": "build", "architecture": "gpt2", "n_layers": 2,
+                                                             "n_heads": 2, "d_head": 8, "d_vocab": 64, "seed": 0}}}})
+    assert validated["activation"] == {"text": {"kind": "stdlib"}, "chunks": 32, "length": 128, "batch_size": 8,
+                                       "seed": 0}

@@ -169,6 +169,13 @@ def head_factors(w: AttentionWeights, metric: Metric, comps: tuple[Comp, ...] = 
     return HeadFactors(metric, emit, w_norm, w_sv, absorb, r_norm, r_sv, post, cols)
 
 
+def factor_family(metric: Metric) -> Metric:
+    """The metric whose ``head_factors`` (and so whose core products) serve ``metric``: every metric
+    scored from the Gram R factors and core spectra shares them, so a job scoring several computes
+    the cores once (``composition_job``); ``subspace`` alone uses orthonormal bases."""
+    return "subspace" if metric == "subspace" else "frobenius"
+
+
 def pair_denominator(metric: Metric, w_norm, w_sv, r_norm, r_sv) -> torch.Tensor:
     """[H1, H2] denominators: the quantity ||L R||_F (or its square, for subspace) is divided by."""
     if metric == "frobenius":
@@ -266,19 +273,27 @@ def gaussian_baseline(metric: Metric, comp: Comp, d_model: int, d_head: int, n: 
                       dtype: torch.dtype = torch.float64, device: str | torch.device = "cpu") -> tuple[float, float]:
     """Mean and std of the score over n x n pairs of n writer and n reader heads with Gaussian factors
     of the model's shapes, computed by the same kernel as the real scores."""
-    g = torch.Generator(device="cpu").manual_seed(seed)
+    s = layer_pair_scores(head_factors(gaussian_heads(d_model, d_head, n, seed, dtype, device), metric, (comp,)),
+                          0, [1], comp)
+    return float(s.mean()), float(s.std())
+
+
+def gaussian_heads(d_model: int, d_head: int, n: int, seed: int, dtype: torch.dtype = torch.float64,
+                   device: str | torch.device = "cpu") -> AttentionWeights:
+    """Standard Gaussian weights of two layers of n heads each: layer 0 the Gaussian baseline's
+    writers, layer 1 its readers. Drawn in float64 by a generator on ``device`` (at 70B shapes
+    they are 268M numbers: on a GPU, drawn there, never copied from the host); one seed gives the
+    same numbers on the CPU whatever ``dtype``, other numbers of the same law on a GPU."""
+    g = torch.Generator(device=device).manual_seed(seed)
 
     def gauss(*shape: int) -> torch.Tensor:
-        return torch.randn(*shape, generator=g, dtype=torch.float64).to(device=device, dtype=dtype)
+        return torch.randn(*shape, generator=g, dtype=torch.float64, device=device).to(dtype)
 
-    # layer 0 holds the n random writers, layer 1 the n random readers
-    w = AttentionWeights(
+    return AttentionWeights(
         W_Q=gauss(2, n, d_model, d_head), W_K=gauss(2, n, d_model, d_head),
         W_V=gauss(2, n, d_model, d_head), W_O=gauss(2, n, d_head, d_model),
         W_E=torch.zeros(1, d_model, dtype=dtype, device=device),
     )
-    s = layer_pair_scores(head_factors(w, metric, (comp,)), 0, [1], comp)
-    return float(s.mean()), float(s.std())
 
 
 # ----------------------------------------------------------------------------- layer pairs

@@ -1,88 +1,123 @@
 """The composition table of one job: a block of layer pairs scored, with both nulls, as rows.
 
-``composition`` is the kernel (per-head factors, one GEMM per layer pair); this module is the
-unit of work of the composition rule around it: the job's space, device and dtype, the null
-baselines' draws, and the flattening of [H, H] score blocks into ``COMPOSITION_SCHEMA`` rows."""
+``composition`` is the kernel (per-head factors and the metrics), ``composition_job`` runs it on
+the job's device in few large GEMMs; this module is the unit of work of the composition rule
+around them: the job's space, device and precision, its one copy back to the host, and the
+flattening of the [pair, H, H] score blocks into ``COMPOSITION_SCHEMA`` rows (vectorised: no
+Python loop per layer pair)."""
 
 from __future__ import annotations
 
 import logging
 import time
-from collections import defaultdict
 
 import numpy as np
 import polars as pl
 import torch
 
-from compatlas.composition import (
-    gaussian_baseline, haar_overlap_blocks, head_factors, layer_pair_scores, spectrum_baseline, touched_layers,
-)
-from compatlas.runtime import resolve_device, stable_seed
+from compatlas.composition import touched_layers
+from compatlas.composition_job import JobClock, draw_nulls, score_tiles
+from compatlas.precision import storage_dtype
+from compatlas.runtime import resolve_device
 from compatlas.tables import COMPOSITION_SCHEMA
 from compatlas.token_space import to_space
-from compatlas.vocab import COMPS, Metric, Space
+from compatlas.vocab import COMPS, Metric, ScoreDtype, Space
 from compatlas.weights import AttentionWeights
 
 log = logging.getLogger(__name__)
 
+
 def score_block(w: AttentionWeights, metric: Metric, space: Space, pairs: list[tuple[int, int]], *,
-                baseline_samples: int = 32, seed: int = 0, device: str = "auto", dtype: str = "float32",
+                baseline_samples: int = 32, seed: int = 0, device: str = "auto", dtype: ScoreDtype = "float32",
                 max_condition: float = 1e6) -> tuple[pl.DataFrame, dict]:
     """Q/K/V scores and both nulls for every head pair of the given (writer, reader) layer pairs.
 
     Any pair is scored the same way, causal (writer layer < reader layer) or not: the
     anti-causal and same-layer pairs of ``composition.null_pairs`` are the empirical null of
     ``calibration``. A head is never paired with itself. Returns the table (columns
-    ``COMPOSITION_SCHEMA``) and facts for the provenance record."""
-    dev, dt = resolve_device(device), getattr(torch, dtype)
-    t0 = time.perf_counter()
+    ``COMPOSITION_SCHEMA``) and facts for the provenance record. One metric of ``score_space``."""
+    tables, facts = score_space(w, (metric,), space, pairs, baseline_samples=baseline_samples, seed=seed,
+                                device=device, dtype=dtype, max_condition=max_condition)
+    return tables[metric], facts
+
+
+def on_device(w: AttentionWeights, dev: torch.device, dt: torch.dtype) -> AttentionWeights:
+    """The weights a job reads, moved once: per-layer tensors and W_E in ``dt``, the token-space
+    factors kept in float64 (the basis change is sensitive to conditioning), W_U left behind."""
+    def cast(t: torch.Tensor | None) -> torch.Tensor | None:
+        return None if t is None else t.to(device=dev, dtype=dt)
+
+    return AttentionWeights(W_Q=cast(w.W_Q), W_K=cast(w.W_K), W_V=cast(w.W_V), W_O=cast(w.W_O), W_E=cast(w.W_E),
+                            ln1_w=cast(w.ln1_w), meta=w.meta, extras={k: v.to(dev) for k, v in w.extras.items()},
+                            layer_ids=w.layer_ids)
+
+
+def score_space(w: AttentionWeights, metrics: tuple[Metric, ...], space: Space, pairs: list[tuple[int, int]], *,
+                baseline_samples: int = 32, seed: int = 0, device: str = "auto", dtype: ScoreDtype = "float32",
+                max_condition: float = 1e6, tile_bytes: int | None = None) -> tuple[dict[Metric, pl.DataFrame], dict]:
+    """``score_block`` for several metrics of one space in one pass: the weights go to the device
+    once, metrics of one ``factor_family`` share their factors and core products, and the
+    finished block comes back in one copy. Returns each metric's table and the job's facts
+    (``seconds_by_phase``: where the time went, ``composition_job.JobClock``)."""
+    dev, dt = resolve_device(device), storage_dtype(dtype)
+    clock, t0 = JobClock(dev), time.perf_counter()
     # factor only the layers this job's pairs touch: at 70B shapes all 80 layers' factors are ~86 GB
     touched = touched_layers(pairs) or list((w.layer_ids or range(w.n_layers))[:1])
     local = {layer: i for i, layer in enumerate(touched)}
-    w_s, facts = to_space(w.layers(touched), space, max_condition)
-    w_s = w_s.to(dev, dt)
-    f = head_factors(w_s, metric)
-    d_model, d_head, H = w_s.d_model, w.d_head, w.n_heads  # d_model of the space (token space may drop directions)
-    P2 = {c: haar_overlap_blocks(d_model, d_head, baseline_samples, stable_seed(seed, "spectrum", metric, space, c),
-                                 device=dev).pow(2).to(dt) for c in COMPS}
-    gauss = {c: gaussian_baseline(metric, c, d_model, d_head, baseline_samples,
-                                  stable_seed(seed, "gaussian", d_model, d_head, metric, c), dt, dev) for c in COMPS}
-    by_writer: dict[int, list[int]] = defaultdict(list)
-    for l1, l2 in pairs:
-        by_writer[l1].append(l2)
-    cols: dict[str, list[np.ndarray]] = defaultdict(list)
-    hw, hr = np.meshgrid(np.arange(H), np.arange(H), indexing="ij")
-    n = H * H
-    for l1, readers in sorted(by_writer.items()):
-        for c in COMPS:
-            a, bs = local[l1], [local[r] for r in readers]
-            s = layer_pair_scores(f, a, bs, c).double().cpu().numpy()
-            # the spectrum null of every reader layer at once: [H1, nR x H2] -> [nR, H1, H2]
-            mus, sds = (x.view(H, len(bs), H).transpose(0, 1).double().cpu().numpy() for x in spectrum_baseline(
-                metric, f.writer_norm[a], f.writer_sv[a], f.reader_norm[c][bs].reshape(-1),
-                f.reader_sv[c][bs].reshape(len(bs) * H, -1), P2[c]))
-            for i, l2 in enumerate(readers):
-                keep = hw.ravel() != hr.ravel() if l1 == l2 else np.ones(n, dtype=bool)  # a head is no pair with itself
-                k = int(keep.sum())
-                cols["comp"].append(np.full(k, c))
-                cols["writer_layer"].append(np.full(k, l1))
-                cols["writer_head"].append(hw.ravel()[keep])
-                cols["reader_layer"].append(np.full(k, l2))
-                cols["reader_head"].append(hr.ravel()[keep])
-                cols["score"].append(s[i].ravel()[keep])
-                cols["baseline_gaussian_mean"].append(np.full(k, gauss[c][0]))
-                cols["baseline_gaussian_std"].append(np.full(k, gauss[c][1]))
-                cols["baseline_spectrum_mean"].append(mus[i].ravel()[keep])
-                cols["baseline_spectrum_std"].append(sds[i].ravel()[keep])
-        log.info("%s/%s: writer layer %d scored against %d reader layers (%.1fs)", metric, space, l1, len(readers),
-                 time.perf_counter() - t0)
-    data = {k: np.concatenate(v) if v else np.array([]) for k, v in cols.items()}
-    rows = len(data.get("score", []))
-    const = {"model": w.meta.get("model", "?"), "checkpoint": w.meta.get("checkpoint", "final"),
-             "processing": w.meta.get("processing", "none"), "space": space, "metric": metric}
-    df = (pl.DataFrame({**{k: [v] * rows for k, v in const.items()}, **data}, schema_overrides=COMPOSITION_SCHEMA)
-          if rows else pl.DataFrame(schema=COMPOSITION_SCHEMA))
-    df = df.select(list(COMPOSITION_SCHEMA)).cast(COMPOSITION_SCHEMA)
+    with clock.phase("transfer"):
+        w_d = on_device(w.layers(touched), dev, dt)
+    with clock.phase("factors"):
+        w_s, facts = to_space(w_d, space, max_condition)
+        del w_d
+    with clock.phase("nulls"):  # d_model of the space: token space may drop directions
+        nulls = draw_nulls(tuple(metrics), space, w_s.d_model, w.d_head, baseline_samples, seed, dt, dev)
+    block, gauss = score_tiles(w_s, tuple(metrics), [(local[a], local[b]) for a, b in pairs], nulls, dtype, clock,
+                               tile_bytes)
+    with clock.phase("transfer"):  # the finished block, in one copy
+        host = torch.cat([block.flatten(), gauss.flatten()]).cpu().double().numpy()
+        block_h, gauss_h = host[:block.numel()].reshape(block.shape), host[block.numel():].reshape(gauss.shape)
+        del block, gauss
+    with clock.phase("table"):
+        const = {"model": w.meta.get("model", "?"), "checkpoint": w.meta.get("checkpoint", "final"),
+                 "processing": w.meta.get("processing", "none"), "space": space}
+        tables = {m: block_table(block_h[i], gauss_h[i], pairs, w.n_heads, const | {"metric": m})
+                  for i, m in enumerate(metrics)}
+    log.info("%s/%s: %d layer pairs scored in %.1fs (%s)", ",".join(metrics), space, len(pairs),
+             time.perf_counter() - t0, ", ".join(f"{k} {v:.2f}s" for k, v in clock.seconds.items()))
     facts.update(device=str(dev), dtype=dtype, baseline_samples=baseline_samples, seed=seed,
-                 seconds=round(time.perf_counter() - t0, 3), layer_pairs=[list(p) for p in pairs])
-    return df, facts
+                 seconds=round(time.perf_counter() - t0, 3), layer_pairs=[list(p) for p in pairs],
+                 seconds_by_phase={k: round(v, 3) for k, v in clock.seconds.items()})
+    return tables, facts
+
+
+def block_table(block: np.ndarray, gauss: np.ndarray, pairs: list[tuple[int, int]], H: int,
+                const: dict[str, str]) -> pl.DataFrame:
+    """Rows (``COMPOSITION_SCHEMA``) of one metric's block [comp, score / spectrum mean / std, pair,
+    H, H] and Gaussian baselines [comp, mean / std], writer layer by writer layer, then comp, then
+    the pairs' order; same-layer pairs drop a head paired with itself."""
+    if not pairs:
+        return pl.DataFrame(schema=COMPOSITION_SCHEMA)
+    wl, rl = (np.array(x) for x in zip(*pairs))
+    p_i, c_i = np.meshgrid(np.arange(len(pairs)), np.arange(len(COMPS)), indexing="ij")
+    order = np.lexsort((p_i.ravel(), c_i.ravel(), wl[p_i.ravel()]))  # writer, then comp, then pair
+    p_i, c_i = p_i.ravel()[order], c_i.ravel()[order]
+    hw, hr = np.meshgrid(np.arange(H), np.arange(H), indexing="ij")
+    keep = ~((wl[p_i] == rl[p_i])[:, None, None] & (hw == hr)[None])  # [rows / H^2, H, H]
+    k = keep.sum(axis=(1, 2))
+
+    def per_block(x: np.ndarray) -> np.ndarray:  # one value per (comp, pair) block, repeated over its rows
+        return np.repeat(x, k)
+
+    def per_head(x: np.ndarray) -> np.ndarray:  # [(comp, pair) blocks, H, H] -> the kept rows
+        return x[keep]
+
+    data = {
+        "writer_layer": per_block(wl[p_i]), "writer_head": per_head(np.broadcast_to(hw, keep.shape)),
+        "reader_layer": per_block(rl[p_i]), "reader_head": per_head(np.broadcast_to(hr, keep.shape)),
+        "score": per_head(block[c_i, 0, p_i]),
+        "baseline_gaussian_mean": per_block(gauss[c_i, 0]), "baseline_gaussian_std": per_block(gauss[c_i, 1]),
+        "baseline_spectrum_mean": per_head(block[c_i, 1, p_i]), "baseline_spectrum_std": per_head(block[c_i, 2, p_i]),
+    }
+    df = pl.DataFrame(data).with_columns(pl.Series("comp", COMPS).gather(per_block(c_i)),
+                                         *(pl.lit(v).alias(name) for name, v in const.items()))
+    return df.select(list(COMPOSITION_SCHEMA)).cast(COMPOSITION_SCHEMA)

@@ -281,13 +281,13 @@ def gaussian_baseline(metric: Metric, comp: Comp, d_model: int, d_head: int, n: 
 def gaussian_heads(d_model: int, d_head: int, n: int, seed: int, dtype: torch.dtype = torch.float64,
                    device: str | torch.device = "cpu") -> AttentionWeights:
     """Standard Gaussian weights of two layers of n heads each: layer 0 the Gaussian baseline's
-    writers, layer 1 its readers. Drawn in float64 by a generator on ``device`` (at 70B shapes
-    they are 268M numbers: on a GPU, drawn there, never copied from the host); one seed gives the
-    same numbers on the CPU whatever ``dtype``, other numbers of the same law on a GPU."""
+    writers, layer 1 its readers. Drawn in ``dtype`` by a generator on ``device`` (at 70B shapes
+    they are 268M numbers: on a GPU, drawn there, never copied from the host); a GPU draws other
+    numbers of the same law than the CPU."""
     g = torch.Generator(device=device).manual_seed(seed)
 
     def gauss(*shape: int) -> torch.Tensor:
-        return torch.randn(*shape, generator=g, dtype=torch.float64, device=device).to(dtype)
+        return torch.randn(*shape, generator=g, dtype=dtype, device=device)
 
     return AttentionWeights(
         W_Q=gauss(2, n, d_model, d_head), W_K=gauss(2, n, d_model, d_head),

@@ -25,7 +25,7 @@ from __future__ import annotations
 import time
 from collections import defaultdict
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 
 import torch
@@ -35,13 +35,14 @@ from compatlas.composition import (
     spectrum_baseline,
 )
 from compatlas.precision import core_gemm, gemm_operand
-from compatlas.runtime import stable_seed
+from compatlas.runtime import one_thread, stable_seed
 from compatlas.vocab import COMPS, Comp, Metric, ScoreDtype, Space
 from compatlas.weights import AttentionWeights
 
 CPU_TILE_BYTES = 32 * 2**20  # one GPT-2-small writer layer's products (28 MiB): cache-sized
-GPU_TILE_SHARE = 0.25  # of the device's free memory, for one tile's products (and as much for its post products)
-GPU_TILE_MAX = 8 * 2**30  # past a few GB a GEMM is as fast as it gets
+GPU_TILE_SHARE = 0.15  # of the device's free memory, for one tile's products (its post products and their
+# contiguous copy take as much again each)
+GPU_TILE_MAX = 4 * 2**30  # past a few GB a GEMM is as fast as it gets
 
 
 @dataclass
@@ -136,13 +137,19 @@ def tile_sq_norms(f: HeadFactors, ops: GemmOperands, comp: Comp, writers: list[i
     F = F.transpose(0, 1).reshape(d, nR * width)  # a view when the readers are consecutive
     core = core_gemm(E, F, dtype)
     if post is None:  # per query head, or a subspace basis shared by the KV group
-        sq = core.square_().view(k * H1, dh, nR * Hg, dh).sum(-1).sum(1)
+        sq = _block_sq_norms(core.view(k * H1, dh, nR * Hg, dh))
         return sq.view(k * H1, nR, Hg).repeat_interleave(g, dim=2).view(k * H1, nR * Hg * g)
     # each query head j of KV head m: core[.., m, :] @ post[m * g + j]
     core = core.view(k * H1 * dh, nR, Hg, dh).permute(1, 2, 0, 3)  # [nR, Hg, k H1 dh, dh]
     P = _layer_slice(post, readers).reshape(nR, Hg, g, dh, dh).permute(0, 1, 3, 2, 4).reshape(nR, Hg, dh, g * dh)
-    sq = (core @ P).square_().view(nR, Hg, k * H1, dh, g, dh).sum(-1).sum(3)  # [nR, Hg, k H1, g]
-    return sq.permute(2, 0, 1, 3).reshape(k * H1, nR * Hg * g)
+    sq = _block_sq_norms((core @ P).view(nR * Hg * k * H1, dh, g, dh))  # [nR Hg k H1, g]
+    return sq.view(nR, Hg, k * H1, g).permute(2, 0, 1, 3).reshape(k * H1, nR * Hg * g)
+
+
+def _block_sq_norms(x: torch.Tensor) -> torch.Tensor:
+    """Squared Frobenius norms [a, b] of the blocks ``x[i, :, j, :]`` of x [a, dh, b, dh]: one pass
+    over the products (the bulk of a job's memory traffic), reading them once and writing nothing."""
+    return torch.linalg.vector_norm(x, dim=(1, 3)).square_()
 
 
 def _heads(x: torch.Tensor, layers: list[int]) -> torch.Tensor:
@@ -151,7 +158,7 @@ def _heads(x: torch.Tensor, layers: list[int]) -> torch.Tensor:
     return x.reshape(x.shape[0] * x.shape[1], *x.shape[2:])
 
 
-def _spectra(f: HeadFactors, comp: Comp, writers: list[int], readers: list[int]) -> tuple[torch.Tensor, ...]:
+def tile_spectra(f: HeadFactors, comp: Comp, writers: list[int], readers: list[int]) -> tuple[torch.Tensor, ...]:
     """(writer norms, writer spectra, reader norms, reader spectra) of a tile's heads, flattened."""
     return (_heads(f.writer_norm, writers), _heads(f.writer_sv, writers),
             _heads(f.reader_norm[comp], readers), _heads(f.reader_sv[comp], readers))
@@ -170,15 +177,17 @@ def draw_nulls(metrics: tuple[Metric, ...], space: Space, d_model: int, d_head: 
                dt: torch.dtype, dev: torch.device) -> Nulls:
     """The spectrum null's draws keep ``composition_table``'s seeds (one per metric x space x comp);
     the Gaussian heads are one draw per job shape, shared by every metric and comp."""
-    P2 = {(m, c): haar_overlap_blocks(d_model, d_head, n, stable_seed(seed, "spectrum", m, space, c),
-                                      device=dev).pow(2).to(dt) for m in metrics for c in COMPS}
+    with one_thread() if dev.type == "cpu" else nullcontext():
+        P2 = {(m, c): haar_overlap_blocks(d_model, d_head, n, stable_seed(seed, "spectrum", m, space, c),
+                                          device=dev).pow(2).to(dt) for m in metrics for c in COMPS}
     return Nulls(P2, gaussian_heads(d_model, d_head, n, stable_seed(seed, "gaussian", d_model, d_head), dt, dev))
 
 
-def score_tiles(w: AttentionWeights, metrics: tuple[Metric, ...], pairs: list[tuple[int, int]], nulls: Nulls,
+def score_tiles(w: AttentionWeights, metrics: tuple[Metric, ...], pairs: list[tuple[int, int]], nulls: Nulls | None,
                 dtype: ScoreDtype, clock: JobClock, tile_bytes: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Scores and spectrum nulls of every head pair of ``pairs`` (local layer indices of ``w``) and
-    the Gaussian baselines, on ``w``'s device.
+    the Gaussian baselines, on ``w``'s device (``nulls=None``: the scores alone, the nulls' places
+    left unset: the kernel alone, as the benchmark times it).
 
     Returns ``block`` [len(metrics), 3 comps, 3 (score, spectrum mean, spectrum std), len(pairs), H, H]
     and ``gauss`` [len(metrics), 3 comps, 2 (mean, std)]."""
@@ -188,6 +197,7 @@ def score_tiles(w: AttentionWeights, metrics: tuple[Metric, ...], pairs: list[tu
     families: dict[Metric, list[int]] = defaultdict(list)  # family -> indices into metrics
     for i, m in enumerate(metrics):
         families[factor_family(m)].append(i)
+    small = one_thread if dev.type == "cpu" else nullcontext  # runtime.one_thread: small ops pay a thread hand-off
     tile_bytes = tile_bytes or default_tile_bytes(dev)
     # a head pair's core (a shared absorb's post products take as much again, beside it)
     tiles = plan_tiles(pairs, dh * dh * w.W_Q.element_size(), H, tile_bytes, dev)
@@ -195,31 +205,45 @@ def score_tiles(w: AttentionWeights, metrics: tuple[Metric, ...], pairs: list[tu
         with clock.phase("factors"):
             f = head_factors(w, family)
             ops = gemm_operands(f, dtype)
-        with clock.phase("nulls"):
-            fg = head_factors(nulls.gaussian, family)
-            ops_g = gemm_operands(fg, dtype)
+        if nulls is not None:
+            with clock.phase("nulls"):
+                g = gaussian_baselines(nulls.gaussian, family, [metrics[i] for i in idx], dtype, small)
+                gauss[idx] = g[:, None, :].expand(len(idx), len(COMPS), 2)
         for c_i, c in enumerate(COMPS):
             for t in tiles:
                 with clock.phase("gemms"):
                     sq = tile_sq_norms(f, ops, c, t.writers, t.readers, dtype)
-                spectra = _spectra(f, c, t.writers, t.readers)
+                spectra = tile_spectra(f, c, t.writers, t.readers)
                 shape = (len(t.writers), H, len(t.readers), H)
                 for i in idx:
                     m = metrics[i]
-                    with clock.phase("scores"):
+                    with clock.phase("scores"), small():
                         s = normalised_score(m, sq, pair_denominator(m, *spectra)).view(shape)
                         block[i, c_i, 0, t.pos] = s[t.wi, :, t.ri, :]
-                    with clock.phase("nulls"):
+                    if nulls is None:
+                        continue
+                    with clock.phase("nulls"), small():
                         for j, x in enumerate(spectrum_baseline(m, *spectra, nulls.P2[m, c])):
                             block[i, c_i, 1 + j, t.pos] = x.view(shape)[t.wi, :, t.ri, :]
-            with clock.phase("nulls"):  # the Gaussian heads: writers in layer 0, readers in layer 1
-                sq = tile_sq_norms(fg, ops_g, c, [0], [1], dtype)
-                spectra = _spectra(fg, c, [0], [1])
-                for i in idx:
-                    s = normalised_score(metrics[i], sq, pair_denominator(metrics[i], *spectra))
-                    gauss[i, c_i, 0], gauss[i, c_i, 1] = s.mean(), s.std()
-        del f, ops, fg, ops_g
+        f = ops = None  # one family's factors on the device at a time
     return block, gauss
+
+
+def gaussian_baselines(heads: AttentionWeights, family: Metric, metrics: list[Metric], dtype: ScoreDtype,
+                       small=nullcontext) -> torch.Tensor:
+    """Mean and std [metrics, 2] of each metric's score over the n x n pairs of Gaussian heads
+    (layer 0 writers, layer 1 readers), by the same kernel as the real scores.
+
+    Computed once, for Q, and given to K and V: with i.i.d. Gaussian weights the three comps'
+    scores have one law (each reader matrix, ``W_Q W_K^T``, ``W_K W_Q^T`` or ``W_V W_O``, is a
+    product of two independent Gaussian d_model x d_head factors; for ``subspace`` each reader
+    subspace is the span of one), so three computations would be three estimates of one number."""
+    f = head_factors(heads, family, ("Q",))
+    sq = tile_sq_norms(f, gemm_operands(f, dtype), "Q", [0], [1], dtype)
+    spectra = tile_spectra(f, "Q", [0], [1])
+    with small():
+        scores = [normalised_score(m, sq, pair_denominator(m, *spectra)) for m in metrics]
+        return torch.stack([torch.stack([s.mean(), s.std()]) for s in scores])
 
 
 def default_tile_bytes(dev: torch.device) -> int:

@@ -31,7 +31,7 @@ def reference_table(w, metric, pairs, seed=0, n=N) -> pl.DataFrame:
     rows = []
     for c in COMPS:
         P2 = haar_overlap_blocks(d, dh, n, stable_seed(seed, "spectrum", metric, "residual", c)).pow(2)
-        g_mean, g_std = gaussian_baseline(metric, c, d, dh, n, stable_seed(seed, "gaussian", d, dh))
+        g_mean, g_std = gaussian_baseline(metric, "Q", d, dh, n, stable_seed(seed, "gaussian", d, dh))  # one law for Q, K, V
         for a, b in pairs:
             s = layer_pair_scores(f, a, [b], c)[0]
             mu, sd = spectrum_baseline(metric, f.writer_norm[a], f.writer_sv[a], f.reader_norm[c][b], f.reader_sv[c][b], P2)

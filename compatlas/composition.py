@@ -89,9 +89,12 @@ def _orthonormal_basis(A: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Orthonormal basis of the column space of A [..., n, k], zero-padded past its rank.
 
     Returns (U [..., n, k], indicator [..., k] of the kept columns)."""
-    Q, R = torch.linalg.qr(A)  # then the SVD of the small k x k R, not of A
-    U_R, S, _ = torch.linalg.svd(R)
+    Q, R = torch.linalg.qr(A)  # then the singular values of the small k x k R, not of A
+    S = torch.linalg.svdvals(R)
     tol = S[..., :1] * max(A.shape[-2:]) * torch.finfo(A.dtype).eps
+    if bool((S > tol).all()):  # every head full rank: Q is a basis already (no score sees its rotation)
+        return Q, torch.ones_like(S)
+    U_R, S, _ = torch.linalg.svd(R)  # rank-deficient heads: R's singular vectors order Q's columns
     keep = (S > tol).to(A.dtype)
     return (Q @ U_R) * keep[..., None, :], keep
 

@@ -124,10 +124,10 @@ def gemm_operands(f: HeadFactors, dtype: ScoreDtype) -> GemmOperands:
 
 
 def tile_sq_norms(f: HeadFactors, ops: GemmOperands, comp: Comp, writers: list[int], readers: list[int],
-                  dtype: ScoreDtype) -> torch.Tensor:
+                  dtype: ScoreDtype, keep: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Squared Frobenius norms [k H1, nR H2] of the d_head x d_head cores of every head pair of k
     writer layers and nR reader layers: one GEMM (``composition.layer_pair_scores``'s algebra,
-    with the writer layers stacked)."""
+    with the writer layers stacked); and with ``keep`` the GEMM's product [k H1 dh, nR Hg dh]."""
     L, H1, dh, d = ops.emit.shape
     Hg = f.absorb[comp].shape[1]
     g, post, k, nR = H1 // Hg, f.post.get(comp), len(writers), len(readers)
@@ -138,12 +138,12 @@ def tile_sq_norms(f: HeadFactors, ops: GemmOperands, comp: Comp, writers: list[i
     core = core_gemm(E, F, dtype)
     if post is None:  # per query head, or a subspace basis shared by the KV group
         sq = _block_sq_norms(core.view(k * H1, dh, nR * Hg, dh))
-        return sq.view(k * H1, nR, Hg).repeat_interleave(g, dim=2).view(k * H1, nR * Hg * g)
+        return sq.view(k * H1, nR, Hg).repeat_interleave(g, dim=2).view(k * H1, nR * Hg * g), core if keep else None
     # each query head j of KV head m: core[.., m, :] @ post[m * g + j]
     core = core.view(k * H1 * dh, nR, Hg, dh).permute(1, 2, 0, 3)  # [nR, Hg, k H1 dh, dh]
     P = _layer_slice(post, readers).reshape(nR, Hg, g, dh, dh).permute(0, 1, 3, 2, 4).reshape(nR, Hg, dh, g * dh)
     sq = _block_sq_norms((core @ P).view(nR * Hg * k * H1, dh, g, dh))  # [nR Hg k H1, g]
-    return sq.view(nR, Hg, k * H1, g).permute(2, 0, 1, 3).reshape(k * H1, nR * Hg * g)
+    return sq.view(nR, Hg, k * H1, g).permute(2, 0, 1, 3).reshape(k * H1, nR * Hg * g), None
 
 
 def _block_sq_norms(x: torch.Tensor) -> torch.Tensor:
@@ -183,12 +183,54 @@ def draw_nulls(metrics: tuple[Metric, ...], space: Space, d_model: int, d_head: 
     return Nulls(P2, gaussian_heads(d_model, d_head, n, stable_seed(seed, "gaussian", d_model, d_head), dt, dev))
 
 
+@dataclass
+class Sandwich:
+    """Another family's cores from the base family's (the module docstring's sandwich):
+    ``core = left[h1] @ base core @ right[h2]``, ``left`` [L, H, dh, dh] per writer head, ``right[c]``
+    [L, Hg, dh, g dh]: the g query heads of each base absorb head side by side."""
+
+    left: torch.Tensor
+    right: dict[str, torch.Tensor]
+
+
+def sandwich(f: HeadFactors, base: HeadFactors) -> Sandwich:
+    """``left = emit U_O`` and ``right = U_A^T absorb (post)`` with the base's orthonormal ``emit = U_O^T``
+    and ``absorb = U_A``: ``f``'s emit rows lie in W_O's row space and its absorb columns in A's
+    column space, which U_O and U_A span (zero columns past a rank change nothing), so
+    ``emit absorb = (emit U_O) (U_O^T U_A) (U_A^T absorb)`` exactly."""
+    L, H, dh, _ = f.emit.shape
+    right = {}
+    for c in base.absorb:
+        Hg = base.absorb[c].shape[1]
+        if f.absorb[c].shape[1] != Hg:
+            raise ValueError(f"{c}: {f.absorb[c].shape[1]} absorb heads against the base's {Hg}")
+        C = base.absorb[c].transpose(-2, -1) @ f.absorb[c]  # [L, Hg, dh, dh]
+        post = f.post.get(c)
+        C = C.repeat_interleave(H // Hg, dim=1) @ post if post is not None else C.repeat_interleave(H // Hg, dim=1)
+        right[c] = C.view(L, Hg, H // Hg, dh, dh).permute(0, 1, 3, 2, 4).reshape(L, Hg, dh, H // Hg * dh)
+    return Sandwich(f.emit @ base.emit.transpose(-2, -1), right)
+
+
+def sandwich_sq_norms(core: torch.Tensor, s: Sandwich, comp: Comp, writers: list[int], readers: list[int]) -> torch.Tensor:
+    """Squared norms [k H1, nR H2] of another family's cores from a tile's base products ``core``
+    [k H1 dh, nR Hg dh] (``tile_sq_norms(..., keep=True)``): two d_head-long products, each
+    d_head / d_model of the base GEMM's FLOPs."""
+    left, right = _heads(s.left, writers), _heads(s.right[comp], readers)  # [k H1, dh, dh], [nR Hg, dh, g dh]
+    kH1, dh = left.shape[:2]
+    nRHg, g = right.shape[0], right.shape[2] // dh
+    x = (left @ core.view(kH1, dh, nRHg * dh)).view(kH1 * dh, nRHg, dh).transpose(0, 1)  # [nR Hg, k H1 dh, dh]
+    sq = _block_sq_norms((x @ right).view(nRHg * kH1, dh, g, dh))  # [nR Hg k H1, g]
+    return sq.view(nRHg, kH1, g).transpose(0, 1).reshape(kH1, nRHg * g)
+
+
 def score_tiles(w: AttentionWeights, metrics: tuple[Metric, ...], pairs: list[tuple[int, int]], nulls: Nulls | None,
                 dtype: ScoreDtype, clock: JobClock, tile_bytes: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Scores and spectrum nulls of every head pair of ``pairs`` (local layer indices of ``w``) and
     the Gaussian baselines, on ``w``'s device (``nulls=None``: the scores alone, the nulls' places
     left unset: the kernel alone, as the benchmark times it).
 
+    With ``subspace`` among the metrics, its orthonormal cores are the base: the other family's
+    cores are sandwiches of them (``sandwich``), so the d_model-long GEMMs run once per comp.
     Returns ``block`` [len(metrics), 3 comps, 3 (score, spectrum mean, spectrum std), len(pairs), H, H]
     and ``gauss`` [len(metrics), 3 comps, 2 (mean, std)]."""
     dev, H, dh = w.W_Q.device, w.n_heads, w.d_head
@@ -201,31 +243,39 @@ def score_tiles(w: AttentionWeights, metrics: tuple[Metric, ...], pairs: list[tu
     tile_bytes = tile_bytes or default_tile_bytes(dev)
     # a head pair's core (a shared absorb's post products take as much again, beside it)
     tiles = plan_tiles(pairs, dh * dh * w.W_Q.element_size(), H, tile_bytes, dev)
-    for family, idx in families.items():
-        with clock.phase("factors"):
-            f = head_factors(w, family)
-            ops = gemm_operands(f, dtype)
-        if nulls is not None:
-            with clock.phase("nulls"):
-                g = gaussian_baselines(nulls.gaussian, family, [metrics[i] for i in idx], dtype, small)
+    with clock.phase("factors"):
+        f = {fam: head_factors(w, fam) for fam in families}
+        base = "subspace" if "subspace" in f else None
+        ops = {fam: gemm_operands(x, dtype) for fam, x in f.items() if base in (None, fam)}
+        sand = {fam: sandwich(x, f[base]) for fam, x in f.items() if base not in (None, fam)}
+        for x in f.values():  # what the GEMMs no longer need (a sandwiched family's d_model-long factors)
+            if x.metric in sand or base is not None and x.metric != base:
+                x.emit, x.absorb, x.absorb_cols = None, {}, {}
+    if nulls is not None:
+        with clock.phase("nulls"):
+            for fam, idx in families.items():
+                g = gaussian_baselines(nulls.gaussian, fam, [metrics[i] for i in idx], dtype, small)
                 gauss[idx] = g[:, None, :].expand(len(idx), len(COMPS), 2)
-        for c_i, c in enumerate(COMPS):
-            for t in tiles:
-                with clock.phase("gemms"):
-                    sq = tile_sq_norms(f, ops, c, t.writers, t.readers, dtype)
-                spectra = tile_spectra(f, c, t.writers, t.readers)
+    for c_i, c in enumerate(COMPS):
+        for t in tiles:
+            with clock.phase("gemms"):
+                sq, core = {}, None
+                for fam in ops:
+                    sq[fam], core = tile_sq_norms(f[fam], ops[fam], c, t.writers, t.readers, dtype, keep=bool(sand))
+                for fam, s in sand.items():
+                    sq[fam] = sandwich_sq_norms(core, s, c, t.writers, t.readers)
+                del core
+            for fam, idx in families.items():
+                spectra = tile_spectra(f[fam], c, t.writers, t.readers)
                 shape = (len(t.writers), H, len(t.readers), H)
                 for i in idx:
-                    m = metrics[i]
                     with clock.phase("scores"), small():
-                        s = normalised_score(m, sq, pair_denominator(m, *spectra)).view(shape)
+                        s = normalised_score(metrics[i], sq[fam], pair_denominator(metrics[i], *spectra)).view(shape)
                         block[i, c_i, 0, t.pos] = s[t.wi, :, t.ri, :]
-                    if nulls is None:
-                        continue
-                    with clock.phase("nulls"), small():
-                        for j, x in enumerate(spectrum_baseline(m, *spectra, nulls.P2[m, c])):
-                            block[i, c_i, 1 + j, t.pos] = x.view(shape)[t.wi, :, t.ri, :]
-        f = ops = None  # one family's factors on the device at a time
+                    if nulls is not None:
+                        with clock.phase("nulls"), small():
+                            for j, x in enumerate(spectrum_baseline(metrics[i], *spectra, nulls.P2[metrics[i], c])):
+                                block[i, c_i, 1 + j, t.pos] = x.view(shape)[t.wi, :, t.ri, :]
     return block, gauss
 
 
@@ -239,7 +289,7 @@ def gaussian_baselines(heads: AttentionWeights, family: Metric, metrics: list[Me
     product of two independent Gaussian d_model x d_head factors; for ``subspace`` each reader
     subspace is the span of one), so three computations would be three estimates of one number."""
     f = head_factors(heads, family, ("Q",))
-    sq = tile_sq_norms(f, gemm_operands(f, dtype), "Q", [0], [1], dtype)
+    sq, _ = tile_sq_norms(f, gemm_operands(f, dtype), "Q", [0], [1], dtype)
     spectra = tile_spectra(f, "Q", [0], [1])
     with small():
         scores = [normalised_score(m, sq, pair_denominator(m, *spectra)) for m in metrics]

@@ -111,6 +111,17 @@ def core_kinds(s: dict) -> list[tuple[int, bool]]:
             for fam in FAMILIES for c in COMPS]
 
 
+def own_flops(s: dict, pairs: list[tuple[int, int]]) -> float:
+    """The FLOPs of the products the batched job runs for all three metrics: subspace's cores and
+    the magnitude family's sandwich (per head pair: d_head x d_head by d_head x d_head, twice)."""
+    H, Hkv, d, dh = s["H"], s["Hkv"], s["d"], s["dh"]
+    per_pair = 0
+    for c in COMPS:
+        Hg = Hkv if c != "Q" else H
+        per_pair += 2 * H * dh * d * Hg * dh + 2 * H * dh * dh * Hg * dh + 2 * H * dh * dh * H * dh
+    return per_pair * len(pairs)
+
+
 def core_flops(s: dict, pairs: list[tuple[int, int]]) -> float:
     """The FLOPs of the core products a job over ``pairs`` cannot avoid (all families and comps)."""
     H, d, dh = s["H"], s["d"], s["dh"]
@@ -134,7 +145,10 @@ class Floor:
         self.E = rand(k * H * dh, d)
         self.F = {Hg: rand(d, n * Hg * dh) for Hg in {Hg for Hg, _ in core_kinds(s)}}
         self.P = rand(n * Hkv, dh, H // Hkv * dh) if Hkv != H else None
+        self.left = rand(k * H, dh, dh)  # the sandwich's factors: per writer head, per reader absorb head
+        self.right = {Hg: rand(n * Hg, dh, H // Hg * dh) for Hg in {Hg for Hg, _ in core_kinds(s)}}
         self.flops = core_flops(s, pairs)
+        self.own_flops = own_flops(s, pairs)
         self.ops: dict[str, tuple] = {}
 
     def prepare(self, dtype: str) -> None:
@@ -146,6 +160,18 @@ class Floor:
         if layout == "per_writer":
             return [(1, len(r)) for r in self.readers_of.values()]
         return self.tiles
+
+    def run_own(self, dtype: str) -> None:
+        """The products the batched job itself runs, in its tiles: subspace's d_model-long GEMMs
+        (the base), then the magnitude family's two d_head-long sandwich products per tile."""
+        H, dh = self.s["H"], self.s["dh"]
+        E, F = self.ops[dtype]
+        for c in COMPS:
+            Hg = self.s["Hkv"] if c != "Q" else H
+            for k, nR in self.tiles:
+                core = core_gemm(E[:k * H * dh], F[Hg][:, :nR * Hg * dh], dtype)
+                x = (self.left[:k * H] @ core.view(k * H, dh, nR * Hg * dh)).view(k * H * dh, nR * Hg, dh).transpose(0, 1)
+                x @ self.right[Hg][:nR * Hg]
 
     def run(self, dtype: str, layout: str) -> None:
         H, dh = self.s["H"], self.s["dh"]
@@ -186,6 +212,7 @@ def measure_shape(key: str, dev: torch.device, repeats: int, dtypes: tuple[str, 
 
     parts = {**{f"floor {dt} {lay}": (lambda dt=dt, lay=lay: floor.run(dt, lay))
                 for dt in dtypes for lay in ("per_writer", "tiles")},
+             **{f"own {dt}": (lambda dt=dt: floor.run_own(dt)) for dt in dtypes},
              "kernel float32": lambda: score_tiles(w_dev, METRICS, [(a, b) for a, b in pairs], None, "float32",
                                                    JobClock(dev)),
              **{f"job {dt}": job(dt) for dt in dtypes}}
@@ -203,6 +230,7 @@ def measure_shape(key: str, dev: torch.device, repeats: int, dtypes: tuple[str, 
            "tiles": floor.tiles, "floor_s": {dt: med(fl[dt]) for dt in dtypes},
            "floor_tflops": {dt: floor.flops / 1e12 / med(fl[dt]) for dt in dtypes},
            "floor_layouts_s": {k.split(" ", 1)[1]: med(v) for k, v in t.items() if k.startswith("floor")},
+           "own_tflop": floor.own_flops / 1e12, "own_floor_s": {dt: med(t[f"own {dt}"]) for dt in dtypes},
            "kernel_s": med(t["kernel float32"]),
            "kernel_share": med([f / k for f, k in zip(fl["float32"], t["kernel float32"])]), "job": {}}
     for dt in dtypes:
@@ -210,6 +238,7 @@ def measure_shape(key: str, dev: torch.device, repeats: int, dtypes: tuple[str, 
         out["job"][dt] = {"s": med(t[f"job {dt}"]),
                           "share_of_fp32_floor": med([f / j for f, j in zip(fl["float32"], t[f"job {dt}"])]),
                           "share_of_own_floor": med([f / j for f, j in zip(fl[dt], t[f"job {dt}"])]),
+                          "share_of_its_products": med([f / j for f, j in zip(t[f"own {dt}"], t[f"job {dt}"])]),
                           "split_s": facts[dt][i]["seconds_by_phase"], "gpu_peak_bytes": facts[dt][i].get("gpu_peak_bytes")}
     out["host_peak_rss_bytes"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     if key == "llama2-70b-8":
@@ -279,12 +308,14 @@ def report(results: dict) -> None:
         for dt, f in m["floor_s"].items():
             log(f"  floor {dt:8s} {f:8.3f} s  ({m['floor_tflops'][dt]:.1f} TFLOP/s; layouts "
                 + ", ".join(f"{k.split()[1]} {v:.3f} s" for k, v in m["floor_layouts_s"].items() if k.startswith(dt)) + ")")
+        log(f"  its own products (subspace's cores + the sandwich, {m['own_tflop']:.3f} TFLOP): "
+            + ", ".join(f"{dt} {v:.3f} s" for dt, v in m["own_floor_s"].items()))
         log(f"  kernel (factors + cores + scores, 3 metrics, float32) {m['kernel_s']:.3f} s: "
             f"{m['kernel_share']:.2f} of the fp32 floor")
         for dt, j in m["job"].items():
             tgt = (TARGETS_GPU if dev != "cpu" else TARGET_CPU).get(key) if dt == "float32" else None
             log(f"  job {dt:8s} {j['s']:8.3f} s: {j['share_of_fp32_floor']:.2f} of the fp32 floor, "
-                f"{j['share_of_own_floor']:.2f} of its own precision's"
+                f"{j['share_of_own_floor']:.2f} of its precision's, {j['share_of_its_products']:.2f} of its own products'"
                 + (f"  (target >= {tgt}: {'met' if j['share_of_fp32_floor'] >= tgt else 'NOT met'})" if tgt else ""))
             log("      split: " + ", ".join(f"{k} {v:.3f}" for k, v in j["split_s"].items())
                 + (f"; GPU peak {j['gpu_peak_bytes'] / 1e9:.1f} GB" if j["gpu_peak_bytes"] else ""))

@@ -135,3 +135,25 @@ def test_gpu_job_equals_the_cpu_job(gqa, dtype):
             np.testing.assert_allclose(gpu[metric][col].to_numpy(), cpu[metric][col].to_numpy(), atol=tol, rtol=0)
         g, c = gpu[metric]["baseline_gaussian_mean"].to_numpy(), cpu[metric]["baseline_gaussian_mean"].to_numpy()
         assert np.abs(g - c).max() < 5 * cpu[metric]["baseline_gaussian_std"].max() / np.sqrt(N)
+
+
+def test_the_gpu_job_benchmark_runs_on_the_cpu(tmp_path, capsys):
+    """``benchmarks/bench_gpu_job.py`` at its CI shape: every figure is there and positive, and the
+    70B estimate's arithmetic runs on the tiny shape's measurement (its numbers mean nothing here)."""
+    import importlib.util
+    import json
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_gpu_job.py"
+    spec = importlib.util.spec_from_file_location("bench_gpu_job", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    assert bench.main(["--device", "cpu", "--shapes", "tiny", "--repeats", "1", "--json", str(tmp_path / "r.json")]) == 0
+    m = json.loads((tmp_path / "r.json").read_text())["shapes"]["tiny"]
+    assert m["pairs"] == 16 and m["floor_s"]["float32"] > 0 and m["kernel_share"] > 0
+    job = m["job"]["float32"]
+    assert job["share_of_fp32_floor"] > 0 and set(job["split_s"]) >= {"transfer", "factors", "gemms", "nulls", "table"}
+    assert "of the fp32 floor" in capsys.readouterr().out
+    m["job"]["float32"]["gpu_peak_bytes"] = 1e9  # as a GPU run would record it
+    est = bench.checkpoint_estimate(m, n_layers=8)
+    assert [r["blocks"] for r in est["by_blocks"]][:3] == [1, 2, 4] and all(r["hours"] > 0 for r in est["by_blocks"])

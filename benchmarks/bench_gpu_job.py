@@ -63,6 +63,7 @@ SHAPES = {  # n_layers, n_heads, n_kv_heads, d_model, d_head
     "llama3-8b": dict(name="Llama-3-8B shape", L=32, H=32, Hkv=8, d=4096, dh=128),
     "llama2-70b-8": dict(name="Llama-2-70B shape, 8 of 80 layers", L=8, H=64, Hkv=8, d=8192, dh=128, of=80),
 }
+BIG = ("llama3-8b", "llama2-70b-8")  # one timed round after the warm-up (the device run is kept to minutes)
 GPU_SHAPES, CPU_SHAPES = ("gpt2", "pythia1.4b", "llama3-8b", "llama2-70b-8"), ("gpt2",)
 FAMILIES = tuple(dict.fromkeys(factor_family(m) for m in METRICS))
 TARGETS_GPU = {"gpt2": 0.3, "llama3-8b": 0.6, "llama2-70b-8": 0.6}  # job / fp32 floor
@@ -138,8 +139,8 @@ class Floor:
         H, Hkv, d, dh = s["H"], s["Hkv"], s["d"], s["dh"]
         self.readers_of = {a: sorted({b for w, b in pairs if w == a}) for a, _ in pairs}
         self.tiles = [(len(t.writers), len(t.readers)) for t in plan_tiles(pairs, dh * dh * 4, H, default_tile_bytes(dev), dev)]
-        g = torch.Generator().manual_seed(1)
-        rand = lambda *shape: torch.randn(*shape, generator=g).to(dev)  # noqa: E731
+        g = torch.Generator(device=dev).manual_seed(1)
+        rand = lambda *shape: torch.randn(*shape, generator=g, device=dev)  # noqa: E731
         k = max(max(k for k, _ in self.tiles), 1)
         n = max(max(len(r) for r in self.readers_of.values()), max(r for _, r in self.tiles))
         self.E = rand(k * H * dh, d)
@@ -210,8 +211,9 @@ def measure_shape(key: str, dev: torch.device, repeats: int, dtypes: tuple[str, 
                 facts[dt][-1]["gpu_peak_bytes"] = torch.cuda.max_memory_allocated(dev)
         return run
 
-    parts = {**{f"floor {dt} {lay}": (lambda dt=dt, lay=lay: floor.run(dt, lay))
-                for dt in dtypes for lay in ("per_writer", "tiles")},
+    # the per-writer layout only where the job's tiles stack writer layers (else the same GEMMs twice)
+    layouts = ("per_writer", "tiles") if floor.shapes("tiles") != floor.shapes("per_writer") else ("tiles",)
+    parts = {**{f"floor {dt} {lay}": (lambda dt=dt, lay=lay: floor.run(dt, lay)) for dt in dtypes for lay in layouts},
              **{f"own {dt}": (lambda dt=dt: floor.run_own(dt)) for dt in dtypes},
              "kernel float32": lambda: score_tiles(w_dev, METRICS, [(a, b) for a, b in pairs], None, "float32",
                                                    JobClock(dev)),
@@ -225,7 +227,7 @@ def measure_shape(key: str, dev: torch.device, repeats: int, dtypes: tuple[str, 
         for name, fn in parts.items():
             t[name].append(timed(dev, fn))
     med = statistics.median
-    fl = {dt: [min(a, b) for a, b in zip(t[f"floor {dt} per_writer"], t[f"floor {dt} tiles"])] for dt in dtypes}
+    fl = {dt: [min(x) for x in zip(*(t[f"floor {dt} {lay}"] for lay in layouts))] for dt in dtypes}
     out = {"shape": s, "pairs": len(pairs), "touched_layers": s["L"], "core_tflop": floor.flops / 1e12,
            "tiles": floor.tiles, "floor_s": {dt: med(fl[dt]) for dt in dtypes},
            "floor_tflops": {dt: floor.flops / 1e12 / med(fl[dt]) for dt in dtypes},
@@ -241,25 +243,56 @@ def measure_shape(key: str, dev: torch.device, repeats: int, dtypes: tuple[str, 
                           "share_of_its_products": med([f / j for f, j in zip(t[f"own {dt}"], t[f"job {dt}"])]),
                           "split_s": facts[dt][i]["seconds_by_phase"], "gpu_peak_bytes": facts[dt][i].get("gpu_peak_bytes")}
     out["host_peak_rss_bytes"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    if key == "llama2-70b-8":
-        out["basis_change"] = measure_basis_change(w_dev)
+    if dev.type == "cuda":
+        out["factors_s"] = factor_times(w_dev)
+    if key in ("llama3-8b", "llama2-70b-8") and dev.type == "cuda":
+        out["basis_change"] = measure_basis_change(w_dev, svd=key == "llama3-8b" or _SVD_S[0] < SVD_MAX_S)
     del w_dev, floor
     return out
 
 
-def measure_basis_change(w_dev: AttentionWeights) -> dict:
+def factor_times(w_dev: AttentionWeights) -> dict:
+    """``head_factors`` of each family on the device, its small factorisations on the host
+    (``small_linalg.ON_HOST``, the default) and on the GPU, one timed call each after a warm-up."""
+    from compatlas import small_linalg
+    from compatlas.composition import head_factors
+
+    out = {}
+    for on_host in (True, False):
+        small_linalg.ON_HOST = on_host
+        for fam in FAMILIES:
+            head_factors(w_dev, fam)
+            out[f"{fam} {'host' if on_host else 'gpu'} small"] = timed(w_dev.W_Q.device, lambda: head_factors(w_dev, fam))
+    small_linalg.ON_HOST = True
+    return out
+
+
+SVD_MAX_S = 8.0  # an SVD of Llama-3-8B's 4096 x 4096 factor slower than this: 70B's (8x the FLOPs) is extrapolated
+_SVD_S = [0.0]
+
+
+def measure_basis_change(w_dev: AttentionWeights, svd: bool = True) -> dict:
     """A token space's extra cost in a job at this shape: the SVD of the d_model x d_model factor
     (once per job) and the basis change of the job's layers, from a synthetic well-conditioned factor."""
-    from compatlas.token_space import change_basis, embedding_basis
+    from compatlas.token_space import EmbeddingBasis, change_basis, embedding_basis
 
     dev, d = w_dev.W_Q.device, w_dev.d_model
     g = torch.Generator(device=dev).manual_seed(2)
     R = torch.eye(d, dtype=torch.float64, device=dev) + torch.randn(d, d, generator=g, dtype=torch.float64,
                                                                      device=dev).triu() * 0.5 / d**0.5
-    t_svd = timed(dev, lambda: embedding_basis(factor=R))
-    basis = embedding_basis(factor=R)
+    basis = None
+
+    def run_svd() -> None:
+        nonlocal basis
+        basis = embedding_basis(factor=R)
+    if svd:
+        t_svd = _SVD_S[0] = timed(dev, run_svd)
+    else:  # the SVD's cost is O(d^3): scaled from the last measured one, and said so
+        t_svd = _SVD_S[0] * (d / 4096) ** 3
+        eye = torch.eye(d, dtype=torch.float64, device=dev)
+        basis = EmbeddingBasis(R=eye, R_inv=eye, condition=1.0, n_dropped=0)  # the change's GEMMs cost the same
     t_change = timed(dev, lambda: change_basis(w_dev, basis.R, basis.R_inv))
-    return {"svd_s": t_svd, "change_s": t_change, "layers": w_dev.n_layers}
+    return {"svd_s": t_svd, "svd_measured": svd, "change_s": t_change, "layers": w_dev.n_layers}
 
 
 # ----------------------------------------------------------------------------- a whole 70B checkpoint
@@ -285,11 +318,13 @@ def checkpoint_estimate(m: dict, n_layers: int = 80, spaces: int = 3) -> dict:
         jobs = [(len(touched_layers(p)), len(p)) for b in range(blocks)
                 for p in [block_pairs(layers, blocks, b) + null_pairs(layers, blocks, b)]]
         t_res = sum(per_layer * t + per_pair * p for t, p in jobs)
-        t_tok = sum(per_layer * t + per_pair * p + basis["svd_s"] + basis["change_s"] / basis["layers"] * t for t, p in jobs)
+        t_tok = sum(per_layer * t + per_pair * p + basis["change_s"] / basis["layers"] * t for t, p in jobs)
+        svd = basis["svd_s"] * len(jobs)  # per job and token space, as the job does it today
         top = max(t for t, _ in jobs)
         rows.append({"blocks": blocks, "max_layers_per_job": top, "gpu_bytes": rest + top * layer_bytes,
                      "host_bytes": top * host_layer + 2.2e9, "job_s_max": max(per_layer * t + per_pair * p for t, p in jobs),
-                     "hours": (t_res + (spaces - 1) * t_tok) / 3600})
+                     "hours": (t_res + (spaces - 1) * (t_tok + svd)) / 3600,
+                     "hours_basis_once": (t_res + (spaces - 1) * (t_tok + basis["svd_s"])) / 3600})
     fits = {card: next((r for r in rows if r["gpu_bytes"] <= 0.9 * cap), None) for card, cap in CARD_GB.items()}
     return {"per_layer_s": per_layer, "per_pair_s": per_pair, "basis": basis, "by_blocks": rows,
             "fits": {k: v and v["blocks"] for k, v in fits.items()}}
@@ -319,16 +354,20 @@ def report(results: dict) -> None:
                 + (f"  (target >= {tgt}: {'met' if j['share_of_fp32_floor'] >= tgt else 'NOT met'})" if tgt else ""))
             log("      split: " + ", ".join(f"{k} {v:.3f}" for k, v in j["split_s"].items())
                 + (f"; GPU peak {j['gpu_peak_bytes'] / 1e9:.1f} GB" if j["gpu_peak_bytes"] else ""))
+        if "factors_s" in m:
+            log("  head_factors: " + ", ".join(f"{k} {v:.3f} s" for k, v in m["factors_s"].items()))
         if "basis_change" in m:
             b = m["basis_change"]
-            log(f"  token-space basis change: SVD of the factor {b['svd_s']:.2f} s, {b['layers']} layers {b['change_s']:.2f} s")
+            log(f"  token-space basis change: SVD of the factor {b['svd_s']:.2f} s"
+                f"{'' if b['svd_measured'] else ' (scaled from the 4096 one)'}, {b['layers']} layers {b['change_s']:.2f} s")
     est = results.get("estimate_70b")
     if est:
         log(f"\n== whole Llama-2-70B checkpoint (80 layers, 3 metrics x 3 spaces, causal + null), float32, from the "
             f"8-layer job: {est['per_layer_s']:.3f} s per layer touched, {est['per_pair_s']:.3f} s per layer pair")
         for r in est["by_blocks"]:
             log(f"  blocks {r['blocks']:4d}: <= {r['max_layers_per_job']:2d} layers a job, GPU {r['gpu_bytes'] / 1e9:6.1f} GB, "
-                f"host {r['host_bytes'] / 1e9:5.1f} GB, longest job {r['job_s_max'] / 60:5.1f} min, checkpoint {r['hours'] * 60:6.1f} min")
+                f"host {r['host_bytes'] / 1e9:5.1f} GB, longest job {r['job_s_max'] / 60:5.1f} min, checkpoint {r['hours'] * 60:6.1f} min "
+                f"({r['hours_basis_once'] * 60:.1f} min with each token basis computed once)")
         log("  fits: " + ", ".join(f"{k}: blocks >= {v}" for k, v in est["fits"].items()))
 
 
@@ -347,7 +386,7 @@ def main(argv: list[str] | None = None) -> int:
                "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "shapes": {}}
     for key in keys:
         log(f"measuring {key} ...")
-        results["shapes"][key] = measure_shape(key, dev, a.repeats, dtypes)
+        results["shapes"][key] = measure_shape(key, dev, 1 if key in BIG else a.repeats, dtypes)
         if dev.type == "cuda":
             torch.cuda.empty_cache()
     if "llama2-70b-8" in results["shapes"]:

@@ -39,6 +39,7 @@ import numpy as np
 import torch
 
 from compatlas.runtime import one_thread
+from compatlas.small_linalg import on_host
 from compatlas.vocab import COMPS, METRICS, Comp, Metric
 from compatlas.weights import AttentionWeights
 
@@ -90,18 +91,18 @@ def _orthonormal_basis(A: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
     Returns (U [..., n, k], indicator [..., k] of the kept columns)."""
     Q, R = torch.linalg.qr(A)  # then the singular values of the small k x k R, not of A
-    S = torch.linalg.svdvals(R)
+    S = on_host(torch.linalg.svdvals, R)
     tol = S[..., :1] * max(A.shape[-2:]) * torch.finfo(A.dtype).eps
     if bool((S > tol).all()):  # every head full rank: Q is a basis already (no score sees its rotation)
         return Q, torch.ones_like(S)
-    U_R, S, _ = torch.linalg.svd(R)  # rank-deficient heads: R's singular vectors order Q's columns
+    U_R, S, _ = on_host(torch.linalg.svd, R)  # rank-deficient heads: R's singular vectors order Q's columns
     keep = (S > tol).to(A.dtype)
     return (Q @ U_R) * keep[..., None, :], keep
 
 
 def _core_spectrum(R_A: torch.Tensor, R_B: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Norm and singular values of ``A B`` from the R factors of A and B^T."""
-    sv = torch.linalg.svdvals(R_A @ R_B.transpose(-2, -1))
+    sv = on_host(torch.linalg.svdvals, R_A @ R_B.transpose(-2, -1))
     return sv.pow(2).sum(-1).sqrt(), sv
 
 

@@ -157,3 +157,13 @@ def test_the_gpu_job_benchmark_runs_on_the_cpu(tmp_path, capsys):
     m["job"]["float32"]["gpu_peak_bytes"] = 1e9  # as a GPU run would record it
     est = bench.checkpoint_estimate(m, n_layers=8)
     assert [r["blocks"] for r in est["by_blocks"]][:3] == [1, 2, 4] and all(r["hours"] > 0 for r in est["by_blocks"])
+
+
+def test_small_factorisations_on_host_threads_give_the_batched_results():
+    from compatlas.small_linalg import on_host
+
+    x = torch.randn(3, 70, 8, 8, dtype=torch.float32)
+    torch.testing.assert_close(on_host(torch.linalg.svdvals, x, force=True), torch.linalg.svdvals(x), atol=1e-5, rtol=1e-5)
+    U, S, Vh = on_host(torch.linalg.svd, x, force=True)
+    assert U.shape == x.shape and S.shape == (3, 70, 8) and U.dtype == x.dtype
+    torch.testing.assert_close(U @ torch.diag_embed(S) @ Vh, x, atol=1e-4, rtol=1e-4)

@@ -42,6 +42,7 @@ import resource
 import statistics
 import sys
 import time
+import traceback
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -64,7 +65,7 @@ SHAPES = {  # n_layers, n_heads, n_kv_heads, d_model, d_head
     "llama2-70b-8": dict(name="Llama-2-70B shape, 8 of 80 layers", L=8, H=64, Hkv=8, d=8192, dh=128, of=80),
 }
 BIG = ("llama3-8b", "llama2-70b-8")  # one timed round after the warm-up (the device run is kept to minutes)
-GPU_SHAPES, CPU_SHAPES = ("gpt2", "pythia1.4b", "llama3-8b", "llama2-70b-8"), ("gpt2",)
+GPU_SHAPES, CPU_SHAPES = ("gpt2", "llama2-70b-8", "llama3-8b", "pythia1.4b"), ("gpt2",)  # the 70B first: the estimate
 FAMILIES = tuple(dict.fromkeys(factor_family(m) for m in METRICS))
 TARGETS_GPU = {"gpt2": 0.3, "llama3-8b": 0.6, "llama2-70b-8": 0.6}  # job / fp32 floor
 TARGET_CPU = {"gpt2": 0.8}
@@ -246,7 +247,7 @@ def measure_shape(key: str, dev: torch.device, repeats: int, dtypes: tuple[str, 
     if dev.type == "cuda":
         out["factors_s"] = factor_times(w_dev)
     if key in ("llama3-8b", "llama2-70b-8") and dev.type == "cuda":
-        out["basis_change"] = measure_basis_change(w_dev, svd=key == "llama3-8b" or _SVD_S[0] < SVD_MAX_S)
+        out["basis_change"] = measure_basis_change(w_dev)
     del w_dev, floor
     return out
 
@@ -267,32 +268,37 @@ def factor_times(w_dev: AttentionWeights) -> dict:
     return out
 
 
-SVD_MAX_S = 8.0  # an SVD of Llama-3-8B's 4096 x 4096 factor slower than this: 70B's (8x the FLOPs) is extrapolated
-_SVD_S = [0.0]
+SVD_MAX_S = 8.0  # a d_model x d_model SVD predicted slower than this is extrapolated, not run
+SVD_PROBE = 2048  # the size timed first; the SVD's cost grows as d^3
 
 
-def measure_basis_change(w_dev: AttentionWeights, svd: bool = True) -> dict:
+def measure_basis_change(w_dev: AttentionWeights) -> dict:
     """A token space's extra cost in a job at this shape: the SVD of the d_model x d_model factor
-    (once per job) and the basis change of the job's layers, from a synthetic well-conditioned factor."""
+    (``token_space.embedding_basis``, once per job) and the basis change of the job's layers, from
+    a synthetic well-conditioned factor. The SVD is timed at SVD_PROBE first; at d_model only
+    where that predicts under SVD_MAX_S, else scaled by (d / SVD_PROBE)^3 (and said so)."""
     from compatlas.token_space import EmbeddingBasis, change_basis, embedding_basis
 
     dev, d = w_dev.W_Q.device, w_dev.d_model
     g = torch.Generator(device=dev).manual_seed(2)
-    R = torch.eye(d, dtype=torch.float64, device=dev) + torch.randn(d, d, generator=g, dtype=torch.float64,
-                                                                     device=dev).triu() * 0.5 / d**0.5
-    basis = None
 
-    def run_svd() -> None:
-        nonlocal basis
-        basis = embedding_basis(factor=R)
-    if svd:
-        t_svd = _SVD_S[0] = timed(dev, run_svd)
-    else:  # the SVD's cost is O(d^3): scaled from the last measured one, and said so
-        t_svd = _SVD_S[0] * (d / 4096) ** 3
-        eye = torch.eye(d, dtype=torch.float64, device=dev)
-        basis = EmbeddingBasis(R=eye, R_inv=eye, condition=1.0, n_dropped=0)  # the change's GEMMs cost the same
+    def factor(n: int) -> torch.Tensor:
+        return torch.eye(n, dtype=torch.float64, device=dev) + torch.randn(
+            n, n, generator=g, dtype=torch.float64, device=dev).triu() * 0.5 / n**0.5
+
+    probe = factor(SVD_PROBE)
+    embedding_basis(factor=probe)  # warm-up
+    t_probe = timed(dev, lambda: embedding_basis(factor=probe))
+    predicted = t_probe * (d / SVD_PROBE) ** 3
+    measured = predicted < SVD_MAX_S
+    if measured:
+        R = factor(d)
+        t_svd = timed(dev, lambda: embedding_basis(factor=R))
+    eye = torch.eye(d, dtype=torch.float64, device=dev)
+    basis = EmbeddingBasis(R=eye, R_inv=eye, condition=1.0, n_dropped=0)  # the change's GEMMs cost the same
     t_change = timed(dev, lambda: change_basis(w_dev, basis.R, basis.R_inv))
-    return {"svd_s": t_svd, "svd_measured": svd, "change_s": t_change, "layers": w_dev.n_layers}
+    return {"svd_s": t_svd if measured else predicted, "svd_measured": measured, "svd_probe_s": t_probe,
+            "change_s": t_change, "layers": w_dev.n_layers}
 
 
 # ----------------------------------------------------------------------------- a whole 70B checkpoint
@@ -335,7 +341,8 @@ def checkpoint_estimate(m: dict, n_layers: int = 80, spaces: int = 3) -> dict:
 
 def report(results: dict) -> None:
     dev = results["device"]
-    log(f"\ndevice: {dev}   torch {results['torch']}   threads {results['threads']}")
+    if results["shapes"]:
+        log(f"\ndevice: {dev}   torch {results['torch']}   threads {results['threads']}")
     for key, m in results["shapes"].items():
         s = m["shape"]
         log(f"\n== {s['name']}: {s['L']} layers x {s['H']} heads ({s['Hkv']} KV), d_model {s['d']}, d_head {s['dh']}; "
@@ -358,8 +365,9 @@ def report(results: dict) -> None:
             log("  head_factors: " + ", ".join(f"{k} {v:.3f} s" for k, v in m["factors_s"].items()))
         if "basis_change" in m:
             b = m["basis_change"]
-            log(f"  token-space basis change: SVD of the factor {b['svd_s']:.2f} s"
-                f"{'' if b['svd_measured'] else ' (scaled from the 4096 one)'}, {b['layers']} layers {b['change_s']:.2f} s")
+            how = "" if b["svd_measured"] else f" (scaled from {SVD_PROBE}: {b['svd_probe_s']:.2f} s)"
+            log(f"  token-space basis change: SVD of the factor {b['svd_s']:.2f} s{how}, "
+                f"{b['layers']} layers {b['change_s']:.2f} s")
     est = results.get("estimate_70b")
     if est:
         log(f"\n== whole Llama-2-70B checkpoint (80 layers, 3 metrics x 3 spaces, causal + null), float32, from the "
@@ -386,17 +394,23 @@ def main(argv: list[str] | None = None) -> int:
                "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "shapes": {}}
     for key in keys:
         log(f"measuring {key} ...")
-        results["shapes"][key] = measure_shape(key, dev, 1 if key in BIG else a.repeats, dtypes)
+        try:
+            results["shapes"][key] = measure_shape(key, dev, 1 if key in BIG else a.repeats, dtypes)
+        except Exception:  # one shape's failure (memory, a driver) must not lose the others' figures
+            traceback.print_exc()
+            results.setdefault("failed", []).append(key)
         if dev.type == "cuda":
             torch.cuda.empty_cache()
-    if "llama2-70b-8" in results["shapes"]:
-        results["estimate_70b"] = checkpoint_estimate(results["shapes"]["llama2-70b-8"])
-    results["load_avg_after"] = os.getloadavg()
-    report(results)
-    if a.json:
-        a.json.parent.mkdir(parents=True, exist_ok=True)
-        a.json.write_text(json.dumps(results, indent=1, default=str))
-    return 0
+        if "llama2-70b-8" in results["shapes"]:
+            results["estimate_70b"] = checkpoint_estimate(results["shapes"]["llama2-70b-8"])
+        results["load_avg_after"] = os.getloadavg()
+        if a.json:  # after every shape: a run cut off by its time limit keeps what it measured
+            a.json.parent.mkdir(parents=True, exist_ok=True)
+            a.json.write_text(json.dumps(results, indent=1, default=str))
+        report({**results, "shapes": {key: results["shapes"][key]} if key in results["shapes"] else {}, "estimate_70b": None})
+    if results.get("estimate_70b"):
+        report({**results, "shapes": {}})
+    return 1 if results.get("failed") else 0
 
 
 if __name__ == "__main__":

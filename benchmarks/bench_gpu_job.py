@@ -18,7 +18,8 @@ median of the per-round ratios, so that load from other processes hits both side
   faster of two layouts: one GEMM per writer layer, and the job's tiles (writer layers stacked,
   ``composition_job.plan_tiles``), so the floor is the best these GEMMs ran at;
 - **kernel**: the per-head factors, every core product, squared norm and score of the three
-  metrics, on weights already on the device (``composition_job.score_tiles`` without nulls);
+  metrics, on weights already on the device (``job_factors``, then ``composition_job.score_tiles``
+  without nulls);
 - **job**: ``composition_table.score_space`` from host weights to the three metrics' tables:
   transfer, factors, GEMMs, scores, both nulls (32 draws), one copy back, the tables; its split
   by phase is the job's own clock (``seconds_by_phase``, the device synchronised per phase).
@@ -53,6 +54,7 @@ import torch  # noqa: E402
 
 from compatlas.composition import block_pairs, factor_family, layer_pairs, null_pairs, touched_layers  # noqa: E402
 from compatlas.composition_job import JobClock, default_tile_bytes, plan_tiles, score_tiles  # noqa: E402
+from compatlas.job_factors import job_factors  # noqa: E402
 from compatlas.precision import core_gemm, gemm_operand  # noqa: E402
 from compatlas.vocab import COMPS, METRICS  # noqa: E402
 from compatlas.weights import AttentionWeights  # noqa: E402
@@ -217,7 +219,7 @@ def measure_shape(key: str, dev: torch.device, repeats: int, dtypes: tuple[str, 
     layouts = ("per_writer", "tiles") if floor.shapes("tiles") != floor.shapes("per_writer") else ("tiles",)
     parts = {**{f"floor {dt} {lay}": (lambda dt=dt, lay=lay: floor.run(dt, lay)) for dt in dtypes for lay in layouts},
              **{f"own {dt}": (lambda dt=dt: floor.run_own(dt)) for dt in dtypes},
-             "kernel float32": lambda: score_tiles(w_dev, METRICS, [(a, b) for a, b in pairs], None, "float32",
+             "kernel float32": lambda: score_tiles(job_factors(w_dev, METRICS), METRICS, pairs, None, "float32",
                                                    JobClock(dev)),
              **{f"job {dt}": job(dt) for dt in dtypes}}
     for name, fn in parts.items():  # warm-up: library initialisation, cuBLAS heuristics, allocator

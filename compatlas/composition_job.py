@@ -34,6 +34,7 @@ from compatlas.composition import (
     HeadFactors, factor_family, gaussian_heads, haar_overlap_blocks, head_factors, normalised_score, pair_denominator,
     spectrum_baseline,
 )
+from compatlas.job_factors import JobFactors, Sandwich
 from compatlas.precision import core_gemm, gemm_operand
 from compatlas.runtime import one_thread, stable_seed
 from compatlas.vocab import COMPS, Comp, Metric, ScoreDtype, Space
@@ -129,7 +130,7 @@ def tile_sq_norms(f: HeadFactors, ops: GemmOperands, comp: Comp, writers: list[i
     writer layers and nR reader layers: one GEMM (``composition.layer_pair_scores``'s algebra,
     with the writer layers stacked); and with ``keep`` the GEMM's product [k H1 dh, nR Hg dh]."""
     L, H1, dh, d = ops.emit.shape
-    Hg = f.absorb[comp].shape[1]
+    Hg = ops.cols[comp].shape[1] // (L * dh)
     g, post, k, nR = H1 // Hg, f.post.get(comp), len(writers), len(readers)
     E = _layer_slice(ops.emit, writers).reshape(k * H1 * dh, d)
     width = Hg * dh
@@ -183,34 +184,6 @@ def draw_nulls(metrics: tuple[Metric, ...], space: Space, d_model: int, d_head: 
     return Nulls(P2, gaussian_heads(d_model, d_head, n, stable_seed(seed, "gaussian", d_model, d_head), dt, dev))
 
 
-@dataclass
-class Sandwich:
-    """Another family's cores from the base family's (the module docstring's sandwich):
-    ``core = left[h1] @ base core @ right[h2]``, ``left`` [L, H, dh, dh] per writer head, ``right[c]``
-    [L, Hg, dh, g dh]: the g query heads of each base absorb head side by side."""
-
-    left: torch.Tensor
-    right: dict[str, torch.Tensor]
-
-
-def sandwich(f: HeadFactors, base: HeadFactors) -> Sandwich:
-    """``left = emit U_O`` and ``right = U_A^T absorb (post)`` with the base's orthonormal ``emit = U_O^T``
-    and ``absorb = U_A``: ``f``'s emit rows lie in W_O's row space and its absorb columns in A's
-    column space, which U_O and U_A span (zero columns past a rank change nothing), so
-    ``emit absorb = (emit U_O) (U_O^T U_A) (U_A^T absorb)`` exactly."""
-    L, H, dh, _ = f.emit.shape
-    right = {}
-    for c in base.absorb:
-        Hg = base.absorb[c].shape[1]
-        if f.absorb[c].shape[1] != Hg:
-            raise ValueError(f"{c}: {f.absorb[c].shape[1]} absorb heads against the base's {Hg}")
-        C = base.absorb[c].transpose(-2, -1) @ f.absorb[c]  # [L, Hg, dh, dh]
-        post = f.post.get(c)
-        C = C.repeat_interleave(H // Hg, dim=1) @ post if post is not None else C.repeat_interleave(H // Hg, dim=1)
-        right[c] = C.view(L, Hg, H // Hg, dh, dh).permute(0, 1, 3, 2, 4).reshape(L, Hg, dh, H // Hg * dh)
-    return Sandwich(f.emit @ base.emit.transpose(-2, -1), right)
-
-
 def sandwich_sq_norms(core: torch.Tensor, s: Sandwich, comp: Comp, writers: list[int], readers: list[int]) -> torch.Tensor:
     """Squared norms [k H1, nR H2] of another family's cores from a tile's base products ``core``
     [k H1 dh, nR Hg dh] (``tile_sq_norms(..., keep=True)``): two d_head-long products, each
@@ -223,34 +196,29 @@ def sandwich_sq_norms(core: torch.Tensor, s: Sandwich, comp: Comp, writers: list
     return sq.view(nRHg, kH1, g).transpose(0, 1).reshape(kH1, nRHg * g)
 
 
-def score_tiles(w: AttentionWeights, metrics: tuple[Metric, ...], pairs: list[tuple[int, int]], nulls: Nulls | None,
+def score_tiles(jf: JobFactors, metrics: tuple[Metric, ...], pairs: list[tuple[int, int]], nulls: Nulls | None,
                 dtype: ScoreDtype, clock: JobClock, tile_bytes: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Scores and spectrum nulls of every head pair of ``pairs`` (local layer indices of ``w``) and
-    the Gaussian baselines, on ``w``'s device (``nulls=None``: the scores alone, the nulls' places
-    left unset: the kernel alone, as the benchmark times it).
+    """Scores and spectrum nulls of every head pair of ``pairs`` (local layer indices) and the
+    Gaussian baselines, on the factors' device (``nulls=None``: the scores alone, the nulls' places
+    left unset: the kernel alone, as the benchmark times it). A sandwiched family's cores come
+    from the base's GEMM (``job_factors``), so the d_model-long GEMMs run once per comp.
 
-    With ``subspace`` among the metrics, its orthonormal cores are the base: the other family's
-    cores are sandwiches of them (``sandwich``), so the d_model-long GEMMs run once per comp.
     Returns ``block`` [len(metrics), 3 comps, 3 (score, spectrum mean, spectrum std), len(pairs), H, H]
     and ``gauss`` [len(metrics), 3 comps, 2 (mean, std)]."""
-    dev, H, dh = w.W_Q.device, w.n_heads, w.d_head
-    block = torch.empty(len(metrics), len(COMPS), 3, len(pairs), H, H, dtype=w.W_Q.dtype, device=dev)
-    gauss = torch.empty(len(metrics), len(COMPS), 2, dtype=w.W_Q.dtype, device=dev)
+    f = jf.f
+    ref = next(iter(f.values())).writer_sv  # [L, H, dh]
+    dev, H, dh = ref.device, ref.shape[1], ref.shape[2]
+    block = torch.empty(len(metrics), len(COMPS), 3, len(pairs), H, H, dtype=ref.dtype, device=dev)
+    gauss = torch.empty(len(metrics), len(COMPS), 2, dtype=ref.dtype, device=dev)
     families: dict[Metric, list[int]] = defaultdict(list)  # family -> indices into metrics
     for i, m in enumerate(metrics):
         families[factor_family(m)].append(i)
     small = one_thread if dev.type == "cpu" else nullcontext  # runtime.one_thread: small ops pay a thread hand-off
     tile_bytes = tile_bytes or default_tile_bytes(dev)
     # a head pair's core (a shared absorb's post products take as much again, beside it)
-    tiles = plan_tiles(pairs, dh * dh * w.W_Q.element_size(), H, tile_bytes, dev)
-    with clock.phase("factors"):
-        f = {fam: head_factors(w, fam) for fam in families}
-        base = "subspace" if "subspace" in f else None
-        ops = {fam: gemm_operands(x, dtype) for fam, x in f.items() if base in (None, fam)}
-        sand = {fam: sandwich(x, f[base]) for fam, x in f.items() if base not in (None, fam)}
-        for x in f.values():  # what the GEMMs no longer need (a sandwiched family's d_model-long factors)
-            if x.metric in sand or base is not None and x.metric != base:
-                x.emit, x.absorb, x.absorb_cols = None, {}, {}
+    tiles = plan_tiles(pairs, dh * dh * ref.element_size(), H, tile_bytes, dev)
+    with clock.phase("factors"):  # the GEMM's operands at the job's precision, rounded once
+        ops = {fam: gemm_operands(f[fam], dtype) for fam in jf.direct}
     if nulls is not None:
         with clock.phase("nulls"):
             for fam, idx in families.items():
@@ -261,8 +229,8 @@ def score_tiles(w: AttentionWeights, metrics: tuple[Metric, ...], pairs: list[tu
             with clock.phase("gemms"):
                 sq, core = {}, None
                 for fam in ops:
-                    sq[fam], core = tile_sq_norms(f[fam], ops[fam], c, t.writers, t.readers, dtype, keep=bool(sand))
-                for fam, s in sand.items():
+                    sq[fam], core = tile_sq_norms(f[fam], ops[fam], c, t.writers, t.readers, dtype, keep=bool(jf.sand))
+                for fam, s in jf.sand.items():
                     sq[fam] = sandwich_sq_norms(core, s, c, t.writers, t.readers)
                 del core
             for fam, idx in families.items():

@@ -17,6 +17,7 @@ import torch
 
 from compatlas.composition import touched_layers
 from compatlas.composition_job import JobClock, draw_nulls, score_tiles
+from compatlas.job_factors import job_factors
 from compatlas.precision import storage_dtype
 from compatlas.runtime import resolve_device
 from compatlas.tables import COMPOSITION_SCHEMA
@@ -68,11 +69,15 @@ def score_space(w: AttentionWeights, metrics: tuple[Metric, ...], space: Space, 
         w_d = on_device(w.layers(touched), dev, dt)
     with clock.phase("factors"):
         w_s, facts = to_space(w_d, space, max_condition)
+        d_model = w_s.d_model  # of the space: token space may drop directions
         del w_d
-    with clock.phase("nulls"):  # d_model of the space: token space may drop directions
-        nulls = draw_nulls(tuple(metrics), space, w_s.d_model, w.d_head, baseline_samples, seed, dt, dev)
-    block, gauss = score_tiles(w_s, tuple(metrics), [(local[a], local[b]) for a, b in pairs], nulls, dtype, clock,
+        factors = job_factors(w_s, tuple(metrics))
+        del w_s  # the factors are all the job needs of the weights now
+    with clock.phase("nulls"):
+        nulls = draw_nulls(tuple(metrics), space, d_model, w.d_head, baseline_samples, seed, dt, dev)
+    block, gauss = score_tiles(factors, tuple(metrics), [(local[a], local[b]) for a, b in pairs], nulls, dtype, clock,
                                tile_bytes)
+    del factors
     with clock.phase("transfer"):  # the finished block, in one copy
         host = torch.cat([block.flatten(), gauss.flatten()]).cpu().double().numpy()
         block_h, gauss_h = host[:block.numel()].reshape(block.shape), host[block.numel():].reshape(gauss.shape)

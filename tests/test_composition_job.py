@@ -167,3 +167,16 @@ def test_small_factorisations_on_host_threads_give_the_batched_results():
     U, S, Vh = on_host(torch.linalg.svd, x, force=True)
     assert U.shape == x.shape and S.shape == (3, 70, 8) and U.dtype == x.dtype
     torch.testing.assert_close(U @ torch.diag_embed(S) @ Vh, x, atol=1e-4, rtol=1e-4)
+
+
+def test_factors_made_one_layer_at_a_time_score_the_same(gqa, monkeypatch):
+    from compatlas import job_factors
+
+    pairs = block_pairs(list(range(4)), 1, 0) + null_pairs(list(range(4)), 1, 0)
+    kw = dict(baseline_samples=N, device="cpu", dtype="float64")
+    whole = score_space(gqa, METRICS, "residual", pairs, **kw)[0]
+    monkeypatch.setattr(job_factors, "CHUNK_BYTES", 1)  # one layer per chunk
+    chunked = score_space(gqa, METRICS, "residual", pairs, **kw)[0]
+    for metric in METRICS:
+        np.testing.assert_allclose(chunked[metric]["score"].to_numpy(), whole[metric]["score"].to_numpy(), rtol=1e-12)
+        assert chunked[metric].drop("score").equals(whole[metric].drop("score"))

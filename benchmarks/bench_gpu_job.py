@@ -312,13 +312,14 @@ def checkpoint_estimate(m: dict, n_layers: int = 80, spaces: int = 3) -> dict:
     measured 8-layer job, for each block count (``composition.block_pairs`` / ``null_pairs``):
     transfer and factors scale with the layers a job touches, GEMMs, scores, nulls and table with
     its pairs, a token space adds its basis change; GPU memory is the measured peak's per-layer
-    tensors (weights and one family's factors, counted) times the layers touched, plus the rest."""
+    tensors (the base family's emit and absorb columns, counted) times the layers touched, plus
+    the rest (tiles, a chunk of weights being factored: measured)."""
     s, job = m["shape"], m["job"]["float32"]
     split, touched, pairs = job["split_s"], m["touched_layers"], m["pairs"]
     per_layer = (split.get("transfer", 0) + split.get("factors", 0)) / touched
     per_pair = sum(v for k, v in split.items() if k not in ("transfer", "factors")) / pairs
     basis = m.get("basis_change", {"svd_s": 0.0, "change_s": 0.0, "layers": touched})
-    layer_bytes = 2 * (2 * s["H"] + 2 * s["Hkv"]) * s["d"] * s["dh"] * 4  # weights + one family's factors
+    layer_bytes = (2 * s["H"] + 2 * s["Hkv"]) * s["d"] * s["dh"] * 4  # the base's emit and absorb columns (job_factors)
     rest = (job["gpu_peak_bytes"] or 0) - touched * layer_bytes
     host_layer = (2 * s["H"] + 2 * s["Hkv"]) * s["d"] * s["dh"] * 4
     layers = list(range(n_layers))

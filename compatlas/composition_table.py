@@ -21,7 +21,7 @@ from compatlas.job_factors import job_factors
 from compatlas.precision import storage_dtype
 from compatlas.runtime import resolve_device
 from compatlas.tables import COMPOSITION_SCHEMA
-from compatlas.token_space import to_space
+from compatlas.token_space import change_basis, space_basis
 from compatlas.vocab import COMPS, Metric, ScoreDtype, Space
 from compatlas.weights import AttentionWeights
 
@@ -65,14 +65,23 @@ def score_space(w: AttentionWeights, metrics: tuple[Metric, ...], space: Space, 
     # factor only the layers this job's pairs touch: at 70B shapes all 80 layers' factors are ~86 GB
     touched = touched_layers(pairs) or list((w.layer_ids or range(w.n_layers))[:1])
     local = {layer: i for i, layer in enumerate(touched)}
-    with clock.phase("transfer"):
-        w_d = on_device(w.layers(touched), dev, dt)
-    with clock.phase("factors"):
-        w_s, facts = to_space(w_d, space, max_condition)
-        d_model = w_s.d_model  # of the space: token space may drop directions
-        del w_d
-        factors = job_factors(w_s, tuple(metrics))
-        del w_s  # the factors are all the job needs of the weights now
+    w_t = w.layers(touched)
+    with clock.phase("factors"):  # the space's basis on the device, from its factor (W_E's when none is stored)
+        embedding = AttentionWeights(W_Q=w_t.W_Q[:0], W_K=w_t.W_K[:0], W_V=w_t.W_V[:0], W_O=w_t.W_O[:0], W_E=w_t.W_E,
+                                     ln1_w=w_t.ln1_w, meta=w_t.meta, extras=w_t.extras)  # no layers: the vocabulary side
+        basis, facts = space_basis(on_device(embedding, dev, dt), space, max_condition)
+        d_model = w.d_model if basis is None else basis.R.shape[0]  # of the space: token space may drop directions
+
+    def prepare(chunk: AttentionWeights) -> AttentionWeights:
+        """A few layers moved to the device and into the space: the device holds a chunk of weights at a time."""
+        with clock.phase("transfer"):
+            chunk = on_device(chunk, dev, dt)
+        return chunk if basis is None else change_basis(chunk, basis.R, basis.R_inv)
+
+    with clock.phase("factors"):  # its transfers are taken out and counted as such
+        t_moved = clock.seconds["transfer"]
+        factors = job_factors(w_t, tuple(metrics), prepare)
+        clock.seconds["factors"] -= clock.seconds["transfer"] - t_moved
     with clock.phase("nulls"):
         nulls = draw_nulls(tuple(metrics), space, d_model, w.d_head, baseline_samples, seed, dt, dev)
     block, gauss = score_tiles(factors, tuple(metrics), [(local[a], local[b]) for a, b in pairs], nulls, dtype, clock,

@@ -17,6 +17,7 @@ layer it holds about the base's emit and absorb columns (0.6 GB at Llama-2-70B s
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field, fields
 
 import torch
@@ -106,8 +107,11 @@ def _concat_factors(parts: list[HeadFactors]) -> HeadFactors:
     return HeadFactors(**out)
 
 
-def job_factors(w: AttentionWeights, metrics: tuple[Metric, ...]) -> JobFactors:
-    """The factors of every family the metrics need, made CHUNK_BYTES of weights at a time."""
+def job_factors(w: AttentionWeights, metrics: tuple[Metric, ...],
+                prepare: Callable[[AttentionWeights], AttentionWeights] | None = None) -> JobFactors:
+    """The factors of every family the metrics need, made CHUNK_BYTES of weights at a time;
+    ``prepare`` turns each chunk of ``w``'s layers into the weights to factor (the job's: moved to
+    its device and into its space, so that the device never holds more than a chunk of weights)."""
     families = list(dict.fromkeys(factor_family(m) for m in metrics))
     base = "subspace" if "subspace" in families and len(families) > 1 else None
     per_layer = sum(x[0].numel() * x.element_size() for x in (w.W_Q, w.W_K, w.W_V, w.W_O)) * 8
@@ -116,12 +120,13 @@ def job_factors(w: AttentionWeights, metrics: tuple[Metric, ...]) -> JobFactors:
     sand_parts: dict[Metric, list[Sandwich]] = {fam: [] for fam in families if base not in (None, fam)}
     for a in range(0, w.n_layers, step):
         wc = _layers(w, a, min(a + step, w.n_layers))
+        wc = prepare(wc) if prepare is not None else wc
         fc = {fam: head_factors(wc, fam) for fam in families}
         for fam in sand_parts:
             sand_parts[fam].append(sandwich(fc[fam], fc[base]))
         for fam, x in fc.items():
             parts[fam].append(_strip(x, keep_gemm=fam not in sand_parts))
-        del fc
+        del fc, wc
     f = {fam: _concat_factors(p) for fam, p in parts.items()}
     sand = {fam: Sandwich(_concat([s.left for s in p]), _concat([s.right for s in p])) for fam, p in sand_parts.items()}
     return JobFactors(f, sand)

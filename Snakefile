@@ -18,6 +18,7 @@ include: "workflow/extract.smk"
 include: "workflow/composition.smk"
 include: "workflow/audit.smk"
 include: "workflow/induction.smk"
+include: "workflow/activation.smk"
 include: "workflow/atlas.smk"
 include: "workflow/report.smk"
 

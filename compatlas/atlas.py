@@ -95,7 +95,12 @@ def _parquet_view(name: str, shards: list[str | os.PathLike], types: dict, root:
         return (Path(root.name) / p.relative_to(root)).as_posix() if root is not None and p.is_relative_to(root) else str(p)
 
     files = ", ".join("'" + where(s).replace("'", "''") + "'" for s in sorted(map(str, shards)))
-    return f"CREATE VIEW {name} AS SELECT {', '.join(columns)} FROM read_parquet([{files}], union_by_name = true)"
+    # a column added to a schema since older shards were written reads as NULL there (union_by_name);
+    # where no shard has it yet, it is typed NULL, not an error
+    absolute = ", ".join("'" + str(Path(s).resolve()).replace("'", "''") + "'" for s in shards)
+    present = {r[0] for r in duckdb.sql(f"SELECT DISTINCT name FROM parquet_schema([{absolute}])").fetchall()}
+    cols = [c if c in present else f"NULL::{_DUCK_TYPES[types[c]]} AS {c}" for c in columns]
+    return f"CREATE VIEW {name} AS SELECT {', '.join(cols)} FROM read_parquet([{files}], union_by_name = true)"
 
 
 def bad_shards(paths: list[str | os.PathLike]) -> dict[str, str]:

@@ -19,7 +19,7 @@ once per KV head and each query head adds only a d_head x d_head one. For ``subs
 reader's basis is that of ``A`` itself, shared by the whole group. K and V cost about 1/g + d_head/d_model
 of the full product (SmolLM2, g = 3: 0.45; Llama-2-70B, g = 8: 0.14).
 
-Metrics (each in [0, 1]):
+Metrics (the first three in [0, 1]):
 
 - ``frobenius``: ``||L R||_F / (||L||_F ||R||_F)`` (Mathematical Framework).
 - ``svd_bound``: ``||L R||_F / sqrt(sum_i s_i(L)^2 s_i(R)^2)``, both spectra sorted
@@ -29,6 +29,9 @@ Metrics (each in [0, 1]):
   ``min(rank1, rank2)`` angles. Deliberately magnitude-free: it asks *where* a head writes
   and reads, so Lieberum's axioms 1 and 2 hold exactly; the two metrics above carry the
   magnitudes.
+- ``contribution``: ``||L R||_F`` itself, a magnitude: in residual space the weights' own
+  (every input isotropic), in the ``activation`` space the RMS of what the writer adds to the
+  reader's logit or output on the model's own statistics (``compatlas.activation_space``).
 """
 
 from __future__ import annotations
@@ -123,10 +126,30 @@ def reader_factors(w: AttentionWeights) -> dict[str, tuple[torch.Tensor, torch.T
     }
 
 
-def head_factors(w: AttentionWeights, metric: Metric, comps: tuple[Comp, ...] = COMPS) -> HeadFactors:
-    """Precompute everything per head (R factors, SVDs of d_head x d_head cores): once per model."""
+def _gram_factor(G: torch.Tensor) -> torch.Tensor:
+    """An R [..., k, k] with ``R^T R = G`` for a symmetric positive semi-definite G (a measured
+    second moment): its Cholesky factor, or ``diag(sqrt(e)) V^T`` from its eigenvectors where G is
+    singular. Either way ``||R X||_F = ||G^1/2 X||_F``."""
+    with one_thread():
+        R, info = torch.linalg.cholesky_ex(G, upper=True)
+        bad = info != 0
+        if bool(bad.any()):
+            e, V = torch.linalg.eigh(G[bad])
+            R[bad] = e.clamp_min(0).sqrt()[..., :, None] * V.transpose(-2, -1)
+    return R
+
+
+def head_factors(w: AttentionWeights, metric: Metric, comps: tuple[Comp, ...] = COMPS,
+                 grams: dict[str, torch.Tensor] | None = None) -> HeadFactors:
+    """Precompute everything per head (R factors, SVDs of d_head x d_head cores): once per model.
+
+    ``grams`` (the activation space, ``compatlas.activation_space``) replaces Gram matrices the
+    kernel would take from the weights by measured second moments, [L, H or H / g, d_head, d_head]:
+    ``"writer"`` the writer's ``W_V^T W_V``, ``"Q"`` / ``"K"`` the reader's other side (``W_K^T W_K``
+    for Q, ``W_Q^T W_Q`` for K). ``subspace`` compares subspaces, which no moment changes."""
     if metric not in METRICS:
         raise ValueError(f"unknown metric {metric!r}; choose from {METRICS}")
+    grams = grams or {}
     W_Ot = w.W_O.transpose(-2, -1)  # [L, H, d_model, d_head]
     absorb, r_norm, r_sv, post = {}, {}, {}, {}
     if metric == "subspace":
@@ -143,32 +166,35 @@ def head_factors(w: AttentionWeights, metric: Metric, comps: tuple[Comp, ...] = 
                 absorb[c], r_norm[c], r_sv[c], post[c] = U_A, keep_A.sum(-1).sqrt(), keep_A, None
     else:
         # four R factors, one per weight (K and V per KV head), and two core spectra: the V
-        # reader's core R_V R_O^T is the writer's, and K's R_K R_Q^T is Q's transposed
+        # reader's core R_V R_O^T is the writer's, and K's R_K R_Q^T is Q's transposed (with
+        # measured moments neither holds: each side then has its own factor and spectrum)
         mats = {"Q": w.W_Q, "K": w.W_K, "V": w.W_V, "O": W_Ot}
         need = {"V", "O"} | {x for c in comps for x in _READS[c]}
         R = {k: _r_factor(mats[k]) for k in sorted(need)}
+        R_writer = _gram_factor(grams["writer"]) if "writer" in grams else R["V"]
+        R_other = {c: _gram_factor(grams[c]) if c in grams else R[_READS[c][1]] for c in comps}
 
-        def full(k: str) -> torch.Tensor:  # per query head
-            return R[k].repeat_interleave(w.n_heads // R[k].shape[1], dim=1)
+        def full(t: torch.Tensor) -> torch.Tensor:  # per query head
+            return t.repeat_interleave(w.n_heads // t.shape[1], dim=1)
 
-        spectra: dict[frozenset, tuple[torch.Tensor, torch.Tensor]] = {}
+        spectra: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
 
-        def spectrum(a: str, b: str) -> tuple[torch.Tensor, torch.Tensor]:
-            key = frozenset((a, b))
+        def spectrum(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            key = tuple(sorted((id(a), id(b))))
             if key not in spectra:
                 with one_thread():
                     spectra[key] = _core_spectrum(full(a), full(b))
             return spectra[key]
 
-        w_norm, w_sv = spectrum("V", "O")
-        emit = full("V") @ w.W_O
+        w_norm, w_sv = spectrum(R_writer, R["O"])
+        emit = full(R_writer) @ w.W_O
         for c in comps:
-            a, b = _READS[c]
-            r_norm[c], r_sv[c] = spectrum(a, b)
+            a = _READS[c][0]
+            r_norm[c], r_sv[c] = spectrum(R[a], R_other[c])
             if mats[a].shape[1] == w.n_heads:
-                absorb[c], post[c] = mats[a] @ full(b).transpose(-2, -1), None
+                absorb[c], post[c] = mats[a] @ full(R_other[c]).transpose(-2, -1), None
             else:  # shared A, per-query-head R_B^T: see the module docstring
-                absorb[c], post[c] = mats[a], full(b).transpose(-2, -1)
+                absorb[c], post[c] = mats[a], full(R_other[c]).transpose(-2, -1)
     cols = {c: a.permute(2, 0, 1, 3).reshape(a.shape[2], -1) for c, a in absorb.items()}
     return HeadFactors(metric, emit, w_norm, w_sv, absorb, r_norm, r_sv, post, cols)
 
@@ -184,6 +210,8 @@ def pair_denominator(metric: Metric, w_norm, w_sv, r_norm, r_sv) -> torch.Tensor
     """[H1, H2] denominators: the quantity ||L R||_F (or its square, for subspace) is divided by."""
     if metric == "frobenius":
         return w_norm[:, None] * r_norm[None, :]
+    if metric == "contribution":  # a magnitude: nothing to divide by
+        return torch.ones(w_norm.shape[0], r_norm.shape[0], dtype=w_norm.dtype, device=w_norm.device)
     if metric == "svd_bound":
         return (w_sv.pow(2) @ r_sv.pow(2).T).sqrt()
     # subspace: ||U1^T U2||_F^2 over the number of principal angles, min(rank1, rank2)

@@ -5,13 +5,14 @@ The metrics themselves are ``composition``'s (``head_factors``, ``pair_denominat
 ``normalised_score``, ``spectrum_baseline``); this module only decides what runs where and how
 often:
 
-- metrics that share their head factors (``composition.factor_family``: frobenius and svd_bound)
-  share them and their core products: the cores are computed once per family and comp, each
-  metric only adds its denominators;
+- metrics that share their head factors (``composition.factor_family``: frobenius, svd_bound and
+  contribution) share them and their core products, each metric only adds its denominators; with
+  ``subspace`` in the job the others' cores are sandwiches of its cores (``job_factors``), so the
+  d_model-long GEMMs run once per comp and tile;
 - the writer layers are stacked into tiles, so that one GEMM ``[k H d_head, d_model] @ [d_model,
   nR Hg d_head]`` scores k writer layers against the union of their readers, as large as
-  ``tile_bytes`` allows (the GPU: a share of its free memory; the CPU: per writer layer, which
-  keeps the product's output in cache for its squaring);
+  ``tile_bytes`` allows (the GPU: a share of its free memory; the CPU: about one writer layer
+  of GPT-2-small, larger GEMMs being no faster there);
 - the null pairs have the causal pairs' shapes and go into the same tiles;
 - both nulls' draws and scores stay on the device, and the finished block ([metric, comp, score /
   spectrum mean / spectrum std, pair, H, H] and the Gaussian baselines) comes back in one copy.
@@ -40,7 +41,7 @@ from compatlas.runtime import one_thread, stable_seed
 from compatlas.vocab import COMPS, Comp, Metric, ScoreDtype, Space
 from compatlas.weights import AttentionWeights
 
-CPU_TILE_BYTES = 32 * 2**20  # one GPT-2-small writer layer's products (28 MiB): cache-sized
+CPU_TILE_BYTES = 32 * 2**20  # one GPT-2-small writer layer's products (28 MiB); stacking more was no faster on 2 cores
 GPU_TILE_SHARE = 0.15  # of the device's free memory, for one tile's products (its post products and their
 # contiguous copy take as much again each)
 GPU_TILE_MAX = 4 * 2**30  # past a few GB a GEMM is as fast as it gets

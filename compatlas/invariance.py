@@ -22,7 +22,7 @@ from compatlas.progress import Progress
 from compatlas.runtime import stable_seed
 from compatlas.tables import INVARIANCE_SCHEMA
 from compatlas.token_space import to_space
-from compatlas.vocab import COMPS, TRANSFORMS, Metric, Space, Transform
+from compatlas.vocab import COMPS, TRANSFORMS, WEIGHT_SPACES, Metric, Space, Transform
 from compatlas.weights import AttentionWeights
 
 log = logging.getLogger(__name__)
@@ -110,8 +110,8 @@ def sample_layers(layers: list[int], n: int) -> list[int]:
 
 
 def scores_all_metrics(ws: AttentionWeights, metrics: list[Metric]) -> dict[str, dict[str, torch.Tensor]]:
-    """Every metric's scores on one model; frobenius and svd_bound share their per-head factors."""
-    shared = head_factors(ws, "frobenius") if {"frobenius", "svd_bound"} & set(metrics) else None
+    """Every metric's scores on one model; frobenius, svd_bound and contribution share their per-head factors."""
+    shared = head_factors(ws, "frobenius") if {"frobenius", "svd_bound", "contribution"} & set(metrics) else None
     return {m: model_scores(ws, m, factors=None if m == "subspace" else shared) for m in metrics}
 
 
@@ -127,6 +127,7 @@ def audit(w: AttentionWeights, metrics: list[Metric], spaces: list[Space], *,
     w64.W_U = None  # not read by any metric; saves a d_model x d_vocab product per transform
     w64.extras = {k: v for k, v in w64.extras.items() if k != "R_token_norm"}
     # the untransformed scores once; then one transformed model at a time (memory: two models)
+    spaces = [s for s in spaces if s in WEIGHT_SPACES]  # activation's invariance: tests/test_activation_space.py
     base = {s: scores_all_metrics(to_space(w64, s, max_condition)[0], metrics) for s in spaces}
     rows = []
     progress = Progress(log, "invariance audit", total=len(transforms) * len(spaces), unit="transform x space")

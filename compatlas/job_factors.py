@@ -80,8 +80,10 @@ def _strip(f: HeadFactors, keep_gemm: bool) -> HeadFactors:
 
 
 def _layers(w: AttentionWeights, a: int, b: int) -> AttentionWeights:
-    """Local layers a..b-1 of w, as views."""
-    return AttentionWeights(W_Q=w.W_Q[a:b], W_K=w.W_K[a:b], W_V=w.W_V[a:b], W_O=w.W_O[a:b], W_E=None, meta=w.meta)
+    """Local layers a..b-1 of w, as views (their norm gains too: the activation space reads them)."""
+    return AttentionWeights(W_Q=w.W_Q[a:b], W_K=w.W_K[a:b], W_V=w.W_V[a:b], W_O=w.W_O[a:b], W_E=None,
+                            ln1_w=None if w.ln1_w is None else w.ln1_w[a:b], meta=w.meta,
+                            layer_ids=None if w.layer_ids is None else w.layer_ids[a:b])
 
 
 def _concat(parts: list, dim: int = 0):
@@ -108,10 +110,11 @@ def _concat_factors(parts: list[HeadFactors]) -> HeadFactors:
 
 
 def job_factors(w: AttentionWeights, metrics: tuple[Metric, ...],
-                prepare: Callable[[AttentionWeights], AttentionWeights] | None = None) -> JobFactors:
+                prepare: Callable[[AttentionWeights], tuple[AttentionWeights, dict | None]] | None = None) -> JobFactors:
     """The factors of every family the metrics need, made CHUNK_BYTES of weights at a time;
-    ``prepare`` turns each chunk of ``w``'s layers into the weights to factor (the job's: moved to
-    its device and into its space, so that the device never holds more than a chunk of weights)."""
+    ``prepare`` turns each chunk of ``w``'s layers, in order, into the weights to factor and their
+    measured Gram matrices or None (``head_factors``' ``grams``): the job's, moved to its device and
+    into its space, so that the device never holds more than a chunk of weights."""
     families = list(dict.fromkeys(factor_family(m) for m in metrics))
     base = "subspace" if "subspace" in families and len(families) > 1 else None
     per_layer = sum(x[0].numel() * x.element_size() for x in (w.W_Q, w.W_K, w.W_V, w.W_O)) * 8
@@ -120,13 +123,13 @@ def job_factors(w: AttentionWeights, metrics: tuple[Metric, ...],
     sand_parts: dict[Metric, list[Sandwich]] = {fam: [] for fam in families if base not in (None, fam)}
     for a in range(0, w.n_layers, step):
         wc = _layers(w, a, min(a + step, w.n_layers))
-        wc = prepare(wc) if prepare is not None else wc
-        fc = {fam: head_factors(wc, fam) for fam in families}
+        wc, grams = prepare(wc) if prepare is not None else (wc, None)
+        fc = {fam: head_factors(wc, fam, grams=grams) for fam in families}
         for fam in sand_parts:
             sand_parts[fam].append(sandwich(fc[fam], fc[base]))
         for fam, x in fc.items():
             parts[fam].append(_strip(x, keep_gemm=fam not in sand_parts))
-        del fc, wc
+        del fc, wc, grams
     f = {fam: _concat_factors(p) for fam, p in parts.items()}
     sand = {fam: Sandwich(_concat([s.left for s in p]), _concat([s.right for s in p])) for fam, p in sand_parts.items()}
     return JobFactors(f, sand)

@@ -31,7 +31,7 @@ from compatlas.composition import head_factors, layer_pair_scores
 from compatlas.invariance import apply_transform, model_scores, random_transform
 from compatlas.tables import METRIC_AUDIT_SCHEMA
 from compatlas.token_space import add_space_factors, to_space
-from compatlas.vocab import COMPS, TRANSFORMS, Comp, Metric, Space
+from compatlas.vocab import COMPS, NORMALISED_METRICS, TRANSFORMS, WEIGHT_SPACES, Comp, Metric, Space
 from compatlas.weights import AttentionWeights
 
 AXIOMS = ("axiom1_full", "axiom2_zero", "axiom3_monotone_smooth", "axiom4_invariant")
@@ -141,5 +141,8 @@ def audit_metric(metric: Metric, space: Space, seed: int = 0) -> list[dict]:
 
 
 def run_audit(metrics: list[Metric], spaces: list[Space], seed: int = 0) -> pl.DataFrame:
-    rows = [r for m in metrics for s in spaces for r in audit_metric(m, s, seed)]
+    """Every normalised metric in every weights-only space: the axioms are about scores in [0, 1]
+    (``contribution`` is a magnitude), and the constructions have no activations to take moments of."""
+    rows = [r for m in metrics if m in NORMALISED_METRICS for s in spaces if s in WEIGHT_SPACES
+            for r in audit_metric(m, s, seed)]
     return pl.DataFrame(rows, schema=METRIC_AUDIT_SCHEMA)

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any
 
@@ -34,7 +34,7 @@ from compatlas.model_checks import check_layers, check_model
 
 # what a training segment does not depend on: adding checkpoints, or scoring them otherwise,
 # must not change (and rerun) the segments already trained
-NOT_SEGMENT_KEYS = ("steps", "schedule", "description", "spaces", "blocks")
+NOT_SEGMENT_KEYS = ("steps", "schedule", "description", "spaces", "blocks", "activation")
 
 
 # ----------------------------------------------------------------------------- the plan
@@ -92,6 +92,7 @@ class ModelPlan:
     blocks: int
     induction: Mapping[str, Any]
     training: Mapping[str, Any] | None  # the run behind a trained model, else None
+    activation: Mapping[str, Any] = field(default_factory=lambda: MappingProxyType({}))  # the text sample of its moments (activation space)
 
     @property
     def source(self) -> Mapping[str, Any]:
@@ -197,6 +198,8 @@ def build_plan(config: Mapping[str, Any], check_sources: bool = True, check_hub:
             blocks=entry.get("blocks", validated["composition"]["blocks"]),
             induction=freeze(_induction_settings(validated["induction"], entry.get("induction", {}))),
             training=freeze(validated["training"][entry["source"]["run"]]) if entry["source"]["kind"] == "trained" else None,
+            # a model's override replaces a key whole: its text source is not merged with the default's
+            activation=freeze({**validated["activation"], **entry.get("activation", {})}),
         )
     notes = _check_hub_sources(resolved) if check_hub else ()
     return Plan(config=freeze(validated), models=MappingProxyType(models), notes=notes)
@@ -286,7 +289,7 @@ def _trained_entry(validated: dict[str, Any], run: str) -> dict[str, Any]:
         # trained with BOS first (token 0 of the word-level tokenizer)
         "induction": {"prepend_bos": True, "pool": spec["d_vocab"]},
     }
-    for key in ("spaces", "blocks"):
+    for key in ("spaces", "blocks", "activation"):
         if spec.get(key):
             entry[key] = copy.deepcopy(spec[key])
     return entry

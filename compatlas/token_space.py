@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from compatlas.vocab import SPACES, Space
+from compatlas.vocab import TOKEN_SPACES, WEIGHT_SPACES, Space
 from compatlas.weights import AttentionWeights
 
 DEFAULT_MAX_CONDITION = 1e6
@@ -136,10 +136,10 @@ def add_space_factors(w: AttentionWeights) -> None:
     A vocabulary smaller than d_model has no token space: recorded as None, and only the
     token-space jobs fail (with embedding_factor's message), not the extraction."""
     if w.W_E.shape[0] < w.W_E.shape[1]:
-        for space in SPACES[1:]:
+        for space in TOKEN_SPACES:
             w.meta[f"{space}_condition"] = None
         return
-    for space in SPACES[1:]:
+    for space in TOKEN_SPACES:
         R, S = factor_and_spectrum(w.W_E, None if space == "token" else _row_normaliser(w))
         w.extras[f"R_{space}"] = R  # kept in float64: the basis change is sensitive to conditioning
         w.meta[f"{space}_condition"] = float(S[0] / S[-1]) if S[-1] > 0 else float("inf")
@@ -158,8 +158,8 @@ def space_basis(w: AttentionWeights, space: Space,
     number...): what ``to_space`` applies, for a caller that changes the basis a few layers at a time."""
     if space == "residual":
         return None, {}
-    if space not in SPACES:
-        raise ValueError(f"unknown space {space!r}; choose from {SPACES}")
+    if space not in WEIGHT_SPACES:
+        raise ValueError(f"space {space!r} is not computed from the weights alone; choose from {WEIGHT_SPACES}")
     basis = embedding_basis(max_condition=max_condition, factor=space_factor(w, space))
     return basis, {"embedding_condition": basis.condition, "embedding_dropped": basis.n_dropped,
                    "max_condition": max_condition}

@@ -137,19 +137,21 @@ class NearbyB:
         return self._found[t]
 
 
-def token_set(tokenizer, pool: torch.Tensor, prepend_bos: str | bool = "auto") -> TokenSet:
-    """The sweep's pool (clean tokens, see ``clean_tokens``) and BOS. ``prepend_bos='auto'``
-    prepends BOS when the tokenizer itself adds one to encoded text (the induction-strength
-    setup: BOS "if the model expects one")."""
+def bos_token(tokenizer, prepend_bos: str | bool = "auto") -> int | None:
+    """The BOS id to start sequences with, or None. ``'auto'`` prepends BOS when the tokenizer
+    itself adds one to encoded text (the induction-strength setup: BOS "if the model expects one")."""
     bos_id = getattr(tokenizer, "bos_token_id", None)
     if prepend_bos == "auto":
         adds = tokenizer is not None and bos_id is not None and tokenizer("a").input_ids[:1] == [bos_id]
-        bos = bos_id if adds else None
-    else:
-        if prepend_bos and bos_id is None:
-            raise ValueError("prepend_bos is true but the tokenizer has no BOS token")
-        bos = bos_id if prepend_bos else None
-    return TokenSet(pool=pool, bos=bos)
+        return bos_id if adds else None
+    if prepend_bos and bos_id is None:
+        raise ValueError("prepend_bos is true but the tokenizer has no BOS token")
+    return bos_id if prepend_bos else None
+
+
+def token_set(tokenizer, pool: torch.Tensor, prepend_bos: str | bool = "auto") -> TokenSet:
+    """The sweep's pool (clean tokens, see ``clean_tokens``) and BOS (``bos_token``)."""
+    return TokenSet(pool=pool, bos=bos_token(tokenizer, prepend_bos))
 
 
 def token_directions(W_E: torch.Tensor, W_U: torch.Tensor | None) -> torch.Tensor:

@@ -15,14 +15,32 @@ from __future__ import annotations
 
 from typing import Literal, get_args
 
-Metric = Literal["frobenius", "svd_bound", "subspace"]
-"""How a writer/reader head pair's composition is scored (``compatlas.composition``)."""
+NormalisedMetric = Literal["frobenius", "svd_bound", "subspace"]
+"""The metrics in [0, 1] that Lieberum's axioms and a Gaussian null are about (a magnitude has neither)."""
+NORMALISED_METRICS: tuple[NormalisedMetric, ...] = get_args(NormalisedMetric)
+
+Metric = Literal[NormalisedMetric, "contribution"]
+"""How a writer/reader head pair's composition is scored (``compatlas.composition``): the three
+normalised scores and one magnitude, ``contribution``."""
 METRICS: tuple[Metric, ...] = get_args(Metric)
 
-Space = Literal["residual", "token", "token_norm"]
-"""The basis the scores are taken in: the residual stream, or the token basis of W_E
-(``token_norm``: W_E's rows as the first attention norm sees them); ``compatlas.token_space``."""
+TokenSpace = Literal["token", "token_norm"]
+"""The token basis of W_E (``token_norm``: W_E's rows as the first attention norm sees them;
+``compatlas.token_space``)."""
+TOKEN_SPACES: tuple[TokenSpace, ...] = get_args(TokenSpace)
+
+WeightSpace = Literal["residual", TokenSpace]
+"""The spaces computed from the weights alone (the audits' spaces)."""
+WEIGHT_SPACES: tuple[WeightSpace, ...] = get_args(WeightSpace)
+
+Space = Literal[WeightSpace, "activation"]
+"""The basis the scores are taken in: the residual stream, a token basis, or the model's own
+activation statistics over a text sample (``compatlas.activation_space``)."""
 SPACES: tuple[Space, ...] = get_args(Space)
+
+TextKind = Literal["stdlib", "file", "hub", "induction"]
+"""Where the activation space's text sample comes from (``compatlas.text_sample``)."""
+TEXT_KINDS: tuple[TextKind, ...] = get_args(TextKind)
 
 Comp = Literal["Q", "K", "V"]
 """Which input of the reader head reads the writer's output: its query, key or value."""

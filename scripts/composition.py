@@ -4,6 +4,7 @@ import polars as pl
 from compatlas.composition import block_pairs, null_pairs, touched_layers
 from compatlas.composition_table import score_block
 from compatlas.logs import exit_now, setup
+from compatlas.moments import load_moments
 from compatlas.plan import scored_layers
 from compatlas.storage import write_shard
 from compatlas.tables import provenance
@@ -18,10 +19,11 @@ pairs, null = block_pairs(layers, blocks, block), null_pairs(layers, blocks, blo
 w = load_weights(snakemake.input.tensors, snakemake.input.meta, layers=touched_layers(pairs + null) or layers[:1])
 log.info("%s/%s %s %s block %s: %d layer pairs, %d null layer pairs", wc.model, wc.checkpoint, wc.metric, wc.space,
          wc.block, len(pairs), len(null))
+moments = load_moments(snakemake.input.moments, snakemake.input.moments_meta) if wc.space == "activation" else None
 # one call: the causal and the null pairs share the per-head factors and the nulls' draws
 df, facts = score_block(w, wc.metric, wc.space, pairs + null, baseline_samples=settings["baseline_samples"],
                         seed=settings["seed"], device=snakemake.params.device, dtype=snakemake.params.dtype,
-                        max_condition=settings["max_condition"])
+                        max_condition=settings["max_condition"], moments=moments)
 causal = pl.col("writer_layer") < pl.col("reader_layer")
 record = provenance(w.meta, metric=wc.metric, space=wc.space, block=int(wc.block), **facts)
 write_shard(df.filter(causal), snakemake.output.causal, record | {"layer_pairs": [list(p) for p in pairs]})

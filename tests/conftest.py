@@ -124,6 +124,25 @@ def random_weights(seed: int, *, L: int, H: int, Hkv: int, d: int, dh: int, spec
 TINY_ARCHS = ("gpt2", "llama-gqa", "pythia", "gemma", "gemma3", "bert", "bert-bare")
 
 
+def random_moments(L: int, H: int, Hkv: int, dh: int, seed: int):
+    """Random activation moments (``compatlas.moments.Moments``) of a model's shapes: each a
+    positive definite Wishart-like matrix per head, every norm's slope 1, attention scale 2."""
+    import torch
+
+    from compatlas.moments import Moments
+
+    f64 = torch.float64
+    g = torch.Generator().manual_seed(seed)
+
+    def psd(*shape: int) -> torch.Tensor:
+        X = torch.randn(*shape[:-1], 3 * shape[-1], generator=g, dtype=f64)
+        return X @ X.transpose(-2, -1) / X.shape[-1]
+
+    return Moments(query=psd(L, H, dh, dh), key=psd(L, Hkv, dh, dh), value=psd(L, Hkv, dh, dh), z=psd(L, H, dh, dh),
+                   inv_rms=torch.ones(L, dtype=f64), q_inv_rms=torch.ones(L, H, dtype=f64),
+                   k_inv_rms=torch.ones(L, Hkv, dtype=f64), out_inv_rms=torch.ones(L, dtype=f64), attn_scale=2.0)
+
+
 def tiny_hf_model(arch: str, vocab: int, **config):
     """A tiny Hugging Face model of ``arch`` (TINY_ARCHS), randomly initialised from torch's
     global generator (seed it first): 3 layers, 4 heads, d_model 32, d_head 8, 32 positions;

@@ -16,6 +16,7 @@ import numpy as np
 import polars as pl
 import pytest
 import torch
+from conftest import random_moments
 from conftest import random_weights as shared_random_weights
 
 from compatlas.calibration import (
@@ -24,7 +25,7 @@ from compatlas.calibration import (
 )
 from compatlas.composition import block_pairs, layer_pairs, null_pairs
 from compatlas.composition_table import score_block
-from compatlas.vocab import COMPS, METRICS, SPACES
+from compatlas.vocab import COMPS, METRICS, NORMALISED_METRICS, SPACES
 from compatlas.weights import AttentionWeights
 
 
@@ -102,12 +103,17 @@ def random_weights(seed: int, L: int = 6, H: int = 6, Hkv: int = 6, d: int = 48,
                                  embed_decades=0.5, unembed=True, ln1=0.1, meta={"model": "random", "norm_type": "RMS"})
 
 
+def moments_of(w: AttentionWeights, seed: int = 0):
+    """Random activation moments of the model's shapes (the activation space's statistics)."""
+    return random_moments(w.n_layers, w.n_heads, w.n_kv_heads, w.d_head, seed)
+
+
 def score_and_calibrate(w: AttentionWeights, metric: str, space: str,
                         designs: tuple[NullPairs, ...] = ("mirror",)) -> dict[NullPairs, pl.DataFrame]:
     """p and q of every causal pair, once per null design, from one scoring of all pairs."""
     layers = list(range(w.n_layers))
     df, _ = score_block(w, metric, space, layer_pairs(layers) + null_pairs(layers, 1, 0), baseline_samples=2,
-                        device="cpu", dtype="float64")
+                        device="cpu", dtype="float64", moments=moments_of(w) if space == "activation" else None)
     causal = pl.col("writer_layer") < pl.col("reader_layer")
     g = w.n_heads // w.n_kv_heads
     return {design: calibrate(df.filter(causal), df.filter(~causal), null_pairs=design, kv_group=g) for design in designs}
@@ -146,11 +152,11 @@ def test_random_models_are_calibrated_in_every_metric_space_and_comp():
     share one null the count is beta-binomial (conformal p-values), not binomial; pairs that
     share a head add a little more (measured over 60 models in 3 metric x space cells: variance
     1.23 to 1.34 times the beta-binomial's, mean 5.25 to 5.56 against 5.24 expected). Each of the
-    27 cells sums 8 models and must lie within 4 of those standard deviations of the expectation.
+    48 cells (4 metrics x 4 spaces x 3 comps; the activation space on random moments) sums 8 models and must lie within 4 of those standard deviations of the expectation.
     That band reaches 0 on the low side, so a needlessly conservative null is caught apart: no
     cell may be empty (P(k = 0) = P_model(0)^8, with P_model(0) about 0.03 for the beta-binomial:
-    about 1e-12), and over all 27 cells the count must be at least half its expectation (the cells'
-    counts are correlated, the same models: at worst perfectly, so the pooled sd is at most 27 cell
+    about 1e-12), and over all 48 cells the count must be at least half its expectation (the cells'
+    counts are correlated, the same models: at worst perfectly, so the pooled sd is at most 48 cell
     sd's, a quarter of the pooled mean, and half the mean lies 2 of those below it)."""
     from scipy import stats
 
@@ -167,7 +173,7 @@ def test_random_models_are_calibrated_in_every_metric_space_and_comp():
                                 .with_columns(pl.lit(metric).alias("metric"), pl.lit(space).alias("space"),
                                               pl.lit(design).alias("design")))
     cells = pl.concat(rows).group_by("design", "metric", "space", "comp").agg(pl.col("m").sum(), pl.col("k").sum())
-    assert cells.height == 2 * 27 and (cells["m"] == n_models * m).all()
+    assert cells.height == 2 * len(METRICS) * len(SPACES) * len(COMPS) and (cells["m"] == n_models * m).all()
     for design, n_null in n_nulls.items():
         a = math.floor(alpha * (n_null + 1))
         per_model = stats.betabinom(m, a, n_null + 1 - a)
@@ -181,28 +187,50 @@ def test_random_models_are_calibrated_in_every_metric_space_and_comp():
         assert per_model.pmf(0) ** n_models < 1e-9  # the empty-cell check above cannot fail by chance
 
 
+def same_norm(new: torch.Tensor, old: torch.Tensor) -> torch.Tensor:
+    return new * (old.norm() / new.norm())
+
+
 def plant_k_circuit(w: AttentionWeights, writer: tuple[int, int], reader: tuple[int, int], rank: int = 2,
                     seed: int = 0) -> None:
     """The writer head writes only into a ``rank``-dim subspace S (its W_O rows span S) and the
     reader's keys read only S (W_K's rows span S): a K-composition circuit by construction, as a
-    previous-token head writes a few directions that an induction head's keys read."""
+    previous-token head writes a few directions that an induction head's keys read. Both keep
+    their Frobenius norms, as a real model's heads do (a magnitude, ``contribution``, would
+    otherwise see a smaller head; the normalised metrics see no scale)."""
     g = torch.Generator().manual_seed(seed)
     d, dh = w.d_model, w.d_head
     S = torch.linalg.qr(torch.randn(d, rank, generator=g, dtype=torch.float64)).Q  # [d, rank]
     (l1, h1), (l2, h2) = writer, reader
-    w.W_O[l1, h1] = torch.randn(dh, rank, generator=g, dtype=torch.float64) @ S.T
-    w.W_K[l2, h2] = S @ torch.randn(rank, dh, generator=g, dtype=torch.float64)
+    w.W_O[l1, h1] = same_norm(torch.randn(dh, rank, generator=g, dtype=torch.float64) @ S.T, w.W_O[l1, h1])
+    w.W_K[l2, h2] = same_norm(S @ torch.randn(rank, dh, generator=g, dtype=torch.float64), w.W_K[l2, h2])
 
 
 def test_a_planted_circuit_is_the_discovery_in_every_metric_and_space():
     w = random_weights(11, L=6, H=8, Hkv=8)
     plant_k_circuit(w, writer=(1, 3), reader=(4, 5))
-    for metric in METRICS:
+    for metric in NORMALISED_METRICS:  # contribution: the next test
         for space in SPACES:
             found = score_and_calibrate(w, metric, space)["mirror"].filter((pl.col("comp") == "K") & (pl.col("q_value") <= 0.05))
             pairs = set(zip(found["writer_layer"], found["writer_head"], found["reader_layer"], found["reader_head"]))
             assert (1, 3, 4, 5) in pairs, f"{metric}/{space}: the planted pair is no discovery"
             assert len(pairs) <= 2, f"{metric}/{space}: {sorted(pairs)}"
+
+
+def test_a_planted_circuit_has_the_largest_contribution_where_heads_share_a_scale():
+    """A magnitude sees head sizes: with per-head scales exp(0.5 N(0, 1)) (the test above) big
+    heads outweigh the plant. Where the heads share one scale the planted pair has the largest K
+    contribution and the smallest p in every space; it is no discovery at q <= 0.05 on these 540
+    pairs, since a magnitude's null is heavy-tailed (products of norms): its p is about 1e-4."""
+    for seed in (11, 12):
+        w = shared_random_weights(seed, L=6, H=8, Hkv=8, d=48, dh=8, spectrum=0.5, vocab=300, embed_decades=0.5,
+                                  unembed=True, ln1=0.1, meta={"model": "random", "norm_type": "RMS"})
+        plant_k_circuit(w, writer=(1, 3), reader=(4, 5))
+        for space in SPACES:
+            pq = score_and_calibrate(w, "contribution", space)["mirror"].filter(pl.col("comp") == "K")
+            first = pq.sort("p_value", "writer_layer", "writer_head", "reader_layer", "reader_head").row(0, named=True)
+            assert (first["writer_layer"], first["writer_head"], first["reader_layer"], first["reader_head"]) == (1, 3, 4, 5), space
+            assert first["p_value"] < 1e-3 and (pq["p_value"] > first["p_value"]).sum() == pq.height - 1, space
 
 
 def test_calibrate_shards_matches_calibrate_on_whole_tables(tmp_path):
@@ -272,7 +300,7 @@ def test_every_cell_tests_the_unit_its_scores_have_in_a_gqa_model():
     for metric in METRICS:
         for space in SPACES:
             df, _ = score_block(w, metric, space, layer_pairs(layers) + null_pairs(layers, 1, 0), baseline_samples=2,
-                                device="cpu", dtype="float64")
+                                device="cpu", dtype="float64", moments=moments_of(w) if space == "activation" else None)
             for row in within_group_spread(df, g).iter_rows(named=True):
                 unit = hypothesis_unit(metric, row["comp"], g)
                 units[metric, space, row["comp"]] = unit
@@ -367,8 +395,8 @@ def plant_kv_circuit(w: AttentionWeights, writer: tuple[int, int], reader_kv: tu
     g = torch.Generator().manual_seed(seed)
     S = torch.linalg.qr(torch.randn(w.d_model, rank, generator=g, dtype=torch.float64)).Q
     (l1, h1), (l2, k2) = writer, reader_kv
-    w.W_O[l1, h1] = torch.randn(w.d_head, rank, generator=g, dtype=torch.float64) @ S.T
-    w.W_K[l2, k2] = S @ torch.randn(rank, w.d_head, generator=g, dtype=torch.float64)
+    w.W_O[l1, h1] = same_norm(torch.randn(w.d_head, rank, generator=g, dtype=torch.float64) @ S.T, w.W_O[l1, h1])
+    w.W_K[l2, k2] = same_norm(S @ torch.randn(rank, w.d_head, generator=g, dtype=torch.float64), w.W_K[l2, k2])
 
 
 def test_a_planted_circuit_into_a_kv_head_is_one_discovery_with_g_8():
@@ -384,7 +412,7 @@ def test_a_planted_circuit_into_a_kv_head_is_one_discovery_with_g_8():
     # the null's eight and other writers' pairs into it become discoveries too
     plant_kv_circuit(w, writer=(1, 3), reader_kv=(4, 1), rank=4)
     group = set(range(g, 2 * g))
-    for metric in METRICS:
+    for metric in NORMALISED_METRICS:  # a magnitude's planted pair: test_a_planted_circuit_has_the_largest_contribution...
         for space in ("residual", "token"):
             pq = score_and_calibrate(w, metric, space)["mirror"].filter(pl.col("comp") == "K")
             found = pq.filter(pl.col("q_value") <= 0.05)

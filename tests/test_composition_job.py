@@ -17,7 +17,7 @@ from compatlas.composition_table import score_block, score_space
 from compatlas.precision import gemm_operand, round_tf32
 from compatlas.runtime import stable_seed
 from compatlas.token_space import add_space_factors
-from compatlas.vocab import COMPS, METRICS
+from compatlas.vocab import COMPS, METRICS, NORMALISED_METRICS
 
 KEY = ["comp", "writer_layer", "writer_head", "reader_layer", "reader_head"]
 N = 6  # null draws
@@ -31,7 +31,8 @@ def reference_table(w, metric, pairs, seed=0, n=N) -> pl.DataFrame:
     rows = []
     for c in COMPS:
         P2 = haar_overlap_blocks(d, dh, n, stable_seed(seed, "spectrum", metric, "residual", c)).pow(2)
-        g_mean, g_std = gaussian_baseline(metric, "Q", d, dh, n, stable_seed(seed, "gaussian", d, dh))  # one law for Q, K, V
+        g_mean, g_std = (gaussian_baseline(metric, "Q", d, dh, n, stable_seed(seed, "gaussian", d, dh))  # one law for Q, K, V
+                         if metric in NORMALISED_METRICS else (None, None))  # a magnitude has no Gaussian null
         for a, b in pairs:
             s = layer_pair_scores(f, a, [b], c)[0]
             mu, sd = spectrum_baseline(metric, f.writer_norm[a], f.writer_sv[a], f.reader_norm[c][b], f.reader_sv[c][b], P2)
@@ -60,8 +61,14 @@ def test_score_space_equals_the_per_pair_kernel(gqa, tile_bytes):
         assert got.select(KEY).equals(want.select(KEY)), metric
         assert (got["metric"] == metric).all()
         for col in want.columns[len(KEY):]:
-            np.testing.assert_allclose(got[col].to_numpy(), want[col].to_numpy(), rtol=1e-10, atol=1e-12,
-                                       err_msg=f"{metric} {col}")
+            np.testing.assert_allclose(got[col].to_numpy().astype(float), want[col].to_numpy().astype(float),
+                                       rtol=1e-10, atol=1e-12, err_msg=f"{metric} {col}")
+        if metric == "contribution":  # the score over the reader's own QK / OV norm
+            own = head_factors(gqa, "frobenius").reader_norm
+            expect = [r["score"] / float(own[r["comp"]][r["reader_layer"], r["reader_head"]]) for r in got.iter_rows(named=True)]
+            np.testing.assert_allclose(got["score_share"].to_numpy(), expect, rtol=1e-10)
+        else:
+            assert got["score_share"].null_count() == got.height
 
 
 def test_float32_job_equals_the_float64_kernel_to_float_tolerance(gqa):
@@ -69,7 +76,8 @@ def test_float32_job_equals_the_float64_kernel_to_float_tolerance(gqa):
     tables, _ = score_space(gqa, METRICS, "residual", pairs, baseline_samples=N, device="cpu", dtype="float32")
     for metric in METRICS:
         got, want = tables[metric].sort(KEY), reference_table(gqa, metric, pairs)
-        np.testing.assert_allclose(got["score"].to_numpy(), want["score"].to_numpy(), rtol=2e-4, atol=1e-6)
+        scale = want["score"].abs().max()  # contribution is a magnitude: its error relative to its size
+        np.testing.assert_allclose(got["score"].to_numpy(), want["score"].to_numpy(), rtol=2e-4, atol=1e-6 * scale)
 
 
 def test_score_block_is_one_metric_of_score_space_and_keeps_the_row_order(gqa):
@@ -92,8 +100,10 @@ def test_token_space_job_equals_one_metric_jobs():
     tables, facts = score_space(w, METRICS, "token", pairs, **kw)
     for metric in METRICS:  # all three: frobenius and svd_bound from subspace's cores; alone: their own
         one = score_block(w, metric, "token", pairs, **kw)[0]
-        assert tables[metric].drop("score").equals(one.drop("score"))
-        np.testing.assert_allclose(tables[metric]["score"].to_numpy(), one["score"].to_numpy(), rtol=1e-9, atol=1e-12)
+        assert tables[metric].drop("score", "score_share").equals(one.drop("score", "score_share"))
+        for col in ("score", "score_share"):
+            np.testing.assert_allclose(tables[metric][col].to_numpy().astype(float), one[col].to_numpy().astype(float),
+                                       rtol=1e-9, atol=1e-12)
     assert facts["embedding_dropped"] == 0
 
 
@@ -115,7 +125,7 @@ def test_reduced_precision_scores_stay_near_float32(gqa, dtype, tol):
     ref = score_space(gqa, METRICS, "residual", pairs, dtype="float32", **kw)[0]
     low = score_space(gqa, METRICS, "residual", pairs, dtype=dtype, **kw)[0]
     for metric in METRICS:
-        d = (low[metric]["score"] - ref[metric]["score"]).abs().max()
+        d = (low[metric]["score"] - ref[metric]["score"]).abs().max() / ref[metric]["score"].abs().max()
         assert 0 < d < tol, (metric, d)  # changed (rounded), but only a little
         assert low[metric]["baseline_spectrum_mean"].equals(ref[metric]["baseline_spectrum_mean"])
 
@@ -132,9 +142,11 @@ def test_gpu_job_equals_the_cpu_job(gqa, dtype):
     tol = {"float32": 1e-5, "tf32": 5e-3, "bf16": 3e-2}[dtype]
     for metric in METRICS:
         for col in ("score", "baseline_spectrum_mean", "baseline_spectrum_std"):
-            np.testing.assert_allclose(gpu[metric][col].to_numpy(), cpu[metric][col].to_numpy(), atol=tol, rtol=0)
-        g, c = gpu[metric]["baseline_gaussian_mean"].to_numpy(), cpu[metric]["baseline_gaussian_mean"].to_numpy()
-        assert np.abs(g - c).max() < 5 * cpu[metric]["baseline_gaussian_std"].max() / np.sqrt(N)
+            scale = max(1.0, cpu[metric][col].abs().max())
+            np.testing.assert_allclose(gpu[metric][col].to_numpy(), cpu[metric][col].to_numpy(), atol=tol * scale, rtol=0)
+        if metric in NORMALISED_METRICS:
+            g, c = gpu[metric]["baseline_gaussian_mean"].to_numpy(), cpu[metric]["baseline_gaussian_mean"].to_numpy()
+            assert np.abs(g - c).max() < 5 * cpu[metric]["baseline_gaussian_std"].max() / np.sqrt(N)
 
 
 def test_the_gpu_job_benchmark_runs_on_the_cpu(tmp_path, capsys):
@@ -178,5 +190,7 @@ def test_factors_made_one_layer_at_a_time_score_the_same(gqa, monkeypatch):
     monkeypatch.setattr(job_factors, "CHUNK_BYTES", 1)  # one layer per chunk
     chunked = score_space(gqa, METRICS, "residual", pairs, **kw)[0]
     for metric in METRICS:
-        np.testing.assert_allclose(chunked[metric]["score"].to_numpy(), whole[metric]["score"].to_numpy(), rtol=1e-12)
-        assert chunked[metric].drop("score").equals(whole[metric].drop("score"))
+        for col in ("score", "score_share"):
+            np.testing.assert_allclose(chunked[metric][col].to_numpy().astype(float),
+                                       whole[metric][col].to_numpy().astype(float), rtol=1e-12)
+        assert chunked[metric].drop("score", "score_share").equals(whole[metric].drop("score", "score_share"))

@@ -23,6 +23,7 @@ SCHEMA_ENUMS: dict[str, tuple[Any, ...]] = {
     "properties.dtype": vocab.SCORE_DTYPES,
     "properties.metrics.*": vocab.METRICS,
     "properties.spaces.*": vocab.SPACES,
+    "$defs.activation_text.properties.kind": vocab.TEXT_KINDS,
     "properties.composition.properties.null_stratify": vocab.NULL_STRATIFY,
     "properties.composition.properties.null_pairs": vocab.NULL_PAIRS,
     "properties.invariance.properties.transforms.*": vocab.TRANSFORMS,

@@ -38,6 +38,8 @@ TRAIN_LOSS = f"{RESULTS}/train/{{model}}/{{checkpoint}}/loss.parquet"
 SHARD = f"{RESULTS}/composition/model={{model}}/checkpoint={{checkpoint}}/metric={{metric}}/space={{space}}/block={{block}}.parquet"
 NULL_SHARD = f"{RESULTS}/composition_null/model={{model}}/checkpoint={{checkpoint}}/metric={{metric}}/space={{space}}/block={{block}}.parquet"
 CALIBRATION = f"{RESULTS}/calibration/model={{model}}/checkpoint={{checkpoint}}/pvalues.parquet"
+MOMENTS = f"{RESULTS}/moments/{{model}}/{{checkpoint}}/moments.safetensors"
+MOMENTS_META = f"{RESULTS}/moments/{{model}}/{{checkpoint}}/moments.json"
 
 
 wildcard_constraints:
@@ -176,6 +178,25 @@ def edge_attribution_shards(wildcards):
     """The edge attribution shard of every (model, checkpoint) with induction and edge attribution enabled."""
     return [EDGE_ATTRIBUTION.format(model=m.name, checkpoint=c.label) for m, c in PLAN.pairs()
             if m.induction["enabled"] and m.induction["edge_attribution"]["enabled"]]
+
+
+def space_moments(wildcards):
+    """A composition job in the activation space reads its model x checkpoint's moments; other
+    spaces read none (named inputs: an empty dict)."""
+    if wildcards.space != "activation":
+        return {}
+    return {"moments": MOMENTS.format(**wildcards), "moments_meta": MOMENTS_META.format(**wildcards)}
+
+
+def model_activation(wildcards):
+    """The text sample of the model's moments (its override of the activation section applied)."""
+    return thaw(PLAN.models[wildcards.model].activation)
+
+
+def model_forward_settings(wildcards):
+    """What a moments job reads of the induction settings: how the model is booted and BOS."""
+    ind = PLAN.models[wildcards.model].induction
+    return thaw({k: ind[k] for k in ("pool", "prepend_bos", "dtype", "device_map")})
 
 
 def model_edge_settings(wildcards):

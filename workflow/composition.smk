@@ -4,6 +4,7 @@
 
 rule composition:
     input:
+        unpack(space_moments),
         tensors=WEIGHTS_TENSORS,
         meta=WEIGHTS_META,
     output:

@@ -25,11 +25,13 @@ METRIC_TEXT = {
     "frobenius": "||L R||_F / (||L||_F ||R||_F) (Elhage et al. 2021)",
     "svd_bound": "||L R||_F / sqrt(sum_i s_i(L)^2 s_i(R)^2): 1 = singular vectors aligned",
     "subspace": "mean cos^2 of the principal angles between write and read subspaces",
+    "contribution": "||L R||_F, a magnitude: the RMS of what the writer adds to the reader's logit (Q, K) or output (V)",
 }
 SPACE_TEXT = {
     "residual": "weights acting on the residual stream",
     "token": "exact token space (invariant under every change of residual basis)",
     "token_norm": "token space of W_E's rows normalised as the first norm would",
+    "activation": "the model's own activation statistics over a text sample (moments of q, k, v and z)",
 }
 
 
@@ -131,7 +133,7 @@ def heatmap_chart(df: pl.DataFrame, model: str, checkpoint: str, metric: str, sp
                     axis=_layer_axis("writer head (layer, then head)", w_lo, w_hi, H, False, height)),
             y2="w1:Q", color=colour,
             tooltip=[alt.Tooltip("writer:N"), alt.Tooltip("reader:N"), alt.Tooltip("c:N", title="comp"),
-                     alt.Tooltip("score:Q", format=".3f"),
+                     alt.Tooltip("score:Q", format=".4~g"),
                      alt.Tooltip("null_mean:Q", title="spectrum-kept null mean", format=".3f"),
                      alt.Tooltip("null_sd:Q", title="spectrum-kept null sd", format=".3g"),
                      alt.Tooltip("gm:Q", title="Gaussian null mean", format=".3f"),
@@ -149,7 +151,7 @@ def heatmap_chart(df: pl.DataFrame, model: str, checkpoint: str, metric: str, sp
                         size=max(36.0, (cell + 2) ** 2))
             .encode(x=alt.X("rc:Q"), y=alt.Y("wc:Q"),
                     tooltip=[alt.Tooltip("writer:N"), alt.Tooltip("reader:N"), alt.Tooltip("c:N", title="comp"),
-                             alt.Tooltip("score:Q", format=".3f"), alt.Tooltip("zval:Q", title="z", format=".1f"),
+                             alt.Tooltip("score:Q", format=".4~g"), alt.Tooltip("zval:Q", title="z", format=".1f"),
                              alt.Tooltip("p:Q", format=".2e"), alt.Tooltip("q:Q", format=".2e")]))
         what += f" Cyan squares: the discoveries (q <= {q_cut:g})."
     chart = alt.layer(*layers).add_params(pick).properties(width=width, height=height, title=alt.TitleParams(

@@ -10,6 +10,10 @@
 -- the top set; average precision with the edges in descending score (ascending p, ties by score);
 -- discovery precision / recall: of the edges with a discovery (q <= fdr in any query head) for
 -- the top set. Edges with no z (a zero null spread) or no p are left out of that score's columns.
+-- Within one layer pair: the mean over (writer layer, reader layer) of the Spearman of score and
+-- function among that pair's edges (pairs of 3 edges or more, and both sides not constant), and
+-- how many layer pairs it averages: whether a score tells apart the heads of one layer pair, once
+-- the depth (scale) that separates layer pairs is taken out.
 CREATE VIEW composition_vs_function AS
 WITH edges AS (
     SELECT model, checkpoint, method, comp, writer_layer, writer_head, reader_layer,
@@ -40,6 +44,12 @@ ranked AS (
         + (count(*) OVER (PARTITION BY model, checkpoint, method, metric, space, comp, score) - 1) / 2.0 AS r_score,
       rank() OVER (PARTITION BY model, checkpoint, method, metric, space, comp ORDER BY fn)
         + (count(*) OVER (PARTITION BY model, checkpoint, method, metric, space, comp, fn) - 1) / 2.0 AS r_fn,
+      rank() OVER (PARTITION BY model, checkpoint, method, metric, space, comp, writer_layer, reader_layer ORDER BY score)
+        + (count(*) OVER (PARTITION BY model, checkpoint, method, metric, space, comp, writer_layer, reader_layer, score) - 1)
+          / 2.0 AS r_score_lp,
+      rank() OVER (PARTITION BY model, checkpoint, method, metric, space, comp, writer_layer, reader_layer ORDER BY fn)
+        + (count(*) OVER (PARTITION BY model, checkpoint, method, metric, space, comp, writer_layer, reader_layer, fn) - 1)
+          / 2.0 AS r_fn_lp,
       rank() OVER (PARTITION BY model, checkpoint, method, metric, space, comp, no_z ORDER BY z)
         + (count(*) OVER (PARTITION BY model, checkpoint, method, metric, space, comp, no_z, z) - 1) / 2.0 AS r_z,
       rank() OVER (PARTITION BY model, checkpoint, method, metric, space, comp, no_z ORDER BY fn)
@@ -60,7 +70,16 @@ ranked AS (
                              ORDER BY p, score DESC, writer_layer, writer_head, reader_layer, reader_unit ROWS UNBOUNDED PRECEDING)
         / row_number() OVER (PARTITION BY model, checkpoint, method, metric, space, comp, no_p
                              ORDER BY p, score DESC, writer_layer, writer_head, reader_layer, reader_unit) AS prec_p
-    FROM joined)
+    FROM joined),
+within AS (
+    SELECT model, checkpoint, method, metric, space, comp, avg(rho) AS spearman_within_layer_pair,
+        count(rho) AS n_layer_pairs
+    FROM (SELECT model, checkpoint, method, metric, space, comp, writer_layer, reader_layer,
+              CASE WHEN count(*) >= 3 THEN corr(r_score_lp, r_fn_lp) END AS rho
+          FROM ranked GROUP BY ALL)
+    WHERE NOT isnan(rho)
+    GROUP BY ALL),
+overall AS (
 SELECT model, checkpoint, method, metric, space, comp,
     count(*) AS n_edges, count_if(is_top)::BIGINT AS n_top, sum(fn) FILTER (WHERE is_top) / sum(fn) AS top_share,
     corr(r_score, r_fn) AS spearman,
@@ -79,4 +98,6 @@ SELECT model, checkpoint, method, metric, space, comp,
     count_if(discovered AND is_top) / NULLIF(count_if(discovered), 0) AS discovery_precision,
     count_if(discovered AND is_top) / NULLIF(count_if(is_top), 0) AS discovery_recall
 FROM ranked
-GROUP BY ALL;
+GROUP BY ALL)
+SELECT o.*, w.spearman_within_layer_pair, coalesce(w.n_layer_pairs, 0) AS n_layer_pairs
+FROM overall o LEFT JOIN within w USING (model, checkpoint, method, metric, space, comp);

@@ -1,0 +1,17 @@
+"""Snakemake adapter: the activation moments of one model (x checkpoint) over the text sample."""
+import os
+from pathlib import Path
+
+if snakemake.params.entry["source"]["kind"] != "hub":
+    os.environ["HF_HUB_OFFLINE"] = "1"
+
+from compatlas.logs import exit_now, setup  # noqa: E402
+from compatlas.moments import boot_and_measure_moments, save_moments  # noqa: E402
+
+log = setup(snakemake.log[0], snakemake.threads)
+p = snakemake.params
+moments, _ = boot_and_measure_moments(snakemake.wildcards.model, p.entry, p.checkpoint, p.settings, p.forward,
+                                      snakemake.input.meta, Path(p.workdir), p.device)
+save_moments(moments, snakemake.output.moments, snakemake.output.meta)
+log.info("wrote %s", snakemake.output.moments)
+exit_now()  # outputs written: skip the interpreter's teardown

@@ -52,7 +52,7 @@ if str(ROOT) not in sys.path:
 
 import torch  # noqa: E402
 
-from compatlas.composition import block_pairs, factor_family, layer_pairs, null_pairs, touched_layers  # noqa: E402
+from compatlas.composition import block_pairs, factor_family, null_pairs, touched_layers  # noqa: E402
 from compatlas.composition_job import JobClock, default_tile_bytes, plan_tiles, score_tiles  # noqa: E402
 from compatlas.job_factors import job_factors  # noqa: E402
 from compatlas.precision import core_gemm, gemm_operand  # noqa: E402

@@ -194,3 +194,19 @@ def test_factors_made_one_layer_at_a_time_score_the_same(gqa, monkeypatch):
             np.testing.assert_allclose(chunked[metric][col].to_numpy().astype(float),
                                        whole[metric][col].to_numpy().astype(float), rtol=1e-12)
         assert chunked[metric].drop("score", "score_share").equals(whole[metric].drop("score", "score_share"))
+
+
+def test_activation_space_all_metrics_in_one_pass_equal_one_metric_jobs(gqa):
+    """With measured Gram matrices the sandwich still holds (only the d_head x d_head factors change)."""
+    from conftest import random_moments
+
+    m = random_moments(4, 4, 2, 4, 4)
+    pairs = [(0, 1), (1, 3), (3, 0), (2, 2)]
+    kw = dict(baseline_samples=N, device="cpu", dtype="float64", moments=m)
+    tables, _ = score_space(gqa, METRICS, "activation", pairs, **kw)
+    for metric in METRICS:
+        one = score_block(gqa, metric, "activation", pairs, **kw)[0]
+        assert tables[metric].drop("score", "score_share").equals(one.drop("score", "score_share"))
+        for col in ("score", "score_share"):
+            np.testing.assert_allclose(tables[metric][col].to_numpy().astype(float), one[col].to_numpy().astype(float),
+                                       rtol=1e-9, atol=1e-12)

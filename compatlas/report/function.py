@@ -26,7 +26,9 @@ WHAT = ("Each edge (writer head → a later reader's query, or its KV head's key
         "<b>composition</b> (weights only) and by <b>edge attribution</b> (the change in the log-probability of the "
         "induced tokens when the edge alone carries its corrupted value; docs/edge_attribution.md). The <b>top of the "
         "function</b>: the fewest edges holding half of a comp's total |attribution|. Per metric x space x comp: "
-        "Spearman of each score with |attribution| over all edges; AUROC and average precision of the score for the "
+        "Spearman of each score with |attribution| over all edges, and its mean within one (writer layer, reader "
+        "layer) pair (the heads of a layer pair told apart, depth's scale taken out); AUROC and average precision "
+        "of the score for the "
         "top set; the same for z (spectrum-kept null) and for p (smaller first); precision and recall of the "
         "discoveries against the top set.")
 
@@ -43,10 +45,13 @@ def agreement_table(cvf: pl.DataFrame) -> str:
             if comp not in by:
                 continue
             r = by[comp]
-            rows.append([metric, space, comp, r["n_edges"], r["n_top"]] + [_rounded(r.get(c)) for cols in COLUMNS for c in cols]
+            rows.append([metric, space, comp, r["n_edges"], r["n_top"], _rounded(r.get("spearman")),
+                         _rounded(r.get("spearman_within_layer_pair"))]
+                        + [_rounded(r.get(c)) for cols in COLUMNS for c in cols if c != "spearman"]
                         + [r["n_discoveries"], r["discovery_precision"], r["discovery_recall"]])
-    return table(["metric", "space", "comp", "edges", "top", "Spearman", "AUROC", "AP", "Spearman z", "AUROC z", "AP z",
-                  "Spearman p", "AUROC p", "AP p", "discoveries", "precision", "recall"], rows)
+    return table(["metric", "space", "comp", "edges", "top", "Spearman", "Spearman within a layer pair", "AUROC", "AP",
+                  "Spearman z", "AUROC z", "AP z", "Spearman p", "AUROC p", "AP p", "discoveries", "precision", "recall"],
+                 rows, cls="agree")
 
 
 def method_line(methods: dict[str, str]) -> str:

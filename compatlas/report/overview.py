@@ -77,18 +77,24 @@ def models_table(data: list[ModelData], cuts: tuple[float, float], q_cut: float 
 
 
 def finds_table(data: list[ModelData], q_cut: float | None = None) -> str:
-    """Per model and metric x space: how K-composition with previous-token heads finds its
-    induction heads; one line saying why for a model that can have no discoveries."""
+    """Per metric x space (a row) and model (a column): how K-composition with previous-token
+    heads finds its induction heads; below, one line per model that can have no discoveries,
+    saying why. Rows, not columns, per metric x space: 16 of them fit no page's width."""
     combos = [(m, s) for m in METRICS for s in SPACES if any((m, s) in d.combos for d in data)]
-    rows = []
+    shown: list[ModelData] = []
+    notes: list[str] = []
     for d in data:
-        k = d.cvb.filter(pl.col("comp") == "K") if not d.cvb.is_empty() else d.cvb
-        cells = [f"<a href='{html.escape(d.page)}#behaviour'>{html.escape(d.model)}</a>"]
+        link = f"<a href='{html.escape(d.page)}#behaviour'>{html.escape(d.model)}</a>"
         if combos and (why := why_none(d.summary, q_cut)) is not None:
-            rows.append(cells + [f"<td colspan='{len(combos)}'><small>no recall or precision: discoveries "
-                                 f"{html.escape(why)}{_circuit_elsewhere(d)}</small>"])
-            continue
-        for m, s in combos:
+            notes.append(f"<p><small>{link}: no recall or precision: discoveries {html.escape(why)}"
+                         f"{_circuit_elsewhere(d)}</small></p>")
+        else:
+            shown.append(d)
+    rows = []
+    for m, s in combos:
+        cells = [f"{html.escape(m)} · {html.escape(s)}"]
+        for d in shown:
+            k = d.cvb.filter(pl.col("comp") == "K") if not d.cvb.is_empty() else d.cvb
             g = k.filter((pl.col("metric") == m) & (pl.col("space") == s)) if k.height else k
             if g.is_empty():
                 cells.append("–")
@@ -99,10 +105,11 @@ def finds_table(data: list[ModelData], q_cut: float | None = None) -> str:
                 cells.append("<small>no induction heads</small>")
                 continue
             au = fmt(r["auroc"])  # NULL in the atlas below MIN_CLASS heads of a class
-            cells.append(f"recall {fmt(r.get('discovery_recall'))}<br>precision {fmt(r.get('discovery_precision'))}"
-                         f"<br><small>AUROC {au} ({n_ind} of {n})</small>")
+            cells.append(f"recall {fmt(r.get('discovery_recall'))}, precision {fmt(r.get('discovery_precision'))}"
+                         f" <small>(AUROC {au}; {n_ind} of {n})</small>")
         rows.append(cells)
-    return table(["model", *[f"{m} · {s}" for m, s in combos]], rows, cls="finds", raw=True)
+    body = table(["metric · space", *[d.model for d in shown]], rows, cls="finds", raw=True) if shown else ""
+    return body + "".join(notes)
 
 
 def depth_chart(profile: pl.DataFrame) -> alt.FacetChart:

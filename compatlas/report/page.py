@@ -102,6 +102,7 @@ table.models td, table.models th, table.finds td, table.finds th { text-align: l
 h1 { margin-bottom: 0.2em; font-size: 1.6em; } h2 { border-top: 2px solid #ccc; padding-top: 0.5em; margin-top: 1.6em; }
 h3 { margin: 1.2em 0 0.3em; }
 table { border-collapse: collapse; font-size: 0.82em; margin: 0.4em 0; max-width: 100%; }
+table.agree { font-size: 0.72em; }
 th, td { border: 1px solid #ddd; padding: 2px 6px; text-align: right; vertical-align: top; }
 th { background: #f0f0f0; } td:first-child, th:first-child { text-align: left; }
 .note { color: #555; font-size: 0.88em; max-width: 62em; }

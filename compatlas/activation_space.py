@@ -1,5 +1,5 @@
 """The ``activation`` space: composition scored on the model's own activation statistics
-(``compatlas.moments``) instead of an isotropic residual stream (docs/math.md#activation-space).
+(``compatlas.moments``) instead of an isotropic residual stream (docs/math.md#contribution-and-the-activation-space).
 
 Writer u (layer l1) adds ``z_u W_O^u`` to the residual stream; reader v (layer l2 > l1) sees it
 through its attention-input norm, linearised at its mean slope ``D_l2 = diag(gain) * E[1/rms]``

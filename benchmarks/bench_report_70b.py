@@ -68,7 +68,7 @@ def build(root: Path, L: int, H: int, seed: int = 0) -> Path:
     from compatlas.tables import CALIBRATION_SCHEMA, COMPOSITION_SCHEMA, HEAD_SCORES_SCHEMA
     from compatlas.vocab import COMPS, METRICS, SPACES
 
-    spec = {"model": MODEL, "n_layers": L, "n_heads": H, "seed": seed, "plant_rate": PLANT_RATE, "version": 1}
+    spec = {"model": MODEL, "n_layers": L, "n_heads": H, "seed": seed, "plant_rate": PLANT_RATE, "version": 2}
     db = root / "atlas.duckdb"
     if db.exists() and (root / "spec.json").exists() and json.loads((root / "spec.json").read_text()) == spec:
         # the shards are reused; the database is rebuilt so its views are this code's

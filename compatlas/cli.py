@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import logging
 import sys
 from pathlib import Path
 
@@ -36,7 +37,8 @@ TABLES = {
     "eap_vs_exact": "how well the attribution estimates agree with exact edge patching",
     "composition_vs_function": "which composition score predicts the edges that matter (Spearman, AUROC, precision)",
     "training_loss": "the loss of the pipeline's own training runs, per step",
-    "excluded_shards": "result shards left out of the views because they do not open (truncated, corrupt)",
+    "excluded_shards": "result shards left out of the views: missing, truncated, or failing their checksum",
+    "shard_files": "every shard the views read, with its size, mtime and sha256 as verified at the build",
 }
 QUERY_HELP = "tables and views:\n" + "\n".join(f"  {k:<26} {v}" for k, v in TABLES.items()) + \
     "\n\ncolumns: compatlas query \"DESCRIBE composition\"; schema: docs/schema.md"
@@ -85,6 +87,18 @@ def error_line(e: BaseException) -> str:
     return " ".join(lines[:1] + hints)
 
 
+class _Warnings(logging.Handler):
+    """The atlas's warnings while a query runs, each kept once (the CLI prints them after it)."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if (line := record.getMessage()) not in self.lines:
+            self.lines.append(line)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="compatlas", description=__doc__, epilog=EXAMPLES,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -100,14 +114,21 @@ def main(argv: list[str] | None = None) -> int:
     q.add_argument("--max-rows", type=int, default=100, help="rows a table shows (default 100)")
     v = sub.add_parser("validate", help="validate a config file against the schema")
     v.add_argument("config", nargs="?", default="config/config.yaml")
-    c = sub.add_parser("check-shards", help="open every Parquet shard under a folder")
-    c.add_argument("folder", nargs="?", default="results/composition")
+    c = sub.add_parser("check-shards", help="verify every Parquet shard under a folder against its checksum")
+    c.add_argument("folder", nargs="?", default="results")
+    c.add_argument("--set-aside", action="store_true",
+                   help="move each bad shard to results/quarantine/, so that the next snakemake run remakes it")
+    c.add_argument("--adopt", action="store_true",
+                   help="write the checksum of each shard that has none (written before shards were sealed), "
+                        "trusting it as it is now, instead of remaking it")
     args = p.parse_args(argv)
 
     if args.cmd == "query":
         import polars as pl
 
-        from compatlas.atlas import last_good_path, query
+        from compatlas.atlas import query
+        from compatlas.atlas_files import AtlasChanged, last_good_path
+        from compatlas.query_guard import RefusedStatement
 
         if not Path(args.db).exists():
             if not last_good_path(args.db).exists():
@@ -118,15 +139,24 @@ def main(argv: list[str] | None = None) -> int:
             print(f"compatlas: warning: no {args.db} (a rebuild running or failed); answering from the last "
                   f"good atlas {last_good_path(args.db)}", file=sys.stderr)
             args.db = str(last_good_path(args.db))
+        said = _Warnings()  # what connecting found (a WAL, a changed atlas or shard), said once
+        logging.getLogger("compatlas").addHandler(said)
         try:
             df = query(args.db, args.sql)
+            try:  # shards the atlas left out (truncated, corrupt): say so beside every answer
+                excluded = query(args.db, "SELECT count(*) AS n FROM excluded_shards")["n"][0]
+            except Exception:  # noqa: BLE001 -- an atlas built before the table existed
+                excluded = 0
+        except (RefusedStatement, AtlasChanged) as e:
+            print(f"compatlas: {e}", file=sys.stderr)
+            return 1
         except Exception as e:
             print(f"compatlas: query failed: {error_line(e)}", file=sys.stderr)
             return 1
-        try:  # shards the atlas left out (truncated, corrupt): say so beside every answer
-            excluded = query(args.db, "SELECT count(*) AS n FROM excluded_shards")["n"][0]
-        except Exception:  # noqa: BLE001 -- an atlas built before the table existed
-            excluded = 0
+        finally:
+            logging.getLogger("compatlas").removeHandler(said)
+            for line in said.lines:
+                print(f"compatlas: warning: {line}", file=sys.stderr)
         if excluded:
             print(f"compatlas: warning: {excluded} result shards are left out of this atlas "
                   "(SELECT * FROM excluded_shards)", file=sys.stderr)
@@ -146,11 +176,14 @@ def main(argv: list[str] | None = None) -> int:
     if args.cmd == "validate":
         import yaml
 
-        from compatlas.config import ConfigError
+        from compatlas.config import ConfigError, load_config_file
         from compatlas.plan import build_plan
 
         try:
-            config = yaml.safe_load(Path(args.config).read_text()) or {}
+            config = load_config_file(args.config) or {}
+        except ConfigError as e:
+            print(f"{args.config}: {e}", file=sys.stderr)
+            return 1
         except OSError as e:
             print(f"{args.config}: cannot read it: {e.strerror or e}", file=sys.stderr)
             return 1
@@ -172,18 +205,33 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{args.config}: valid")
         return 0
     if args.cmd == "check-shards":
-        from compatlas.storage import check_shards
+        from compatlas.storage import QUARANTINE, bad_shards, seal, set_aside
 
-        if not Path(args.folder).is_dir():
+        folder = Path(args.folder)
+        if not folder.is_dir():
             print(f"compatlas: no folder {args.folder}", file=sys.stderr)
             return 2
-        shards = sorted(Path(args.folder).rglob("*.parquet"))
-        try:
-            check_shards(shards)
-        except RuntimeError as e:
-            print(f"compatlas: {e}", file=sys.stderr)
+        shards = sorted(p for p in folder.rglob("*.parquet") if QUARANTINE not in p.relative_to(folder).parts)
+        bad = bad_shards(shards)
+        if args.adopt:  # results from before shards were sealed: trusted as they are (an explicit choice)
+            unsealed = [p for p, err in bad.items() if err.startswith("no checksum")]
+            for p in unsealed:
+                seal(Path(p), p)
+                del bad[p]
+            print(f"{len(unsealed)} shards without a checksum adopted as they are", file=sys.stderr)
+        # results/: the folder (or the first above it) holding an atlas; the pipeline looks there
+        results = next((q for q in (folder.resolve(), *folder.resolve().parents)
+                        if (q / "atlas.duckdb").exists() or (q / ".atlas.last-good.duckdb").exists()), folder.resolve())
+        for path, err in bad.items():
+            if args.set_aside:
+                print(f"compatlas: result shard {path} is corrupt or truncated ({err}); set aside as "
+                      f"{set_aside(path, results)}; the next snakemake run remakes it", file=sys.stderr)
+            else:
+                print(f"compatlas: result shard {path} is corrupt or truncated ({err}); set it aside with "
+                      f"compatlas check-shards --set-aside {args.folder}, then rerun snakemake", file=sys.stderr)
+        if bad:
             return 1
-        print(f"{len(shards)} shards open cleanly")
+        print(f"{len(shards)} shards match their checksums")
         return 0
     return 2
 

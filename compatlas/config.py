@@ -106,3 +106,29 @@ def validate_config(config: Mapping[str, Any], schema_path: Path = SCHEMA_PATH) 
     if not validated["models"] and not validated["training"]:
         raise ConfigError("config error at models: no models (and no training runs) to score")
     return validated
+
+
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """YAML keeps the last of two equal keys without a word (``metrics:`` twice plans only the
+    second); a config file loaded with this refuses them."""
+
+
+def _unique_mapping(loader: _UniqueKeyLoader, node: yaml.MappingNode, deep: bool = False) -> dict:
+    seen: dict[Any, int] = {}
+    for key_node, _ in node.value:
+        key = loader.construct_object(key_node, deep=deep)
+        line = key_node.start_mark.line + 1
+        if key in seen:
+            raise ConfigError(f"duplicate key '{key}' at line {line} (first at line {seen[key]}): YAML would keep "
+                              "only the last; remove one")
+        seen[key] = line
+    return loader.construct_mapping(node, deep=deep)
+
+
+_UniqueKeyLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _unique_mapping)
+
+
+def load_config_file(path: str | Path) -> Any:
+    """A config file's YAML, refusing duplicate keys (``ConfigError`` naming the key and its
+    line); ``yaml.YAMLError`` for YAML that does not parse."""
+    return yaml.load(Path(path).read_text(), Loader=_UniqueKeyLoader)  # noqa: S506 -- a SafeLoader

@@ -202,6 +202,10 @@ def build_plan(config: Mapping[str, Any], check_sources: bool = True, check_hub:
             activation=freeze({**validated["activation"], **entry.get("activation", {})}),
         )
     notes = _check_hub_sources(resolved) if check_hub else ()
+    for m in models.values():  # a block beyond the model's layer pairs is a job that scores nothing
+        if m.layers is not None and m.blocks > (pairs := len(m.layers) * (len(m.layers) - 1) // 2):
+            notes += (f"models.{m.name}: blocks {m.blocks} is more than its {pairs} layer pairs: {m.blocks - pairs} "
+                      f"of its composition jobs per metric x space x checkpoint score nothing (blocks: {pairs} is enough)",)
     return Plan(config=freeze(validated), models=MappingProxyType(models), notes=notes)
 
 

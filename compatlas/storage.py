@@ -1,16 +1,26 @@
-"""Atomic writes and Parquet shards with provenance.
+"""Atomic writes, Parquet shards with provenance, and their content checksums.
 
 Every file compatlas produces is written to a temporary name in the same folder and
 renamed into place, so a killed job leaves either the old file or none, never half a shard.
+
+Every shard is sealed: the sha256 of its bytes is written beside it (``<shard>.sha256``, in
+``sha256sum`` format, so ``sha256sum -c`` checks it too) before the shard is renamed into place,
+and ``shard_error`` verifies it before a shard's numbers reach a job, a view or a query. A
+footer check alone misses a flipped byte in a data page (a wrong score, silently); the whole
+file's hash misses nothing. A shard that fails is set aside under ``results/quarantine/``
+(``set_aside``), never deleted, and the pipeline remakes it.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
 import json
 import os
+import shutil
 import tempfile
+import time
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
@@ -28,8 +38,9 @@ def file_sha256(path: str | os.PathLike, chunk: int = 1 << 22) -> str:
 
 
 @contextlib.contextmanager
-def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
-    """Yield a temp path next to ``path``; on success fsync and rename it over ``path``."""
+def atomic_path(path: str | os.PathLike, need: int | None = None) -> Iterator[Path]:
+    """Yield a temp path next to ``path``; on success fsync and rename it over ``path``. A full
+    disk is an error naming ``path`` and the space: ``need`` bytes where the caller knows them."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
@@ -43,14 +54,99 @@ def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
         with open(tmp_path, "rb") as f:
             os.fsync(f.fileno())
         os.replace(tmp_path, path)
+    except OSError as e:
+        if e.errno != errno.ENOSPC:
+            raise
+        # name the file and the space: "No space left on device" alone says neither
+        written = tmp_path.stat().st_size if tmp_path.exists() else 0
+        free = shutil.disk_usage(path.parent).free
+        needs = f"{need / 1e6:.1f} MB" if need else f"more than the {written / 1e6:.1f} MB written before the disk filled"
+        raise OSError(errno.ENOSPC, f"no space left on device writing {path}: it needs {needs} ({free / 1e6:.1f} MB "
+                      f"free in {path.parent}); free space and rerun") from e
     finally:
         tmp_path.unlink(missing_ok=True)
+
+
+CHECKSUM_SUFFIX = ".sha256"
+QUARANTINE = "quarantine"  # the folder under results/ where shards that fail their checksum are set aside
+
+
+def checksum_path(path: str | os.PathLike) -> Path:
+    """The sidecar holding a shard's sha256: ``block=0.parquet`` -> ``block=0.parquet.sha256``."""
+    p = Path(path)
+    return p.with_name(p.name + CHECKSUM_SUFFIX)
+
+
+def seal(tmp: Path, path: str | os.PathLike) -> None:
+    """Write the sha256 of ``tmp`` (the shard about to be renamed to ``path``) beside ``path``.
+    Written first: a job killed between the two renames leaves a checksum that the old shard
+    fails, so that shard is remade rather than trusted."""
+    with atomic_path(checksum_path(path)) as side:
+        side.write_text(f"{file_sha256(tmp)}  {Path(path).name}\n")
+
+
+def shard_error(path: str | os.PathLike) -> str | None:
+    """Why a shard cannot be trusted (missing, no checksum, content changed since it was
+    written, not a whole Parquet file), or None when it is as written."""
+    import pyarrow.parquet as pq
+
+    p = Path(path)
+    if not p.is_file():
+        return "missing"
+    side = checksum_path(p)
+    if not side.is_file():
+        return f"no checksum beside it ({side.name}): written before shards were sealed, or the checksum was lost"
+    expected = side.read_text().split()[:1]
+    actual = file_sha256(p)
+    if expected != [actual]:
+        return f"content does not match its checksum ({side.name}: sha256 {''.join(expected)[:12]}..., the file {actual[:12]}...)"
+    try:
+        pq.read_metadata(p)
+    except Exception as e:  # noqa: BLE001 -- sealed but not Parquet: the writer itself was wrong
+        return f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"
+    return None
+
+
+def bad_shards(paths: Iterable[str | os.PathLike]) -> dict[str, str]:
+    """path -> why, for every shard of ``paths`` that ``shard_error`` does not pass."""
+    return {str(p): err for p in paths if (err := shard_error(p)) is not None}
+
+
+def set_aside(path: str | os.PathLike, results: str | os.PathLike) -> Path | None:
+    """Move a bad shard (and its checksum) to ``results/quarantine/<its path under results>.<UTC
+    time>``, keeping it for inspection: the pipeline then sees the shard missing and remakes it.
+    Returns where it went (None if it was already gone)."""
+    p, root = Path(path).resolve(), Path(results).resolve()
+    if not p.exists():
+        return None
+    rel = p.relative_to(root) if p.is_relative_to(root) else Path(p.name)
+    target = root / QUARANTINE / rel.parent / f"{rel.name}.{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}"
+    n = 1
+    while target.exists():  # set aside twice in one second: keep both
+        target, n = target.with_name(f"{target.name.split('~')[0]}~{n}"), n + 1
+    target.parent.mkdir(parents=True, exist_ok=True)
+    os.replace(p, target)
+    if checksum_path(p).exists():
+        os.replace(checksum_path(p), checksum_path(target))
+    return target
+
+
+def remove_leftover_temps(results: str | os.PathLike) -> list[Path]:
+    """Delete the temporary files (``.<name>.*.tmp``, ``atomic_path``'s) that killed jobs left
+    under ``results``. Only safe while no job writes there: the run lock's holder, before its jobs."""
+    root = Path(results)
+    # (.tmp.wal: DuckDB's log beside an atlas being built)
+    gone = [p for pat in (".*.tmp", ".*.tmp.wal") for p in root.rglob(pat) if p.is_file()] if root.is_dir() else []
+    for p in gone:
+        p.unlink(missing_ok=True)
+    return gone
 
 
 def write_shard(df: pl.DataFrame, path: str | os.PathLike, provenance: dict[str, Any]) -> None:
     """Write one Parquet shard atomically, with provenance in the file's key-value metadata."""
     with atomic_path(path) as tmp:
         df.write_parquet(tmp, compression="zstd", metadata={"compatlas": json.dumps(provenance, sort_keys=True)})
+        seal(tmp, path)
 
 
 def write_shard_parts(parts: Iterable[pl.DataFrame], path: str | os.PathLike, provenance: dict[str, Any],
@@ -67,6 +163,7 @@ def write_shard_parts(parts: Iterable[pl.DataFrame], path: str | os.PathLike, pr
             for df in parts:
                 writer.write_table(df.select(list(schema)).cast(schema).to_arrow().cast(arrow_schema))
                 rows += df.height
+        seal(tmp, path)
     return rows
 
 
@@ -78,15 +175,18 @@ def read_provenance(path: str | os.PathLike) -> dict[str, Any]:
     return json.loads(raw) if raw else {}
 
 
-def check_shards(paths: list[str | os.PathLike]) -> None:
-    """Open the footer of every shard; raise naming the first one that is not a whole Parquet file."""
-    import pyarrow.parquet as pq
+class BadShard(RuntimeError):
+    """A shard a job was about to read failed ``shard_error``; the message names it in one line."""
 
+
+def check_shards(paths: list[str | os.PathLike], results: str | os.PathLike | None = None) -> None:
+    """Verify every shard a job reads (checksum and footer); on the first bad one, set it aside
+    under ``results`` (when given) and raise naming it, so that the next run remakes it."""
     for p in paths:
-        try:
-            pq.read_metadata(p)
-        except Exception as e:  # pyarrow raises several types for truncated files
-            raise RuntimeError(f"result shard {p} is corrupt or truncated ({e}); delete it and rerun") from e
+        if (err := shard_error(p)) is not None:
+            where = set_aside(p, results) if results is not None and err != "missing" else None
+            moved = f"; set aside as {where}" if where else ""
+            raise BadShard(f"result shard {p} is corrupt or truncated ({err}){moved}; rerun snakemake to remake it")
 
 
 def dir_checksum(folder: Path) -> str:

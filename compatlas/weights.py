@@ -152,7 +152,7 @@ def save_weights(w: AttentionWeights, tensors_path: str | os.PathLike, meta_path
     w.validate()
     tensors = {k: getattr(w, k).detach().contiguous().cpu() for k in WEIGHT_KEYS if getattr(w, k) is not None}
     tensors.update({f"extra.{k}": v.detach().contiguous().cpu() for k, v in w.extras.items()})
-    with atomic_path(tensors_path) as tmp:
+    with atomic_path(tensors_path, need=sum(t.numel() * t.element_size() for t in tensors.values())) as tmp:
         write_safetensors(tensors, tmp)
     meta = dict(w.meta)
     meta["weights_sha256"] = file_sha256(tensors_path)

@@ -4,11 +4,13 @@ from pathlib import Path
 
 from compatlas.calibration import calibrate_shards
 from compatlas.logs import exit_now, setup
-from compatlas.storage import read_provenance, write_shard_parts
+from compatlas.storage import check_shards, read_provenance, write_shard_parts
 from compatlas.tables import CALIBRATION_SCHEMA, provenance
 
 log = setup(snakemake.log[0])
 inp, stratify, null_pairs = snakemake.input, snakemake.params.stratify, snakemake.params.null_pairs
+results = Path(snakemake.output[0]).parents[3]  # results/calibration/model=.../checkpoint=.../pvalues.parquet
+check_shards([*inp.causal, *inp.null], results)  # a bad one: named, set aside under results/, remade next run
 first = read_provenance(inp.causal[0])
 meta = json.loads(Path(inp.meta).read_text())  # read as JSON: compatlas.weights would import torch
 kv_group = int(meta["n_heads"]) // int(meta["n_kv_heads"])

@@ -12,10 +12,12 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+import duckdb
 import numpy as np
 import polars as pl
 
 from compatlas.atlas import build_atlas
+from compatlas.storage import checksum_path, write_shard
 from compatlas.tables import (
     CALIBRATION_SCHEMA, COMPOSITION_SCHEMA, EDGE_ATTRIBUTION_SCHEMA, HEAD_SCORES_SCHEMA, INDUCTION_TOKENS_SCHEMA, INVARIANCE_SCHEMA,
     METRIC_AUDIT_SCHEMA, TRAINING_LOSS_SCHEMA,
@@ -84,7 +86,7 @@ def _composition(s: Spec, ck: str, step: int | None, metrics, spaces, rng) -> tu
                                                         ("space", space), ("metric", metric), ("comp", c))]
                 comps.append(pl.DataFrame({**heads, "score": score, "baseline_gaussian_mean": 0.1, "baseline_gaussian_std": 0.02,
                                            "baseline_spectrum_mean": rng.uniform(0.1, 0.15, n),
-                                           "baseline_spectrum_std": 0.03}).with_columns(keys))
+                                           "baseline_spectrum_std": 0.03, "score_share": None}).with_columns(keys))
                 cals.append(pl.DataFrame({**heads, "test_unit": "query_head", "reader_kv_head": rh, "n_null": 2 * n,
                                           "p_value": p, "q_value": _bh(p)}).with_columns(keys))  # no GQA: n_kv_heads = n_heads
     return (pl.concat(comps).select(list(COMPOSITION_SCHEMA)).cast(COMPOSITION_SCHEMA),  # type: ignore[arg-type]
@@ -147,7 +149,7 @@ def write_suite(root: Path, specs: list[Spec], metrics=METRICS,
     def put(view: str, df: pl.DataFrame, name: str) -> None:
         p = root / view / f"{name}.parquet"
         p.parent.mkdir(parents=True, exist_ok=True)
-        df.write_parquet(p)
+        write_shard(df, p, {})  # sealed, as the pipeline writes them
         shards[view].append(p)
 
     for s in specs:
@@ -192,3 +194,13 @@ def write_suite(root: Path, specs: list[Spec], metrics=METRICS,
     db = root / "atlas.duckdb"
     build_atlas(db, {k: v for k, v in shards.items() if v}, metas)
     return db
+
+
+def as_older_atlas(db: Path) -> duckdb.DuckDBPyConnection:
+    """``db`` opened read-write to be made into an atlas of an older build (views changed by
+    hand): without ``shard_files`` and the atlas's checksum, which older builds did not write, so
+    that ``atlas.connect`` reads it as it is instead of as changed since it was built."""
+    checksum_path(db).unlink(missing_ok=True)
+    con = duckdb.connect(str(db))
+    con.execute("DROP TABLE IF EXISTS shard_files")
+    return con

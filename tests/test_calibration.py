@@ -25,6 +25,7 @@ from compatlas.calibration import (
 )
 from compatlas.composition import block_pairs, layer_pairs, null_pairs
 from compatlas.composition_table import score_block
+from compatlas.storage import write_shard
 from compatlas.vocab import COMPS, METRICS, NORMALISED_METRICS, SPACES
 from compatlas.weights import AttentionWeights
 
@@ -448,8 +449,8 @@ def test_the_atlas_counts_a_kv_head_finding_once(tmp_path):
                         device="cpu", dtype="float64")
     causal = pl.col("writer_layer") < pl.col("reader_layer")
     paths = {"composition": tmp_path / "c.parquet", "calibration": tmp_path / "p.parquet"}
-    df.filter(causal).write_parquet(paths["composition"])
-    calibrate(df.filter(causal), df.filter(~causal), kv_group=H // Hkv).write_parquet(paths["calibration"])
+    write_shard(df.filter(causal), paths["composition"], {})  # sealed, as the pipeline writes them
+    write_shard(calibrate(df.filter(causal), df.filter(~causal), kv_group=H // Hkv), paths["calibration"], {})
     meta = tmp_path / "meta.json"
     meta.write_text(json.dumps({"model": "random", "checkpoint": "final", "n_layers": 6, "n_heads": H, "n_kv_heads": Hkv}))
     build_atlas(tmp_path / "atlas.duckdb", {k: [v] for k, v in paths.items()}, [meta])

@@ -33,17 +33,20 @@ def test_validate_missing_file_and_yaml_error_are_one_line(capsys, tmp_path):
     assert rc == 1 and len(err.strip().splitlines()) == 1 and err.startswith(f"{bad}: config error at models.a"), err
 
 
-def test_check_shards_names_the_bad_shard_in_one_line(capsys, tmp_path):
+def test_check_shards_names_the_bad_shard_in_one_line_and_its_advice_works(capsys, tmp_path):
     good, bad = tmp_path / "a" / "good.parquet", tmp_path / "a" / "bad.parquet"
     write_shard(pl.DataFrame({"x": [1.0, 2.0]}), good, {})
     write_shard(pl.DataFrame({"x": [1.0, 2.0]}), bad, {})
     bad.write_bytes(bad.read_bytes()[:40])
     rc, _, err = run(capsys, "check-shards", str(tmp_path))
     assert rc == 1 and len(err.strip().splitlines()) == 1, err
-    assert str(bad) in err and "corrupt or truncated" in err
-    bad.unlink()
+    assert str(bad) in err and "corrupt or truncated" in err and "content does not match its checksum" in err
+    assert f"compatlas check-shards --set-aside {tmp_path}" in err  # the advice, followed next
+    rc, _, err = run(capsys, "check-shards", "--set-aside", str(tmp_path))
+    assert rc == 1 and "set aside as" in err and not bad.exists()
+    assert len(list((tmp_path / "quarantine" / "a").glob("bad.parquet.*"))) == 2  # the shard and its checksum
     rc, out, _ = run(capsys, "check-shards", str(tmp_path))
-    assert rc == 0 and out.strip() == "1 shards open cleanly"
+    assert rc == 0 and out.strip() == "1 shards match their checksums"
 
 
 def test_query_help_lists_every_view_the_atlas_has(capsys, tmp_path):
@@ -183,3 +186,15 @@ def test_validate_a_config_that_is_not_a_mapping(capsys, tmp_path):
 def test_check_shards_without_the_folder(capsys, tmp_path):
     rc, _, err = run(capsys, "check-shards", str(tmp_path / "nowhere"))
     assert rc == 2 and err.strip() == f"compatlas: no folder {tmp_path / 'nowhere'}"
+
+
+def test_check_shards_adopts_shards_written_before_sealing(capsys, tmp_path):
+    old, sealed = tmp_path / "old.parquet", tmp_path / "sealed.parquet"
+    pl.DataFrame({"x": [1.0]}).write_parquet(old)  # as shards were written before their checksums
+    write_shard(pl.DataFrame({"x": [1.0]}), sealed, {})
+    sealed.write_bytes(sealed.read_bytes()[:-9] + b"X" + sealed.read_bytes()[-8:])  # one byte of its footer
+    rc, _, err = run(capsys, "check-shards", str(tmp_path))
+    assert rc == 1 and "no checksum beside it (old.parquet.sha256)" in err and "sealed.parquet" in err
+    rc, _, err = run(capsys, "check-shards", "--adopt", str(tmp_path))
+    assert rc == 1 and "1 shards without a checksum adopted" in err and "old.parquet" not in err.splitlines()[-1]
+    assert "sealed.parquet is corrupt or truncated (content does not match its checksum" in err  # never adopted

@@ -16,7 +16,7 @@ from compatlas.atlas import connect as atlas_connect
 from compatlas.report import build_report
 from compatlas.report.heatmaps import heatmap_rows
 from compatlas.report.page import fmt, step
-from synthetic_atlas import Spec, write_suite
+from synthetic_atlas import Spec, as_older_atlas, write_suite
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 SUITE = [Spec("toy-a", 4, 4), Spec("org/run", 3, 3, steps=[0, 1, 4, 16, 64, 100, 200]), Spec("solo", 1, 2)]
@@ -165,7 +165,7 @@ def test_induction_tokens_without_near_b_columns(tmp_path):
     """An atlas whose induction_tokens predates the nearby-B columns: the powers are drawn, the
     B vs nearby-B figure is replaced by a note naming the missing columns."""
     db = write_suite(tmp_path, [Spec("m", 2, 2)], metrics=("frobenius",), spaces=("residual",))
-    con = duckdb.connect(str(db))
+    con = as_older_atlas(db)
     shard = tmp_path / "induction_tokens" / "m__final.parquet"
     con.execute("CREATE OR REPLACE VIEW induction_tokens AS SELECT * EXCLUDE (near_b_mean, near_b_stderr) "
                 f"FROM read_parquet('{shard}')")
@@ -271,7 +271,7 @@ def test_pages_mark_discoveries_list_every_combo_and_explain_small_models(tmp_pa
     too small for any discovery says so on the index instead of 'recall 0'; no diverging scale
     sets a domainMid (Vega warns when it lies outside the data)."""
     db = write_suite(tmp_path, [Spec("deep", 6, 3), Spec("tiny", 2, 2, steps=[0, 100, 200, 300, 400])])
-    con = duckdb.connect(str(db))
+    con = as_older_atlas(db)
     cal = sorted(str(p) for p in (tmp_path / "calibration").glob("*.parquet"))
     con.execute("CREATE OR REPLACE VIEW calibration AS SELECT * REPLACE ("
                 "CASE WHEN model = 'tiny' THEN 4 ELSE n_null END AS n_null, "

@@ -17,7 +17,8 @@ import pytest
 from compatlas.atlas import connect as atlas_connect
 from compatlas.report import build_report
 from compatlas.report.function import CIRCUIT, OTHER, edge_points
-from synthetic_atlas import Spec, write_suite
+from compatlas.vocab import METRICS
+from synthetic_atlas import Spec, as_older_atlas, write_suite
 
 STEPS = [0, 4, 64, 200, 400]
 SUITE = [Spec("wide", 6, 4, edges=True), Spec("run", 3, 3, steps=STEPS, edges=True), Spec("plain", 4, 4)]
@@ -49,7 +50,7 @@ def test_model_page_has_the_agreement_table_and_names_the_best_cell(report):
     db, out = report
     part = section((out / "model-run.html").read_text(encoding="utf-8"))
     body = part.split("<tbody>")[1].split("</tbody>")[0]
-    assert body.count("<tr>") == 3 * 2 * 3  # metric x space x comp
+    assert body.count("<tr>") == len(METRICS) * 2 * 3  # metric x space x comp
     # the planted K edge alone holds the top of the function and has the highest K score: AUROC 1 in every K cell
     con = atlas_connect(db)
     k = con.execute("""SELECT auroc, n_top FROM composition_vs_function
@@ -117,7 +118,7 @@ def test_an_atlas_without_edge_attribution_draws_its_pages_as_before(report, tmp
     db, out = report
     old = tmp_path / db.name
     shutil.copytree(db.parent, tmp_path, dirs_exist_ok=True)
-    con = duckdb.connect(str(old))
+    con = as_older_atlas(old)
     for v in ("eap_vs_exact", "composition_vs_function", "edge_attribution"):
         con.execute(f"DROP VIEW {v}")
     con.close()

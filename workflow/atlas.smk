@@ -28,3 +28,25 @@ rule atlas:
     localrule: True
     script:
         "../scripts/atlas.py"
+
+
+# Snakemake remakes a missing file only for a job that needs it, and while the atlas exists none
+# does ("Nothing to be done"): a shard set aside for failing its checksum, removed with a failed
+# job or deleted by hand would stay missing, and the atlas would go on lacking it. So with any of
+# its inputs missing the atlas is dated to 1970 (its content unchanged, still answering queries):
+# every input is then newer, the atlas is rebuilt and every missing input remade for it. The DAG's
+# own settings (--forcerun) are not yet set while the workflow is parsed.
+# The same for an atlas a read-write session wrote to (a WAL beside it, or its bytes changed): the
+# rebuild moves the session's WAL aside (compatlas/atlas_files.py).
+if workflow.is_main_process and os.path.exists(rules.atlas.output[0]):
+    from compatlas.atlas_files import as_built, wal_path
+
+    _missing = [f for f in atlas_inputs() if not os.path.exists(f)]
+    if _missing:
+        print(f"compatlas: {len(_missing)} inputs of the atlas are missing (e.g. {_missing[0]}): remaking them "
+              "and the atlas", file=sys.stderr)
+        os.utime(rules.atlas.output[0], (0, 0))
+    elif wal_path(rules.atlas.output[0]).exists() or as_built(rules.atlas.output[0]) is False:
+        print(f"compatlas: {rules.atlas.output[0]} was written to by a read-write session: rebuilding it",
+              file=sys.stderr)
+        os.utime(rules.atlas.output[0], (0, 0))

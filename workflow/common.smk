@@ -7,8 +7,9 @@ import sys
 
 from snakemake.exceptions import WorkflowError
 
-from compatlas.config import ConfigError
+from compatlas.config import ConfigError, load_config_file
 from compatlas.plan import build_plan, thaw
+from compatlas.storage import remove_leftover_temps
 from compatlas.vocab import METRICS, SPACES
 
 # Validate and plan before any job is scheduled: one line naming the config file, the key and the
@@ -17,6 +18,9 @@ from compatlas.vocab import METRICS, SPACES
 # The main process also asks the hub (once per repository) whether it has every hub source and
 # revision; a job's own Snakemake process (on a cluster) does not ask again.
 try:
+    if workflow.is_main_process:  # Snakemake's own YAML loader keeps the last of two equal keys
+        for _file in workflow.configfiles:
+            load_config_file(_file)
     PLAN = build_plan(config, check_hub=workflow.is_main_process)
 except ConfigError as e:
     print(f"{', '.join(map(str, workflow.configfiles)) or 'config'}: {e}", file=sys.stderr)
@@ -50,10 +54,16 @@ wildcard_constraints:
     block=r"\d+",
 
 
+# Keys of a model's entry that say how it is scored or measured, not how it is loaded: each
+# reaches its jobs as a param of its own, so changing one reruns those jobs, not the extraction.
+NOT_LOADING_KEYS = ("description", "spaces", "blocks", "activation", "induction")
+
+
 def model_entry(wildcards):
-    """The model's config entry as jobs see it: without the checkpoint list, so that adding a
-    checkpoint does not change (and rerun) the jobs of the others."""
-    return thaw(PLAN.models[wildcards.model].entry)
+    """The model's config entry as loading jobs see it: without the checkpoint list (adding a
+    checkpoint does not change, and rerun, the jobs of the others) nor the scoring settings."""
+    entry = PLAN.models[wildcards.model].entry
+    return thaw({k: v for k, v in entry.items() if k not in NOT_LOADING_KEYS})
 
 
 def segment_spec(wildcards):
@@ -148,6 +158,14 @@ def invariance_shards(wildcards):
     return [INVARIANCE.format(model=m.name, checkpoint=m.last.label) for m in PLAN.models.values()]
 
 
+def atlas_inputs():
+    """Every file the atlas rule reads (its input in workflow/atlas.smk, flattened)."""
+    return [*all_shards(SHARD)(None), *all_shards(NULL_SHARD)(None), *calibration_shards(None),
+            *invariance_shards(None), f"{RESULTS}/metric_audit/metric_audit.parquet", *all_metas(None),
+            *induction_shards(INDUCTION_TOKENS), *induction_shards(HEAD_SCORES), *edge_attribution_shards(None),
+            *training_loss_shards(None)]
+
+
 def previous_train_state(wildcards):
     """The train rule resumes the checkpoint before this one (none for the first)."""
     previous = PLAN.models[wildcards.model].previous(wildcards.checkpoint)
@@ -227,6 +245,11 @@ onstart:
         except runlock.RunLockError as e:
             print(f"compatlas: {e}", file=sys.stderr)
             raise SystemExit(1)
+        # holding the lock, before any job: every temporary file under results/ is a killed job's
+        gone = remove_leftover_temps(RESULTS)
+        if gone:
+            print(f"compatlas: removed {len(gone)} temporary files left by killed jobs (e.g. {gone[0]})",
+                  file=sys.stderr)
 
 
 onsuccess:

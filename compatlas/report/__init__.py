@@ -18,7 +18,7 @@ import duckdb
 import polars as pl
 
 from compatlas.atlas import connect as atlas_connect
-from compatlas.report import function, overview, queries as q
+from compatlas.report import exclusions, function, overview, queries as q
 from compatlas.report.audits import metric_audit_table
 from compatlas.report.findings import why_none
 from compatlas.report.model import ModelData, build_page, load
@@ -73,11 +73,12 @@ def _build(con: duckdb.DuckDBPyConnection, out_dir: Path, config: dict[str, Any]
     foot = overview.footer(config, versions)
     data: list[ModelData] = [load(con, m, ckpts, q_cut) for m in ckpts["model"].unique(maintain_order=True)]
     written: list[Path] = []
+    left_out = exclusions.excluded(con)  # said on the index and on each page it affects
     for d in data:
-        written += build_page(con, d, out_dir, q_cut, cuts, foot, png, pool).written
+        written += build_page(con, d, out_dir, q_cut, cuts, foot, png, pool, exclusions.notice(left_out, d.model)).written
 
     page = Page(out_dir, "index.html", "compatlas: attention-head composition atlas", png, pool)
-    page.add("<h1>compatlas: attention-head composition atlas</h1>", note(INTRO))
+    page.add("<h1>compatlas: attention-head composition atlas</h1>", exclusions.notice(left_out), note(INTRO))
     if not data:
         page.add("<p><b>No results:</b> the atlas has no models and no composition scores yet.</p>")
     else:

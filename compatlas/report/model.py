@@ -106,14 +106,14 @@ def _too_small(summary: pl.DataFrame, q_cut: float | None) -> str:
 
 
 def build_page(con: duckdb.DuckDBPyConnection, d: ModelData, out_dir: Path, q_cut: float | None,
-               cuts: tuple[float, float], footer: str, png: bool, pool: Any = None) -> Page:
+               cuts: tuple[float, float], footer: str, png: bool, pool: Any = None, left_out: str = "") -> Page:
     page = Page(out_dir, d.page, f"compatlas: {d.model}", png, pool)
     s = d.stem
     page.add(f"<nav><a href='index.html'>← all models</a> <a href='#circuit'>circuit</a> <a href='#heatmap'>heatmap</a>"
              + (" <a href='#training'>training</a>" if d.outcome else "")
              + (" <a href='#function'>function</a>" if q.has(con, "composition_vs_function", "method") else "")
              + " <a href='#behaviour'>induction behaviour</a> <a href='#audits'>audits</a></nav>",
-             f"<h1>{html.escape(d.model)}</h1>", describe(d))
+             f"<h1>{html.escape(d.model)}</h1>", left_out, describe(d))
     page.add("<h2 id='circuit'>The circuit</h2>")
     if not d.combos:
         page.add(note("No composition scores: a one-layer model has no writer head in an earlier layer than a reader."

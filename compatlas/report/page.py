@@ -94,6 +94,7 @@ def note(text: str) -> str:
 
 
 CSS = """
+.excluded { border-left: 4px solid #c0392b; background: #fdf2f0; padding: 0.3em 1em; margin: 1em 0; }
 * { box-sizing: border-box; }
 body { font-family: system-ui, -apple-system, "Segoe UI", Roboto, sans-serif; margin: 1em 2em; color: #222;
        max-width: 1240px; }

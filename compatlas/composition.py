@@ -42,6 +42,7 @@ import numpy as np
 import torch
 
 from compatlas.runtime import one_thread
+from compatlas.small_linalg import on_host
 from compatlas.vocab import COMPS, METRICS, Comp, Metric
 from compatlas.weights import AttentionWeights
 
@@ -92,16 +93,19 @@ def _orthonormal_basis(A: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Orthonormal basis of the column space of A [..., n, k], zero-padded past its rank.
 
     Returns (U [..., n, k], indicator [..., k] of the kept columns)."""
-    Q, R = torch.linalg.qr(A)  # then the SVD of the small k x k R, not of A
-    U_R, S, _ = torch.linalg.svd(R)
+    Q, R = torch.linalg.qr(A)  # then the singular values of the small k x k R, not of A
+    S = on_host(torch.linalg.svdvals, R)
     tol = S[..., :1] * max(A.shape[-2:]) * torch.finfo(A.dtype).eps
+    if bool((S > tol).all()):  # every head full rank: Q is a basis already (no score sees its rotation)
+        return Q, torch.ones_like(S)
+    U_R, S, _ = on_host(torch.linalg.svd, R)  # rank-deficient heads: R's singular vectors order Q's columns
     keep = (S > tol).to(A.dtype)
     return (Q @ U_R) * keep[..., None, :], keep
 
 
 def _core_spectrum(R_A: torch.Tensor, R_B: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Norm and singular values of ``A B`` from the R factors of A and B^T."""
-    sv = torch.linalg.svdvals(R_A @ R_B.transpose(-2, -1))
+    sv = on_host(torch.linalg.svdvals, R_A @ R_B.transpose(-2, -1))
     return sv.pow(2).sum(-1).sqrt(), sv
 
 
@@ -193,6 +197,13 @@ def head_factors(w: AttentionWeights, metric: Metric, comps: tuple[Comp, ...] = 
                 absorb[c], post[c] = mats[a], full(R_other[c]).transpose(-2, -1)
     cols = {c: a.permute(2, 0, 1, 3).reshape(a.shape[2], -1) for c, a in absorb.items()}
     return HeadFactors(metric, emit, w_norm, w_sv, absorb, r_norm, r_sv, post, cols)
+
+
+def factor_family(metric: Metric) -> Metric:
+    """The metric whose ``head_factors`` (and so whose core products) serve ``metric``: every metric
+    scored from the Gram R factors and core spectra shares them, so a job scoring several computes
+    the cores once (``composition_job``); ``subspace`` alone uses orthonormal bases."""
+    return "subspace" if metric == "subspace" else "frobenius"
 
 
 def pair_denominator(metric: Metric, w_norm, w_sv, r_norm, r_sv) -> torch.Tensor:
@@ -294,19 +305,27 @@ def gaussian_baseline(metric: Metric, comp: Comp, d_model: int, d_head: int, n: 
                       dtype: torch.dtype = torch.float64, device: str | torch.device = "cpu") -> tuple[float, float]:
     """Mean and std of the score over n x n pairs of n writer and n reader heads with Gaussian factors
     of the model's shapes, computed by the same kernel as the real scores."""
-    g = torch.Generator(device="cpu").manual_seed(seed)
+    s = layer_pair_scores(head_factors(gaussian_heads(d_model, d_head, n, seed, dtype, device), metric, (comp,)),
+                          0, [1], comp)
+    return float(s.mean()), float(s.std())
+
+
+def gaussian_heads(d_model: int, d_head: int, n: int, seed: int, dtype: torch.dtype = torch.float64,
+                   device: str | torch.device = "cpu") -> AttentionWeights:
+    """Standard Gaussian weights of two layers of n heads each: layer 0 the Gaussian baseline's
+    writers, layer 1 its readers. Drawn in ``dtype`` by a generator on ``device`` (at 70B shapes
+    they are 268M numbers: on a GPU, drawn there, never copied from the host); a GPU draws other
+    numbers of the same law than the CPU."""
+    g = torch.Generator(device=device).manual_seed(seed)
 
     def gauss(*shape: int) -> torch.Tensor:
-        return torch.randn(*shape, generator=g, dtype=torch.float64).to(device=device, dtype=dtype)
+        return torch.randn(*shape, generator=g, dtype=dtype, device=device)
 
-    # layer 0 holds the n random writers, layer 1 the n random readers
-    w = AttentionWeights(
+    return AttentionWeights(
         W_Q=gauss(2, n, d_model, d_head), W_K=gauss(2, n, d_model, d_head),
         W_V=gauss(2, n, d_model, d_head), W_O=gauss(2, n, d_head, d_model),
         W_E=torch.zeros(1, d_model, dtype=dtype, device=device),
     )
-    s = layer_pair_scores(head_factors(w, metric, (comp,)), 0, [1], comp)
-    return float(s.mean()), float(s.std())
 
 
 # ----------------------------------------------------------------------------- layer pairs

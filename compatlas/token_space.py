@@ -152,13 +152,20 @@ def space_factor(w: AttentionWeights, space: Space) -> torch.Tensor:
     return embedding_factor(w.W_E if space == "token" else normalised_embedding(w))
 
 
-def to_space(w: AttentionWeights, space: Space, max_condition: float = DEFAULT_MAX_CONDITION) -> tuple[AttentionWeights, dict]:
-    """The model's weights in the given space, plus facts about the basis (condition number...)."""
+def space_basis(w: AttentionWeights, space: Space,
+                max_condition: float = DEFAULT_MAX_CONDITION) -> tuple[EmbeddingBasis | None, dict]:
+    """The basis of the given space (None for the residual stream) and facts about it (condition
+    number...): what ``to_space`` applies, for a caller that changes the basis a few layers at a time."""
     if space == "residual":
-        return w, {}
+        return None, {}
     if space not in WEIGHT_SPACES:
         raise ValueError(f"space {space!r} is not computed from the weights alone; choose from {WEIGHT_SPACES}")
     basis = embedding_basis(max_condition=max_condition, factor=space_factor(w, space))
-    return change_basis(w, basis.R, basis.R_inv), {
-        "embedding_condition": basis.condition, "embedding_dropped": basis.n_dropped, "max_condition": max_condition,
-    }
+    return basis, {"embedding_condition": basis.condition, "embedding_dropped": basis.n_dropped,
+                   "max_condition": max_condition}
+
+
+def to_space(w: AttentionWeights, space: Space, max_condition: float = DEFAULT_MAX_CONDITION) -> tuple[AttentionWeights, dict]:
+    """The model's weights in the given space, plus facts about the basis (condition number...)."""
+    basis, facts = space_basis(w, space, max_condition)
+    return (w if basis is None else change_basis(w, basis.R, basis.R_inv)), facts

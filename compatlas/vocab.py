@@ -118,8 +118,9 @@ Role = Literal["A", "B"]
 """The token an induction power is measured for: the first (A) or second (B) of ``A B .. A``."""
 ROLES: tuple[Role, ...] = get_args(Role)
 
-ScoreDtype = Literal["float32", "float64"]
-"""Precision of the composition kernels (``dtype`` in the config)."""
+ScoreDtype = Literal["float32", "float64", "tf32", "bf16"]
+"""Precision of the composition kernels (``dtype`` in the config): ``tf32`` and ``bf16`` round the
+inputs of the core products only, with float32 accumulation (``compatlas.precision``)."""
 SCORE_DTYPES: tuple[ScoreDtype, ...] = get_args(ScoreDtype)
 
 DeviceMap = Literal["none", "auto", "balanced"]

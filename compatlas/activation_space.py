@@ -35,7 +35,7 @@ from typing import Literal
 import torch
 
 from compatlas.moments import Moments
-from compatlas.vocab import COMPS, Comp
+from compatlas.vocab import Comp
 from compatlas.weights import AttentionWeights
 
 WriterStatistics = Literal["output", "input"]
@@ -82,8 +82,3 @@ def activation_weights(w: AttentionWeights, m: Moments, writer: WriterStatistics
              "moments_text": m.meta.get("text")}
     return wa, grams, own, facts
 
-
-def own_rms_weights_only(reader_norm: dict[str, torch.Tensor]) -> dict[Comp, torch.Tensor]:
-    """A reader's own logit / output RMS with every moment the identity: the norm of its QK or OV
-    matrix, which the kernel already has (``HeadFactors.reader_norm``)."""
-    return {c: reader_norm[c] for c in COMPS}

@@ -128,7 +128,7 @@ def measure_moments(model, tokens: torch.Tensor, batch_size: int = 8, skip_first
     return Moments(query=stack("query", ()), key=stack("key", ()), value=stack("value", ()), z=stack("z", ()),
                    inv_rms=stack("inv_rms", ()), q_inv_rms=stack("q_inv_rms", (H,)),
                    k_inv_rms=stack("k_inv_rms", (Hkv,)), out_inv_rms=stack("out_inv_rms", ()),
-                   attn_scale=attention_scale(getattr(model, "original_model", None) and model.original_model.config, dh),
+                   attn_scale=attention_scale(getattr(getattr(model, "original_model", None), "config", None), dh),
                    meta={"positions": count, "first_position_skipped": skip_first})
 
 
@@ -169,7 +169,7 @@ def boot_and_measure_moments(model_id: str, entry: dict, checkpoint: dict | None
     t0 = time.perf_counter()
     length, chunks = settings["length"], settings["chunks"]
     m = boot_for_forward(model_id, entry, checkpoint, induction, meta_path, workdir, device, "activation moments",
-                         lambda n_ctx: f"activation.length {length} needs {length}" if length > n_ctx else None)
+                         lambda n_ctx: f"activation.length {length} is longer than that" if length > n_ctx else None)
     tok = m.bridge.tokenizer
     bos = bos_token(tok, induction["prepend_bos"])
     spec = settings["text"]

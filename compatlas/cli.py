@@ -160,6 +160,15 @@ def main(argv: list[str] | None = None) -> int:
         if excluded:
             print(f"compatlas: warning: {excluded} result shards are left out of this atlas "
                   "(SELECT * FROM excluded_shards)", file=sys.stderr)
+        from compatlas.query_hints import row_count, unknown_values
+
+        try:
+            models = query(args.db, "SELECT DISTINCT model FROM models ORDER BY model")["model"].to_list()
+        except Exception:  # noqa: BLE001 -- an atlas without a models table: no model names to check
+            models = []
+        for line in unknown_values(args.sql, models):
+            print(f"compatlas: note: {line}", file=sys.stderr)
+        print(f"compatlas: {row_count(df.height)}", file=sys.stderr)
         if args.format == "csv":
             df.write_csv(sys.stdout)
         elif args.format == "json":

@@ -172,8 +172,8 @@ def test_query_warns_of_excluded_shards(capsys, tmp_path):
     rc, out, err = run(capsys, "query", "--db", str(tmp_path / "atlas.duckdb"), "--format", "csv",
                        "SELECT model FROM composition")
     assert rc == 0 and out.splitlines() == ["model", "a"]
-    assert err.strip() == ("compatlas: warning: 1 result shards are left out of this atlas "
-                           "(SELECT * FROM excluded_shards)")
+    assert err.strip().splitlines() == ["compatlas: warning: 1 result shards are left out of this atlas "
+                                        "(SELECT * FROM excluded_shards)", "compatlas: 1 row"]
 
 
 def test_validate_a_config_that_is_not_a_mapping(capsys, tmp_path):
@@ -198,3 +198,31 @@ def test_check_shards_adopts_shards_written_before_sealing(capsys, tmp_path):
     rc, _, err = run(capsys, "check-shards", "--adopt", str(tmp_path))
     assert rc == 1 and "1 shards without a checksum adopted" in err and "old.parquet" not in err.splitlines()[-1]
     assert "sealed.parquet is corrupt or truncated (content does not match its checksum" in err  # never adopted
+
+
+def test_compared_values_of_closed_columns_are_read_from_the_where():
+    from compatlas.query_hints import compared_values, unknown_values
+
+    sql = ("SELECT * FROM composition WHERE model = 'smollm2' AND Comp='k' AND metric IN ('frobenius', 'x''y') "
+           "AND space = 'residual' AND score > 0.5")
+    assert compared_values(sql) == [("model", "smollm2"), ("comp", "k"), ("metric", "frobenius"), ("metric", "x'y"),
+                                     ("space", "residual")]
+    lines = unknown_values(sql, ["smollm2-135m", "toy-gpt2"])
+    assert lines == ["model 'smollm2' is not in this atlas; it has: smollm2-135m, toy-gpt2",
+                     "comp 'k' is not a value of this atlas's vocabulary; it has: Q, K, V",
+                     "metric \"x'y\" is not a value of this atlas's vocabulary; it has: frobenius, svd_bound, subspace, contribution"]
+    assert unknown_values("SELECT * FROM models WHERE model = 'toy-gpt2'", ["toy-gpt2"]) == []
+
+
+def test_every_answer_says_its_row_count_and_an_unknown_model(capsys, tmp_path):
+    """An empty answer for a misspelt model says so, naming the models there are; a real empty
+    answer only counts its rows."""
+    from compatlas.atlas import build_atlas
+
+    db = tmp_path / "atlas.duckdb"
+    build_atlas(db, {}, [])
+    rc, out, err = run(capsys, "query", "--db", str(db), "SELECT * FROM composition WHERE model = 'smollm2'")
+    assert rc == 0 and "compatlas: note: model 'smollm2' is not in this atlas; it has: none" in err
+    assert err.strip().splitlines()[-1] == "compatlas: 0 rows"
+    rc, out, err = run(capsys, "query", "--db", str(db), "SELECT 1 AS a UNION ALL SELECT 2")
+    assert rc == 0 and err.strip().splitlines() == ["compatlas: 2 rows"]

@@ -94,13 +94,11 @@ def measure_moments(model, tokens: torch.Tensor, batch_size: int = 8, skip_first
             add((name, layer), (inv[:, :, start:].sum((0, 2, 3)) if per_head else inv[:, start:].sum()).cpu())
         return hook
 
-    def first(*names: str) -> str | None:
-        return next((n for n in names if n in hooks), None)
-
     fwd: list = []
     for layer in range(L):
         a = f"blocks.{layer}.attn"
-        q_normed, k_normed = first(f"{a}.hook_q_normed"), first(f"{a}.hook_k_normed")
+        # QK-norm models: the query and key the logit is made of come after the norm
+        q_normed, k_normed = (n if n in hooks else None for n in (f"{a}.hook_q_normed", f"{a}.hook_k_normed"))
         fwd += [(q_normed or f"{a}.q.hook_out", second_moment("query", layer, q_normed is not None)),
                 (k_normed or f"{a}.k.hook_out", second_moment("key", layer, k_normed is not None)),
                 (f"{a}.v.hook_out", second_moment("value", layer)),
@@ -115,7 +113,7 @@ def measure_moments(model, tokens: torch.Tensor, batch_size: int = 8, skip_first
     with torch.no_grad():
         for i in range(0, len(tokens), batch_size):
             batch = tokens[i:i + batch_size]
-            model.run_with_hooks(batch.to(device), fwd_hooks=fwd, stop_at_layer=None)
+            model.run_with_hooks(batch.to(device), fwd_hooks=fwd)
             count += batch.shape[0] * (batch.shape[1] - start)
             if progress is not None:
                 progress.advance(batch.shape[0])

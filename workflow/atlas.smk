@@ -3,16 +3,7 @@
 
 rule atlas:
     input:
-        shards=all_shards(SHARD),
-        null_shards=all_shards(NULL_SHARD),
-        calibration=calibration_shards,
-        invariance=invariance_shards,
-        metric_audit=f"{RESULTS}/metric_audit/metric_audit.parquet",
-        metas=all_metas,
-        induction_tokens=induction_shards(INDUCTION_TOKENS),
-        head_scores=induction_shards(HEAD_SCORES),
-        edge_attribution=edge_attribution_shards,
-        training_loss=training_loss_shards,
+        unpack(atlas_input_files),
     output:
         f"{RESULTS}/atlas.duckdb",
     params:

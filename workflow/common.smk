@@ -158,12 +158,18 @@ def invariance_shards(wildcards):
     return [INVARIANCE.format(model=m.name, checkpoint=m.last.label) for m in PLAN.models.values()]
 
 
+def atlas_input_files(wildcards=None):
+    """Every file the atlas rule reads, by input name (the rule unpacks it; ``atlas_inputs`` flattens it)."""
+    return dict(shards=all_shards(SHARD)(wildcards), null_shards=all_shards(NULL_SHARD)(wildcards),
+                calibration=calibration_shards(wildcards), invariance=invariance_shards(wildcards),
+                metric_audit=f"{RESULTS}/metric_audit/metric_audit.parquet", metas=all_metas(wildcards),
+                induction_tokens=induction_shards(INDUCTION_TOKENS), head_scores=induction_shards(HEAD_SCORES),
+                edge_attribution=edge_attribution_shards(wildcards), training_loss=training_loss_shards(wildcards))
+
+
 def atlas_inputs():
-    """Every file the atlas rule reads (its input in workflow/atlas.smk, flattened)."""
-    return [*all_shards(SHARD)(None), *all_shards(NULL_SHARD)(None), *calibration_shards(None),
-            *invariance_shards(None), f"{RESULTS}/metric_audit/metric_audit.parquet", *all_metas(None),
-            *induction_shards(INDUCTION_TOKENS), *induction_shards(HEAD_SCORES), *edge_attribution_shards(None),
-            *training_loss_shards(None)]
+    """Every file the atlas rule reads, as one list."""
+    return [f for files in atlas_input_files().values() for f in ([files] if isinstance(files, str) else files)]
 
 
 def previous_train_state(wildcards):

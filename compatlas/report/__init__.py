@@ -74,8 +74,11 @@ def _build(con: duckdb.DuckDBPyConnection, out_dir: Path, config: dict[str, Any]
     data: list[ModelData] = [load(con, m, ckpts, q_cut) for m in ckpts["model"].unique(maintain_order=True)]
     written: list[Path] = []
     left_out = exclusions.excluded(con)  # said on the index and on each page it affects
+    # each model's agreement with function, bootstrapped once for its page and the overview
+    fns = {d.model: function.model_function(con, d.model, d.latest) for d in data}
     for d in data:
-        written += build_page(con, d, out_dir, q_cut, cuts, foot, png, pool, exclusions.notice(left_out, d.model)).written
+        written += build_page(con, d, out_dir, q_cut, cuts, foot, png, pool, exclusions.notice(left_out, d.model),
+                              fns[d.model]).written
 
     page = Page(out_dir, "index.html", "compatlas: attention-head composition atlas", png, pool)
     page.add("<h1>compatlas: attention-head composition atlas</h1>", exclusions.notice(left_out), note(INTRO))
@@ -111,7 +114,7 @@ def _build(con: duckdb.DuckDBPyConnection, out_dir: Path, config: dict[str, Any]
         outcomes = {d.model: d.outcome for d in data if d.outcome is not None}
         if outcomes:
             page.add(runs_table(outcomes, lambda m: f"<a href='model-{safe_name(m)}.html#training'>{html.escape(m)}</a>"))
-        page.add(function.overview_table(con, data))
+        page.add(function.overview_table(con, data, fns))
         page.add(metric_audit_table(q.metric_audit(con)))
     page.write(foot)
     return [*written, *page.written]

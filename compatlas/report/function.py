@@ -1,57 +1,178 @@
-"""Composition against function (docs/edge_attribution.md): per model, how well each metric x
-space x comp's composition predicts edge attribution (composition_vs_function), the lead cell's
-edges as a scatter with the circuit marked, and how far EAP agrees with exact patching; over
-training, the circuit edge's attribution and composition on one step axis; on the overview,
-which metric x space agrees best across models. An atlas without edge attribution gets none of
-it and a line saying so."""
+"""Composition against function (docs/edge_attribution.md): per model, whether it has a
+function to predict at all (``compatlas.agreement.measurability``), how well each metric x space
+x comp's composition predicts edge attribution (composition_vs_function) with a bootstrap
+interval, which cells are best or tied (``agreement.best_and_ties``), the lead cell's edges as a
+scatter with the circuit marked, and how far EAP agrees with exact patching; over training, the
+edge exact patching ranks first, every attribution method and its composition on one step axis;
+on the overview, which metric x space agrees best across the models whose function is
+measurable. An atlas without edge attribution gets none of it and a line saying so."""
 
 from __future__ import annotations
 
 import html
+from dataclasses import dataclass
 from typing import Any
 
 import altair as alt
 import duckdb
+import numpy as np
 import polars as pl
 
+from compatlas import agreement as ag
 from compatlas.report import queries as q
 from compatlas.report.page import Page, by_metric_space, fmt, head, note, order, table
 from compatlas.report.training import log_axis, step_x
-from compatlas.vocab import COMPS, EDGE_METHODS
+from compatlas.vocab import COMPS, EDGE_METHODS, METRICS, SPACES, WEIGHT_SPACES
 
 CIRCUIT, OTHER = "previous-token head → induction head", "other edge"
-COLUMNS = [("spearman", "auroc", "average_precision"), ("spearman_z", "auroc_z", "average_precision_z"),
-           ("spearman_p", "auroc_p", "average_precision_p")]
+EXACT = "exact patching"
+MIN_RANKED = 8  # patched edges below which EAP's Spearman against exact patching is not shown
 WHAT = ("Each edge (writer head → a later reader's query, or its KV head's key or value) scored twice: by its "
         "<b>composition</b> (weights only) and by <b>edge attribution</b> (the change in the log-probability of the "
         "induced tokens when the edge alone carries its corrupted value; docs/edge_attribution.md). The <b>top of the "
         "function</b>: the fewest edges holding half of a comp's total |attribution|. Per metric x space x comp: "
         "Spearman of each score with |attribution| over all edges, and its mean within one (writer layer, reader "
         "layer) pair (the heads of a layer pair told apart, depth's scale taken out); AUROC and average precision "
-        "of the score for the "
-        "top set; the same for z (spectrum-kept null) and for p (smaller first); precision and recall of the "
-        "discoveries against the top set.")
+        "of the score for the top set; precision and recall of the discoveries against the top set. The same for z "
+        "(spectrum-kept null) and for p (smaller first): in the view.")
+RULES = (f"A comp has a function to predict when it has at least {ag.MIN_EDGES} edges (with fewer, a rank correlation "
+         f"spreads by more than 0.23 by chance alone), at least {ag.MIN_TOP} edges whose attribution differs from zero "
+         f"beyond its standard error (t-test over the sequences, Benjamini-Hochberg q <= {ag.SIGNAL_FDR:g}: a "
+         f"random-init model's attribution is noise) and a top of the function of at least {ag.MIN_TOP} edges (with one, "
+         "an AUROC is one edge's rank). Intervals: 95% percentile bootstrap over edges "
+         f"({ag.N_BOOT} replicates; the edges are treated as a sample, though they share heads and sequences); a cell "
+         "is <b>best</b> only when the paired bootstrap difference to every other cell stays above 0, else the cells "
+         "it does not beat are <b>tied</b> with it.")
+
+
+@dataclass
+class CompFunction:
+    """One comp of one model x checkpoint: the page's attribution method, whether its function is
+    measurable, and (where it is) the bootstrap of every metric x space against it."""
+
+    comp: str
+    method: str
+    gate: ag.Measurability
+    cells: list[tuple[str, str]]               # (metric, space), the rows of ``agreement``
+    agreement: ag.Agreement | None = None      # measurable comps only
+
+    def interval(self, cell: tuple[str, str], which: str) -> tuple[float, float] | None:
+        if self.agreement is None or cell not in self.cells:
+            return None
+        lo, hi = self.agreement.interval(which)
+        i = self.cells.index(cell)
+        return float(lo[i]), float(hi[i])
+
+    def ranking(self) -> tuple[tuple[str, str], list[tuple[str, str]]] | None:
+        """(best cell by AUROC, the cells tied with it); None where not measurable."""
+        if self.agreement is None or not np.isfinite(self.agreement.auroc).any():
+            return None
+        best, tied = ag.best_and_ties(self.agreement.auroc, self.agreement.auroc_boot)
+        return self.cells[best], [self.cells[i] for i in tied]
+
+
+def cell_order(cells: list[tuple[str, str]]) -> list[tuple[str, str]]:
+    rank = {(m, s): i for i, (m, s) in enumerate((m, s) for m in METRICS for s in SPACES)}
+    return sorted(cells, key=lambda c: (rank.get(c, len(rank)), c))
+
+
+def comp_function(con: duckdb.DuckDBPyConnection, model: str, checkpoint: str, method: str, comp: str) -> CompFunction | None:
+    """``CompFunction`` of one comp from its edges (queries.function_edges); None without edges."""
+    df = q.function_edges(con, model, checkpoint, method, comp)
+    if df.is_empty():
+        return None
+    keys = ["writer_layer", "writer_head", "reader_layer", "reader_unit"]
+    edges = df.select(*keys, "attribution", "stderr", "n_sequences").unique(keys).sort(keys)
+    cells = cell_order([tuple(r) for r in df.select("metric", "space").unique().iter_rows()])
+    n_seq = int(edges["n_sequences"].max() or 0)
+    gate = ag.measurability(edges["attribution"].to_numpy(), edges["stderr"].fill_null(0).to_numpy(), n_seq)
+    out = CompFunction(comp, method, gate, cells)
+    if gate.measurable:
+        scores = np.full((len(cells), edges.height), np.nan)
+        at = {c: i for i, c in enumerate(cells)}
+        joined = edges.select(keys).with_row_index("e").join(df, on=keys)
+        for (metric, space), g in joined.group_by("metric", "space"):
+            scores[at[(metric, space)], g["e"].to_numpy()] = g["score"].to_numpy()
+        out.agreement = ag.bootstrap(scores, edges["attribution"].to_numpy())
+    return out
+
+
+def model_function(con: duckdb.DuckDBPyConnection, model: str, checkpoint: str) -> dict[str, CompFunction]:
+    """Every comp's ``CompFunction`` of a model x checkpoint by the page's method per comp
+    (queries.edge_methods); empty without edge attribution."""
+    methods = q.edge_methods(con, model, checkpoint)
+    if methods is None:
+        return {}
+    found = {c: comp_function(con, model, checkpoint, m, c) for c, m in methods.items()}
+    return {c: f for c, f in found.items() if f is not None}
+
+
+def _cell(c: tuple[str, str]) -> str:
+    return f"{html.escape(c[0])} × {html.escape(c[1])}"
+
+
+def _iv(x: float | None, iv: tuple[float, float] | None) -> str:
+    return fmt(x) + (f" [{fmt(iv[0], 2)}, {fmt(iv[1], 2)}]" if iv is not None and all(np.isfinite(iv)) else "")
+
+
+def gate_line(fns: dict[str, CompFunction]) -> str:
+    """Per comp: measurable (with its counts) or why not; comps with the same reason share it."""
+    parts, why = [], {}
+    for c in COMPS:
+        if c in fns:
+            g = fns[c].gate
+            if g.measurable:
+                parts.append(f"<b>{c}</b>: {g.n_edges:,} edges, {g.n_signal:,} with attribution beyond its standard "
+                             f"error, top of the function {g.n_top:,} edges")
+            else:
+                why.setdefault(g.why or "", []).append(c)
+    parts += [f"<b>{', '.join(cs)}</b>: no function to predict: {html.escape(w)}" for w, cs in why.items()]
+    return "; ".join(parts) + "."
+
+
+def best_lines(fns: dict[str, CompFunction]) -> str:
+    """One sentence per measurable comp: the best cell by AUROC with its interval, or the tied cells."""
+    out = []
+    for c in COMPS:
+        f = fns.get(c)
+        r = f.ranking() if f is not None else None
+        if r is None:
+            continue
+        best, tied = r
+        a = f.agreement.auroc[f.cells.index(best)]  # type: ignore[union-attr]
+        what = f"<b>{_cell(best)}</b> (AUROC {_iv(a, f.interval(best, 'auroc'))})"
+        if tied:
+            names = ", ".join(_cell(t) for t in tied[:6]) + (f" and {len(tied) - 6} more" if len(tied) > 6 else "")
+            out.append(f"{c}: no single best; {what} is tied with {names}")
+        else:
+            out.append(f"{c}: best {what}, beyond the uncertainty of every other cell")
+    return ("<p>Agreement with function, by AUROC for the top of the function: " + "; ".join(out) + ".</p>") if out else ""
+
+
+def agreement_table(cvf: pl.DataFrame, fns: dict[str, CompFunction]) -> str:
+    """The view's figures of the measurable comps, AUROC and Spearman with their intervals, and
+    which cell is best or tied per comp (the z and p columns: in the view)."""
+    ranks = {c: f.ranking() for c, f in fns.items() if f.gate.measurable}
+    rows = []
+    for metric, space, _, by in by_metric_space(cvf):
+        for comp in COMPS:
+            if comp not in by or comp not in ranks:
+                continue
+            r, f, cell = by[comp], fns[comp], (metric, space)
+            rk = ranks[comp]
+            mark = "" if rk is None else "best" if rk[0] == cell and not rk[1] else "tied" if rk[0] == cell or cell in rk[1] else ""
+            rows.append([metric, space, comp, r["n_edges"], r["n_top"], _iv(r.get("auroc"), f.interval(cell, "auroc")),
+                         _iv(r.get("spearman"), f.interval(cell, "spearman")), mark,
+                         _rounded(r.get("spearman_within_layer_pair")), _rounded(r.get("average_precision")),
+                         r["n_discoveries"], r["discovery_precision"], r["discovery_recall"]])
+    return table(["metric", "space", "comp", "edges", "top", "AUROC [95% interval]", "Spearman [95% interval]", "rank",
+                  "Spearman within a layer pair", "average precision", "discoveries", "precision", "recall"],
+                 rows, cls="agree")
 
 
 def _rounded(v: Any) -> Any:
     """A correlation of exactly 0 computed in floating point (4.4e-17) shown as 0."""
     return 0.0 if isinstance(v, float) and abs(v) < 1e-12 else v
-
-
-def agreement_table(cvf: pl.DataFrame) -> str:
-    rows = []
-    for metric, space, _, by in by_metric_space(cvf):
-        for comp in COMPS:
-            if comp not in by:
-                continue
-            r = by[comp]
-            rows.append([metric, space, comp, r["n_edges"], r["n_top"], _rounded(r.get("spearman")),
-                         _rounded(r.get("spearman_within_layer_pair"))]
-                        + [_rounded(r.get(c)) for cols in COLUMNS for c in cols if c != "spearman"]
-                        + [r["n_discoveries"], r["discovery_precision"], r["discovery_recall"]])
-    return table(["metric", "space", "comp", "edges", "top", "Spearman", "Spearman within a layer pair", "AUROC", "AP",
-                  "Spearman z", "AUROC z", "AP z", "Spearman p", "AUROC p", "AP p", "discoveries", "precision", "recall"],
-                 rows, cls="agree")
 
 
 def method_line(methods: dict[str, str]) -> str:
@@ -61,32 +182,34 @@ def method_line(methods: dict[str, str]) -> str:
             "Spearman; EAP on ties; the line below the table): " + "; ".join(parts) + ".")
 
 
-def best_worst(cvf: pl.DataFrame) -> str:
-    """One sentence naming the cells (metric x space x comp) whose score has the highest and the
-    lowest AUROC for the top of the function."""
-    g = cvf.filter(pl.col("auroc").is_not_null() & pl.col("auroc").is_not_nan()).sort(["auroc", "spearman"], descending=True, nulls_last=True)
-    if g.is_empty():
-        return "No cell has an AUROC (a comp needs edges both in and out of the top set)."
-
-    def cell(r: dict[str, Any]) -> str:
-        return (f"<b>{html.escape(r['metric'])} in {html.escape(r['space'])} space, {r['comp']}</b> (AUROC {fmt(r['auroc'])}, "
-                f"Spearman {fmt(r['spearman'])})")
-    best, worst = g.row(0, named=True), g.row(-1, named=True)
-    return f"Best agreement with function: {cell(best)}; worst: {cell(worst)}."
-
-
 def exact_line(eve: pl.DataFrame) -> str:
-    """EAP (each method) against exact patching, per comp, in one line."""
+    """EAP (each method) against exact patching, per comp, in one line: whether the top edges
+    agree; the Spearman over the patched edges where there are at least ``MIN_RANKED``; the top-k
+    overlap where k is below the number patched (else it is 1 by construction)."""
     if eve.is_empty():
         return "No exact patching in this atlas for this model: the approximation is not checked here."
     parts = []
     for method in order(eve["method"].unique(), EDGE_METHODS):
         g = {r["comp"]: r for r in eve.filter(pl.col("method") == method).iter_rows(named=True)}
-        bits = [f"{c} Spearman {fmt(g[c]['spearman'])}, top-{g[c].get('top_k') or 5} overlap {fmt(g[c]['top_k_overlap'])}"
-                + ("" if g[c].get("top_edge_agrees") else " (top edge differs)") for c in COMPS if c in g]
-        n = max(int(r["n_exact"] or 0) for r in g.values())
-        parts.append(f"<b>{html.escape(method)}</b> against exact patching (up to {n} patched edges per comp): " + "; ".join(bits))
-    return ". ".join(parts) + "."
+        bits = []
+        for c in COMPS:
+            if c not in g:
+                continue
+            r = g[c]
+            n, k = int(r["n_exact"] or 0), int(r.get("top_k") or 5)
+            bit = f"{c} top edge {'agrees' if r.get('top_edge_agrees') else 'differs'}"
+            if n >= MIN_RANKED:
+                bit += f", Spearman {fmt(_rounded(r['spearman']))}"
+                if k < n:
+                    bit += f", top-{k} overlap {fmt(r['top_k_overlap'])}"
+            bits.append(bit)
+        n_max = max(int(r["n_exact"] or 0) for r in g.values())
+        parts.append(f"<b>{html.escape(method)}</b> against exact patching ({n_max} patched edges per comp at most): "
+                     + "; ".join(bits))
+    few = int(eve["n_exact"].fill_null(0).min()) < MIN_RANKED
+    return ". ".join(parts) + "." + (f" A Spearman and a top-k overlap are shown from {MIN_RANKED} patched edges and "
+                                     "a k below their number: with fewer edges a perfect order arises by chance too "
+                                     "often, and an overlap of all of them is 1 by construction." if few else "")
 
 
 def edge_points(df: pl.DataFrame, prev: pl.DataFrame, ind: pl.DataFrame, grouped: bool) -> pl.DataFrame:
@@ -120,8 +243,8 @@ def scatter_chart(pts: pl.DataFrame, model: str, checkpoint: str, method: str, m
     y = alt.Y("fn:Q", title="|edge attribution| (log-prob of induced tokens)",
               scale=alt.Scale(type="symlog", constant=constant))
     x = alt.X("score:Q", title=f"K-composition score ({metric}, {space} space)", scale=alt.Scale(zero=False))
-    tip = ["edge:N", alt.Tooltip("score:Q", format=".4f"), alt.Tooltip("attribution:Q", format=".4f"),
-           alt.Tooltip("stderr:Q", title="standard error", format=".4f")]
+    tip = ["edge:N", alt.Tooltip("score:Q", format=".4~g"), alt.Tooltip("attribution:Q", format=".3~g"),
+           alt.Tooltip("stderr:Q", title="standard error", format=".2~g")]
     n_circ = int((pts["kind"] == CIRCUIT).sum())
     kinds = [(k, c) for k, c, n in ((CIRCUIT, "#e45756", n_circ), (OTHER, "#9a9a9a", pts.height - n_circ)) if n]
     colour = alt.Color("kind:N", title=None, scale=alt.Scale(domain=[k for k, _ in kinds], range=[c for _, c in kinds]),
@@ -139,38 +262,118 @@ def scatter_chart(pts: pl.DataFrame, model: str, checkpoint: str, method: str, m
                   f"Attribution by {method}; y on a symlog scale (linear below {constant:.2g})."]))
 
 
-def _eventual_edge(d: Any) -> tuple[tuple[int, int], tuple[int, int]] | None:
+
+
+def circuit_edge(con: duckdb.DuckDBPyConnection, d: Any) -> tuple[tuple[int, int], tuple[int, int], str] | None:
+    """The edge the over-training chart follows, and the rule that chose it: the K edge exact
+    patching ranks first at the last checkpoint (largest |exact patching|); without exact
+    patching there, the eventual previous-token head into the eventual induction head (head scores)."""
+    top = q.top_exact_edge(con, d.model, d.latest, "K")
+    if top is not None:
+        return (*top, f"the K edge exact patching ranks first at the last checkpoint ({html.escape(d.latest)}: "
+                      "the largest |exact patching|)")
     if d.outcome is None or d.outcome.pair is None:
         return None
     (il, ih), (pl_, ph) = d.outcome.pair
-    return (pl_, ph), (il, ih)
+    return (pl_, ph), (il, ih), ("the eventual previous-token head into the eventual induction head (head scores; "
+                                 "this atlas has no exact patching at the last checkpoint)")
 
 
-def training_chart(fn: pl.DataFrame, comp_curve: pl.DataFrame, edge: str, method: str, metric: str, space: str) -> alt.VConcatChart:
-    """The circuit edge's attribution (with +-1 standard error) and its K-composition, over one step axis."""
+def follow_cell(curves: pl.DataFrame, exact: pl.DataFrame) -> tuple[tuple[str, str], float, int] | None:
+    """The metric x space whose K-composition of the edge follows its |exact patching| most closely
+    over the checkpoints (Spearman over the steps with both, at least 3; ties to the usual order):
+    (cell, Spearman, checkpoints). ``curves``: metric, space, comp, step, score; ``exact``: step, exact."""
+    if curves.is_empty() or exact.is_empty():
+        return None
+    k = curves.filter(pl.col("comp") == "K").join(exact.select("step", fn=pl.col("exact").abs()), on="step")
+    best: tuple[tuple[str, str], float, int] | None = None
+    for cell in cell_order([tuple(r) for r in k.select("metric", "space").unique().iter_rows()]):
+        g = k.filter((pl.col("metric") == cell[0]) & (pl.col("space") == cell[1]))
+        if g.height < 3 or g["score"].n_unique() < 2 or g["fn"].n_unique() < 2:
+            continue
+        rho = float(g.select(pl.corr("score", "fn", method="spearman")).item())
+        if np.isfinite(rho) and (best is None or rho > best[1]):
+            best = (cell, rho, g.height)
+    return best
+
+
+def training_chart(fn: pl.DataFrame, comp_curve: pl.DataFrame, edge: str, rule: str, follow: str) -> alt.VConcatChart:
+    """The edge's exact patching and every attribution method (each +-1 standard error) on one
+    panel, its K-composition below, over one step axis. ``fn``: step, series, value, stderr."""
     top = float(max(fn["step"].max(), comp_curve["step"].max() if comp_curve.height else 0))
     log = log_axis(pl.concat([fn["step"], comp_curve["step"]]) if comp_curve.height else fn["step"])
-    f = fn.with_columns(lo=pl.col("attribution") - pl.col("attribution_stderr"),
-                        hi=pl.col("attribution") + pl.col("attribution_stderr")).cast({"step": pl.Float64})
-    y_title = ["edge attribution", f"({method})"]  # on both layers: a layer without it drops the shared axis title
-    band = alt.Chart(f).mark_errorbar(color="#e45756").encode(x=step_x(top, log, None), y=alt.Y("lo:Q", title=y_title), y2="hi:Q")
-    line = alt.Chart(f).mark_line(point=True, color="#e45756").encode(
-        x=step_x(top, log, None), y=alt.Y("attribution:Q", title=y_title),
-        tooltip=[alt.Tooltip("step:Q", format=","), alt.Tooltip("attribution:Q", format=".4f"),
-                 alt.Tooltip("attribution_stderr:Q", title="standard error", format=".4f")])
-    panels = [alt.layer(band, line).properties(width=700, height=140)]
+    f = fn.with_columns(lo=pl.col("value") - pl.col("stderr"), hi=pl.col("value") + pl.col("stderr")).cast({"step": pl.Float64})
+    series = order(f["series"].unique(), (EXACT, *EDGE_METHODS))
+    palette = {EXACT: "#222222", "eap": "#e45756", "eap_attn": "#f58518", "eap_ig": "#b279a2"}
+    colour = alt.Color("series:N", title=None, sort=series,
+                       scale=alt.Scale(domain=series, range=[palette.get(s, "#888") for s in series]),
+                       legend=alt.Legend(orient="top", labelLimit=240))
+    y_title = ["change in log-prob", "of the induced tokens"]  # on both layers: a layer without it drops the shared title
+    bars = alt.Chart(f).mark_errorbar(ticks=True).encode(x=step_x(top, log, None), y=alt.Y("lo:Q", title=y_title), y2="hi:Q",
+                                                          color=colour)
+    lines = alt.Chart(f).mark_line(point=True).encode(
+        x=step_x(top, log, None), y=alt.Y("value:Q", title=y_title), color=colour,
+        strokeWidth=alt.condition(alt.datum.series == EXACT, alt.value(3), alt.value(1.5)),
+        tooltip=["series:N", alt.Tooltip("step:Q", format=","), alt.Tooltip("value:Q", format=".3~g"),
+                 alt.Tooltip("stderr:Q", title="standard error", format=".2~g")])
+    panels = [alt.layer(bars, lines).properties(width=700, height=170)]
     if comp_curve.height:
         panels.append(alt.Chart(comp_curve.cast({"step": pl.Float64})).mark_line(point=True, color="#4c78a8").encode(
-            x=step_x(top, log), y=alt.Y("score:Q", title=["K-composition", f"({metric}, {space})"], scale=alt.Scale(zero=False)),
-            tooltip=[alt.Tooltip("step:Q", format=","), alt.Tooltip("score:Q", format=".4f")]).properties(width=700, height=140))
+            x=step_x(top, log), y=alt.Y("score:Q", title=["K-composition", follow], scale=alt.Scale(zero=False)),
+            tooltip=[alt.Tooltip("step:Q", format=","), alt.Tooltip("score:Q", format=".4~g")]).properties(width=700, height=130))
     return alt.vconcat(*panels, spacing=6).properties(title=alt.TitleParams(
         f"The circuit edge {edge} over training: function and composition", anchor="start", fontSize=14,
-        subtitleColor="#444", subtitle=["Top: its edge attribution (negative: carrying its corrupted value hurts "
-                                        "induction), bars +-1 standard error over sequences. Bottom: its K-composition."]))
+        subtitleColor="#444", subtitle=[f"The edge: {html.unescape(rule)}.",
+                                        "Top: its exact patching (black) and each attribution method, bars +-1 standard "
+                                        "error over sequences (negative: carrying its corrupted value hurts induction).",
+                                        "Bottom: its K-composition in the metric x space chosen as the caption below says."]))
 
 
-def section(page: Page, con: duckdb.DuckDBPyConnection, d: Any, cuts: tuple[float, float]) -> None:
-    """The model page's section; nothing at all where the atlas has no edge attribution view."""
+def training_part(page: Page, con: duckdb.DuckDBPyConnection, d: Any) -> None:
+    """The over-training chart of a model with a checkpoint series (``circuit_edge``, ``follow_cell``)."""
+    stepped = d.checkpoints.filter(pl.col("checkpoint_step").is_not_null())
+    if stepped.height < 2:
+        return
+    found = circuit_edge(con, d)
+    if found is None:
+        return
+    (wl, wh), (rl, rh), rule = found
+    name = f"{head(wl, wh)} → {head(rl, rh)}"
+    rows = q.edge_over_training_all(con, d.model, (wl, wh), (rl, rh))
+    st = stepped.select("checkpoint", pl.col("checkpoint_step").alias("step"))
+    rows = rows.join(st, on="checkpoint").sort("step") if rows.height else rows
+    if rows.height == 0 or rows["step"].n_unique() < 2:
+        page.add(note(f"Edge attribution of the circuit edge {name} at {rows['step'].n_unique() if rows.height else 0} "
+                      "checkpoint(s): no curve over training."))
+        return
+    fn = pl.concat([rows.select("step", series="method", value="attribution", stderr="attribution_stderr"),
+                    rows.filter(pl.col("exact").is_not_null()).unique("step").select(
+                        "step", series=pl.lit(EXACT), value="exact", stderr="exact_stderr")])
+    exact = rows.filter(pl.col("exact").is_not_null()).unique("step").select("step", "exact")
+    curves = q.pair_curves(con, d.model, ((rl, rh), (wl, wh)), stepped)
+    chosen = follow_cell(curves, exact)
+    if chosen is not None:
+        (metric, space), rho, n = chosen
+        caption = (f"Composition panel: <b>{html.escape(metric)} × {html.escape(space)}</b>, the metric x space whose "
+                   f"K-composition of this edge follows its |exact patching| most closely over training (Spearman "
+                   f"{fmt(rho)} over {n} checkpoints; highest of every metric x space scored).")
+    elif d.lead is not None:
+        metric, space = d.lead
+        caption = (f"Composition panel: {html.escape(metric)} × {html.escape(space)} (the page's cell): too few "
+                   "checkpoints with exact patching to choose by agreement with it.")
+    else:
+        metric, space, caption = "", "", ""
+    curve = (curves.filter((pl.col("comp") == "K") & (pl.col("metric") == metric) & (pl.col("space") == space))
+             .select("step", "score") if curves.height else pl.DataFrame())
+    page.figure(training_chart(fn, curve, name, rule, f"({metric}, {space})"), f"{d.stem}__function_training")
+    if caption:
+        page.add(note(caption))
+
+
+def section(page: Page, con: duckdb.DuckDBPyConnection, d: Any, cuts: tuple[float, float],
+            fns: dict[str, CompFunction] | None = None) -> None:
+    """The model page's section; nothing at all where the atlas has no edge attribution view.
+    ``fns``: ``model_function`` of the page's checkpoint (computed here when not given)."""
     if not q.has(con, "composition_vs_function", "method", "auroc"):
         return
     page.add("<h2 id='function'>Composition against function</h2>")
@@ -178,61 +381,90 @@ def section(page: Page, con: duckdb.DuckDBPyConnection, d: Any, cuts: tuple[floa
     if methods is None:
         page.add(note("No edge attribution for this model (edge attribution disabled, or a one-layer model)."))
         return
-    method = methods["K"]
+    fns = model_function(con, d.model, d.latest) if fns is None else fns
     cvf = q.function_agreement(con, d.model, d.latest, methods)
-    page.add(note(WHAT + " " + method_line(methods)), f"<p>{best_worst(cvf)}</p>", agreement_table(cvf),
-             f"<p>{exact_line(q.eap_vs_exact(con, d.model, d.latest))}</p>")
-    if d.lead is not None:
-        df = q.edge_scatter(con, d.model, d.latest, method, *d.lead)
+    measurable = [c for c in COMPS if c in fns and fns[c].gate.measurable]
+    page.add(note(WHAT + " " + method_line(methods)), note(RULES), f"<p>{gate_line(fns)}</p>")
+    query = (f"<code>SELECT * FROM composition_vs_function WHERE model = '{html.escape(d.model)}' AND checkpoint = "
+             f"'{html.escape(d.latest)}'</code>")
+    if not measurable:
+        page.add(f"<p><b>No function to predict</b> in this model at {html.escape(d.latest)}: no agreement figure is "
+                 f"shown, as none would mean anything. The view still holds them: {query}.</p>")
+    else:
+        page.add(best_lines(fns), agreement_table(cvf, fns))
+        if len(measurable) < len(fns):
+            page.add(note("The comps without a function to predict are left out of the table; the view has them: "
+                          f"{query}."))
+    page.add(f"<p>{exact_line(q.eap_vs_exact(con, d.model, d.latest))}</p>")
+    if d.lead is not None and "K" in measurable:
+        df = q.edge_scatter(con, d.model, d.latest, methods["K"], *d.lead)
         if not df.is_empty():
             grouped = d.info.get("n_kv_heads") not in (None, d.info.get("n_heads"))
             pts = edge_points(df, *d.roles(*cuts), grouped)
-            page.figure(scatter_chart(pts, d.model, d.latest, method, *d.lead), f"{d.stem}__function_scatter")
-    edge = _eventual_edge(d)
-    if edge is not None:
-        (wl, wh), (rl, rh) = edge
-        fn = q.edge_over_training(con, d.model, (wl, wh), (rl, rh), method)
-        st = d.checkpoints.select("checkpoint", pl.col("checkpoint_step").alias("step"))
-        fn = fn.join(st, on="checkpoint").drop_nulls("step").sort("step") if fn.height else fn
-        name = f"{head(wl, wh)} → {head(rl, rh)}"
-        if fn.height >= 2:
-            c = d.outcome.curves
-            curve = (c.filter((pl.col("comp") == "K") & (pl.col("metric") == d.lead[0]) & (pl.col("space") == d.lead[1]))
-                     .select("step", "score") if d.lead is not None and c.height else pl.DataFrame())
-            metric, space = d.lead or ("", "")
-            page.figure(training_chart(fn, curve, name, method, metric, space), f"{d.stem}__function_training")
-        else:
-            page.add(note(f"Edge attribution of the circuit edge {name} at {fn.height} checkpoint(s): no curve over training."))
+            page.figure(scatter_chart(pts, d.model, d.latest, methods["K"], *d.lead), f"{d.stem}__function_scatter")
+    elif "K" in fns:
+        page.add(note("No scatter of K-composition against function: K has no function to predict here."))
+    training_part(page, con, d)
 
 
-def overview_table(con: duckdb.DuckDBPyConnection, data: list[Any]) -> str:
-    """Mean AUROC of the K-composition score for the top of the function, per metric x space over
-    the models with edge attribution (each at its last checkpoint, its page's method)."""
+def overview_table(con: duckdb.DuckDBPyConnection, data: list[Any], fns: dict[str, dict[str, CompFunction]]) -> str:
+    """Which metric x space's K-composition agrees best with function across the models whose K
+    function is measurable: mean AUROC (and Spearman) over them with a bootstrap interval (each
+    model's replicates averaged), best or tied, overall and among the weights-only spaces; the
+    models left out, and why."""
     if not q.has(con, "composition_vs_function", "method", "auroc"):
         return ""
-    frames = []
-    for d in data:
-        method = q.edge_method(con, d.model, d.latest)
-        if method is not None:
-            frames.append(q.function_agreement(con, d.model, d.latest, method).filter(pl.col("comp") == "K")
-                          .select("metric", "space", "auroc", "spearman", model=pl.lit(d.model)))
     head_ = "<h2 id='function'>Which metric x space agrees with function</h2>"
-    if not frames:
+    k = {d.model: fns[d.model]["K"] for d in data if "K" in fns.get(d.model, {})}
+    if not k:
         return head_ + note("No model in this atlas has edge attribution.")
-    k = pl.concat(frames).filter(pl.col("auroc").is_not_null() & pl.col("auroc").is_not_nan())
-    if k.is_empty():
-        return head_ + note("No model has a K AUROC against edge attribution.")
-    models = k["model"].unique(maintain_order=True).to_list()
-    agg = k.group_by("metric", "space").agg(pl.col("auroc").mean().alias("mean"), pl.col("spearman").mean().alias("rho"),
-                                            pl.len().alias("n")).sort(["n", "mean"], descending=True)
-    per = {(r["metric"], r["space"], r["model"]): r["auroc"] for r in k.iter_rows(named=True)}
-    rows = [[r["metric"], r["space"], r["mean"], r["rho"], r["n"], *[per.get((r["metric"], r["space"], m)) for m in models]]
-            for r in agg.iter_rows(named=True)]
-    best = agg.row(0, named=True)
-    return (head_ + note("K-composition against edge attribution (the model page's method, last checkpoint): AUROC of the "
-                         "composition score for the fewest edges holding half the |attribution|, averaged over models; "
-                         "the metric x space scored on the most models first, then by mean AUROC; details on each "
-                         "model's page.")
-            + f"<p>Agrees best across models: <b>{html.escape(best['metric'])} in {html.escape(best['space'])} space</b> "
-              f"(mean AUROC {fmt(best['mean'])} over {best['n']} model{'s' if best['n'] != 1 else ''}).</p>"
-            + table(["metric", "space", "mean AUROC", "mean Spearman", "models", *[f"AUROC {m}" for m in models]], rows))
+    inn = {m: f for m, f in k.items() if f.agreement is not None}
+    out = "".join(f"<li>{html.escape(m)}: {html.escape(f.gate.why or '')}</li>" for m, f in k.items() if m not in inn)
+    left = (f"<p>Left out, no K function to predict:</p><ul class='note'>{out}</ul>" if out else "")
+    intro = note("K-composition against edge attribution (each model page's method, last checkpoint): AUROC of the "
+                 "composition score for the top of the function, averaged over the models with a K function to "
+                 "predict; a model's AUROC counts only where its function is measurable. " + RULES)
+    if not inn:
+        return head_ + intro + "<p><b>No model in this atlas has a K function to predict</b>: no ranking across models.</p>" + left
+    models = list(inn)
+    cells = cell_order(list(set.intersection(*(set(f.cells) for f in inn.values()))))
+
+    def stack(which: str, boot: bool) -> np.ndarray:
+        rows = []
+        for f in inn.values():
+            a = f.agreement
+            src = (a.auroc_boot if boot else a.auroc) if which == "auroc" else (a.spearman_boot if boot else a.spearman)
+            rows.append(src[[f.cells.index(c) for c in cells]])
+        return np.nanmean(np.stack(rows), axis=0)
+
+    point, boot = stack("auroc", False), stack("auroc", True)
+    rho, rho_boot = stack("spearman", False), stack("spearman", True)
+    lo, hi = np.nanquantile(boot, [0.025, 0.975], axis=1)
+    rlo, rhi = np.nanquantile(rho_boot, [0.025, 0.975], axis=1)
+
+    def verdict(idx: list[int], label: str) -> tuple[str, set[int], int | None]:
+        if not idx:
+            return "", set(), None
+        b, tied = ag.best_and_ties(point[idx], boot[idx])
+        best, tied_cells = idx[b], [idx[t] for t in tied]
+        what = f"<b>{_cell(cells[best])}</b> (mean AUROC {_iv(point[best], (lo[best], hi[best]))})"
+        if tied_cells:
+            names = ", ".join(_cell(cells[t]) for t in tied_cells[:6]) + (f" and {len(tied_cells) - 6} more"
+                                                                         if len(tied_cells) > 6 else "")
+            return f"<p>{label}: no single best; {what} is tied with {names}.</p>", set(tied_cells), best
+        return f"<p>{label}: {what}, beyond the uncertainty of every other cell.</p>", set(), best
+
+    n = len(models)
+    over = f"over {n} model{'s' if n != 1 else ''} ({', '.join(html.escape(m) for m in models)})"
+    all_line, all_tied, all_best = verdict(list(range(len(cells))), f"Agrees best across models, {over}")
+    w_line, w_tied, w_best = verdict([i for i, c in enumerate(cells) if c[1] in WEIGHT_SPACES],
+                                     "From the weights alone (" + ", ".join(WEIGHT_SPACES) + " spaces)")
+    rows = []
+    for i in np.argsort(-np.nan_to_num(point, nan=-1), kind="stable"):
+        mark = ("best" if i == all_best and not all_tied else "tied" if i == all_best or i in all_tied else "")
+        per = [_iv(inn[m].agreement.auroc[inn[m].cells.index(cells[i])], inn[m].interval(cells[i], "auroc"))  # type: ignore[union-attr]
+               for m in models]
+        rows.append([cells[i][0], cells[i][1], _iv(point[i], (lo[i], hi[i])), _iv(rho[i], (rlo[i], rhi[i])), mark, *per])
+    return (head_ + intro + all_line + w_line + left
+            + table(["metric", "space", "mean AUROC [95% interval]", "mean Spearman [95% interval]", "rank",
+                     *[f"AUROC {m}" for m in models]], rows))

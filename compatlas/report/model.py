@@ -106,7 +106,8 @@ def _too_small(summary: pl.DataFrame, q_cut: float | None) -> str:
 
 
 def build_page(con: duckdb.DuckDBPyConnection, d: ModelData, out_dir: Path, q_cut: float | None,
-               cuts: tuple[float, float], footer: str, png: bool, pool: Any = None, left_out: str = "") -> Page:
+               cuts: tuple[float, float], footer: str, png: bool, pool: Any = None, left_out: str = "",
+               fns: dict[str, function.CompFunction] | None = None) -> Page:
     page = Page(out_dir, d.page, f"compatlas: {d.model}", png, pool)
     s = d.stem
     page.add(f"<nav><a href='index.html'>← all models</a> <a href='#circuit'>circuit</a> <a href='#heatmap'>heatmap</a>"
@@ -162,7 +163,7 @@ def build_page(con: duckdb.DuckDBPyConnection, d: ModelData, out_dir: Path, q_cu
             page.add(training.describe(d.outcome))
             page.figure(training.trajectory_chart(d.outcome, strength(con, d), d.model), f"{s}__training")
             page.add(training.verdict_table(d.outcome))
-    function.section(page, con, d, cuts)
+    function.section(page, con, d, cuts, fns)
     behaviour_part(page, con, d, findings.why_none(d.summary, q_cut))
     page.add("<h2 id='audits'>Audits</h2>")
     inv = q.rows(con, "invariance", d.model, d.latest)

@@ -270,13 +270,6 @@ def edge_methods(con: Con, model: str, checkpoint: str) -> dict[str, str] | None
     return {c: max(methods, key=lambda m: fit.get((m, c), (False, -1.0))) for c in COMPS}
 
 
-def edge_method(con: Con, model: str, checkpoint: str) -> str | None:
-    """The method of the K edges (``edge_methods``): what the scatter, the curve over training and
-    the overview show."""
-    methods = edge_methods(con, model, checkpoint)
-    return None if methods is None else methods["K"]
-
-
 def function_agreement(con: Con, model: str, checkpoint: str, methods: str | dict[str, str]) -> pl.DataFrame:
     """composition_vs_function of one model x checkpoint (a row per metric x space x comp), each
     comp's rows by its method (one method for all, or comp -> method)."""
@@ -284,6 +277,31 @@ def function_agreement(con: Con, model: str, checkpoint: str, methods: str | dic
     pairs = " OR ".join("(comp = ? AND method = ?)" for _ in per_comp)
     return _pl(con, f"SELECT * FROM composition_vs_function WHERE model = ? AND checkpoint = ? AND ({pairs})",
                [model, checkpoint, *(x for cm in per_comp.items() for x in cm)])
+
+
+def function_edges(con: Con, model: str, checkpoint: str, method: str, comp: str) -> pl.DataFrame:
+    """Every edge of one comp as composition_vs_function counts it (a K/V edge into a KV group is
+    one edge, its composition the largest of the group's query heads'), in the view's tie order:
+    its attribution, standard error and number of sequences, and its composition score in every
+    metric x space (long: a row per edge x metric x space). ``compatlas.agreement`` bootstraps it."""
+    if not has(con, "edge_attribution", "reader_kv_head", "score_stderr", "n_sequences") or not has(con, "composition", "score"):
+        return pl.DataFrame()
+    unit = "reader_head" if comp == "Q" else "reader_kv_head"
+    return _pl(con, f"""
+        WITH e AS (SELECT writer_layer, writer_head, reader_layer, {unit} AS reader_unit, any_value(score) AS attribution,
+                          any_value(score_stderr) AS stderr, any_value(n_sequences) AS n_sequences,
+                          list(reader_head) AS heads
+                   FROM edge_attribution WHERE model = ? AND checkpoint = ? AND method = ? AND comp = ? GROUP BY ALL),
+             u AS (SELECT writer_layer, writer_head, reader_layer, reader_unit, unnest(heads) AS reader_head FROM e),
+             c AS (SELECT metric, space, writer_layer, writer_head, reader_layer, reader_head, score FROM composition
+                   WHERE model = ? AND checkpoint = ? AND comp = ?)
+        SELECT writer_layer, writer_head, reader_layer, reader_unit, any_value(e.attribution) AS attribution,
+               any_value(e.stderr) AS stderr, any_value(e.n_sequences) AS n_sequences, metric, space, max(score) AS score
+        FROM u JOIN c USING (writer_layer, writer_head, reader_layer, reader_head)
+        JOIN e USING (writer_layer, writer_head, reader_layer, reader_unit)
+        GROUP BY writer_layer, writer_head, reader_layer, reader_unit, metric, space
+        ORDER BY writer_layer, writer_head, reader_layer, reader_unit""",
+               [model, checkpoint, method, comp, model, checkpoint, comp])
 
 
 def eap_vs_exact(con: Con, model: str, checkpoint: str) -> pl.DataFrame:
@@ -310,11 +328,25 @@ def edge_scatter(con: Con, model: str, checkpoint: str, method: str, metric: str
                [model, checkpoint, method, comp, model, checkpoint, metric, space, comp])
 
 
-def edge_over_training(con: Con, model: str, writer: tuple[int, int], reader: tuple[int, int], method: str,
-                       comp: str = "K") -> pl.DataFrame:
-    """One edge's attribution (and its standard error) at every checkpoint that has one."""
-    if not has(con, "edge_attribution", "score", "score_stderr"):
+def top_exact_edge(con: Con, model: str, checkpoint: str, comp: str = "K") -> tuple[tuple[int, int], tuple[int, int]] | None:
+    """(writer, reader query head) of the edge with the largest |exact patching| of one comp at a
+    checkpoint; None where nothing was patched there."""
+    if not has(con, "edge_attribution", "exact"):
+        return None
+    row = con.execute("""SELECT writer_layer, writer_head, reader_layer, reader_head FROM edge_attribution
+                         WHERE model = ? AND checkpoint = ? AND comp = ? AND exact IS NOT NULL AND NOT isnan(exact)
+                         ORDER BY abs(exact) DESC, writer_layer, writer_head, reader_layer, reader_head LIMIT 1""",
+                      [model, checkpoint, comp]).fetchone()
+    return None if row is None else ((int(row[0]), int(row[1])), (int(row[2]), int(row[3])))
+
+
+def edge_over_training_all(con: Con, model: str, writer: tuple[int, int], reader: tuple[int, int],
+                           comp: str = "K") -> pl.DataFrame:
+    """One edge at every checkpoint that has it: each method's attribution and standard error,
+    and its exact patching (the same in every method's row) where measured."""
+    if not has(con, "edge_attribution", "score", "score_stderr", "exact", "exact_stderr"):
         return pl.DataFrame()
-    return _pl(con, """SELECT checkpoint, score AS attribution, score_stderr AS attribution_stderr FROM edge_attribution
-                       WHERE model = ? AND method = ? AND comp = ? AND writer_layer = ? AND writer_head = ?
-                       AND reader_layer = ? AND reader_head = ?""", [model, method, comp, *writer, *reader])
+    return _pl(con, """SELECT checkpoint, method, score AS attribution, score_stderr AS attribution_stderr, exact, exact_stderr
+                       FROM edge_attribution WHERE model = ? AND comp = ? AND writer_layer = ? AND writer_head = ?
+                       AND reader_layer = ? AND reader_head = ? ORDER BY checkpoint, method""",
+               [model, comp, *writer, *reader])

@@ -1,0 +1,252 @@
+"""How far a composition score agrees with function, and how sure that is.
+
+The view ``composition_vs_function`` gives each metric x space x comp its point figures: the
+Spearman of the score with |edge attribution| over a comp's edges, and the AUROC of the score for
+the *top of the function* (the fewest edges holding half of the total |attribution|). This
+module adds what a reader needs before trusting them (docs/statistics.md#agreement-with-function):
+
+- ``measurability``: whether a comp has a function to predict at all. It needs at least
+  ``MIN_EDGES`` edges (with fewer, a rank correlation spreads by more than 1/sqrt(n - 1) > 0.23
+  by chance alone), at least ``MIN_TOP`` edges whose attribution differs from zero beyond its
+  own standard error (a t-test over the attribution's sequences, Benjamini-Hochberg at
+  ``SIGNAL_FDR`` over the comp's edges; a random-init model's attribution is all noise and has
+  none), and a top of the function of at least ``MIN_TOP`` edges (with one, an AUROC is the rank
+  of one edge, not a sample: 4 edges and a top set of 1 give an AUROC of 0, 1/3, 2/3 or 1).
+- ``bootstrap``: a paired bootstrap of AUROC and Spearman for every cell (metric x space) of one
+  comp at once. Each replicate draws the edges with replacement (a multinomial weight per edge),
+  re-derives the top of the function among them, and scores every cell on the same draw, so the
+  difference between two cells has its own interval. Each edge keeps its measured attribution,
+  noise and all: the interval is for the agreement with function as this many sequences measure
+  it (measurement noise lowers it; the measurability gate keeps it from being all noise), over
+  edges like these. Ranks under weights come from per-cell orders fixed once, O(edges) per cell
+  per replicate. tests/test_agreement.py checks the intervals' coverage by simulation.
+- ``best_and_ties``: the cell with the highest point figure, and the cells it does not beat
+  beyond the uncertainty (the interval of the paired difference reaches 0).
+
+The edges are treated as a sample of the edges such a model has; they are not independent
+(edges share heads and sequences), which the report says where it shows the intervals.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import lru_cache
+
+import numpy as np
+from scipy import stats
+
+MIN_EDGES = 20
+MIN_TOP = 3
+SIGNAL_FDR = 0.05
+N_BOOT = 200
+LEVEL = 0.95
+
+
+@dataclass(frozen=True)
+class Measurability:
+    """Whether one comp's function can be predicted, and why not where it cannot."""
+
+    n_edges: int
+    n_top: int
+    n_signal: int      # edges whose attribution differs from 0 (t-test, BH q <= SIGNAL_FDR)
+    largest: float     # the largest |attribution|
+    why: str | None    # None: measurable
+
+    @property
+    def measurable(self) -> bool:
+        return self.why is None
+
+
+def top_of_function(fn: np.ndarray, weights: np.ndarray | None = None) -> np.ndarray:
+    """The fewest edges holding half of the total ``fn`` (weighted by ``weights``): an edge is in
+    it when the edges before it, largest first, hold less than half. Ties keep the given order
+    (the view's: writer layer, writer head, reader layer, reader unit)."""
+    w = np.ones_like(fn) if weights is None else weights
+    order = np.argsort(-fn, kind="stable")
+    mass = (w * fn)[order]
+    before = np.cumsum(mass) - mass
+    top = np.zeros(fn.shape, dtype=bool)
+    top[order] = before < 0.5 * mass.sum()
+    return top & (w > 0)
+
+
+def bh(p: np.ndarray) -> np.ndarray:
+    """Benjamini-Hochberg q-values."""
+    n = len(p)
+    if n == 0:
+        return p
+    order = np.argsort(p)
+    q = p[order] * n / np.arange(1, n + 1)
+    q = np.minimum.accumulate(q[::-1])[::-1]
+    out = np.empty(n)
+    out[order] = np.minimum(q, 1.0)
+    return out
+
+
+def signal_edges(attribution: np.ndarray, stderr: np.ndarray, n_sequences: int) -> int:
+    """How many edges carry an attribution distinguishable from zero: a two-sided t-test of each
+    mean over ``n_sequences`` sequences (its standard error given), Benjamini-Hochberg over the
+    edges at ``SIGNAL_FDR``. An edge with a zero standard error counts when its attribution is not
+    zero (its sequences all agree)."""
+    if n_sequences < 2:
+        return 0
+    a, se = np.abs(attribution), np.asarray(stderr, dtype=float)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        t = np.where(se > 0, a / se, np.where(a > 0, np.inf, 0.0))
+    p = 2 * stats.t.sf(t, df=n_sequences - 1)
+    return int((bh(np.nan_to_num(p, nan=1.0)) <= SIGNAL_FDR).sum())
+
+
+def measurability(attribution: np.ndarray, stderr: np.ndarray, n_sequences: int) -> Measurability:
+    """``Measurability`` of one comp's edges (module docstring: the three conditions, in that order)."""
+    a = np.asarray(attribution, dtype=float)
+    n = len(a)
+    n_top = int(top_of_function(np.abs(a)).sum()) if n else 0
+    n_signal = signal_edges(a, stderr, n_sequences) if n else 0
+    largest = float(np.abs(a).max()) if n else 0.0
+    why = None
+    if n < MIN_EDGES:
+        why = (f"{n} edge{'s' if n != 1 else ''}, fewer than {MIN_EDGES}: too few to rank (a rank correlation over "
+               f"them spreads by about {1 / np.sqrt(max(n - 1, 1)):.2f} by chance alone)")
+    elif n_signal < MIN_TOP:
+        why = (f"{n_signal} of its {n:,} edges carr{'ies' if n_signal == 1 else 'y'} an attribution distinguishable "
+               f"from zero (t-test over {n_sequences} sequences, Benjamini-Hochberg q <= {SIGNAL_FDR:g}); the largest "
+               f"|attribution| is {largest:.2g}")
+    elif n_top < MIN_TOP:
+        why = (f"the top of its function is {n_top} edge{'s' if n_top != 1 else ''}, fewer than {MIN_TOP}: an AUROC "
+               "would be the rank of that edge, not a sample")
+    return Measurability(n, n_top, n_signal, largest, why)
+
+
+@dataclass(frozen=True)
+class Agreement:
+    """Point figures and bootstrap replicates of every cell of one comp (rows of ``scores``)."""
+
+    auroc: np.ndarray           # (cells,)
+    spearman: np.ndarray        # (cells,)
+    auroc_boot: np.ndarray      # (cells, replicates)
+    spearman_boot: np.ndarray   # (cells, replicates)
+
+    def interval(self, which: str, level: float = LEVEL) -> tuple[np.ndarray, np.ndarray]:
+        """The percentile interval of ``which`` ("auroc" or "spearman") per cell."""
+        boot = self.auroc_boot if which == "auroc" else self.spearman_boot
+        a = (1 - level) / 2
+        with np.errstate(all="ignore"):
+            lo, hi = np.nanquantile(boot, [a, 1 - a], axis=1) if boot.shape[1] else (np.full(len(boot), np.nan),) * 2
+        return lo, hi
+
+
+@lru_cache(maxsize=1)
+def _fn_ranking_cached(key: bytes, n: int) -> tuple[np.ndarray, np.ndarray]:
+    fn = np.frombuffer(key, dtype=float, count=n)
+    order = np.argsort(fn, kind="stable")
+    srt = fn[order]
+    new = np.ones(n, dtype=bool)
+    new[1:] = srt[1:] != srt[:-1]
+    return order, np.cumsum(new) - 1
+
+
+def _fn_ranking(fn: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """fn's ascending order and tie groups; the same fn across a bootstrap's replicates is sorted once."""
+    return _fn_ranking_cached(np.ascontiguousarray(fn, dtype=float).tobytes(), len(fn))
+
+
+def _midranks(w_sorted: np.ndarray, gflat: np.ndarray) -> np.ndarray:
+    """Per row (cells x edges, each row in ascending order, ``gflat`` its tie groups numbered
+    row-major): each position's mid-rank in the sample that holds each edge ``w`` times: the
+    weight below its tie group plus (its group's weight + 1) / 2."""
+    wg = np.bincount(gflat, weights=w_sorted.ravel(), minlength=w_sorted.size).reshape(w_sorted.shape)
+    mid = np.cumsum(wg, axis=1) - wg + (wg + 1) / 2
+    return mid.ravel()[gflat].reshape(w_sorted.shape)
+
+
+@dataclass(frozen=True)
+class _Cells:
+    """Each cell's edges in ascending score order, fixed once for every replicate."""
+
+    order: np.ndarray   # (cells, edges): edge indices, ascending score (no-score edges last)
+    gflat: np.ndarray   # (cells * edges,): tie-group ids along each row, numbered row-major
+    valid: np.ndarray   # (cells, edges) in score order: the cell has a score for the edge
+    all_valid: bool
+
+    @classmethod
+    def of(cls, scores: np.ndarray) -> _Cells:
+        c, n = scores.shape
+        filled = np.where(np.isnan(scores), np.inf, scores)
+        order = np.argsort(filled, axis=1, kind="stable")
+        srt = np.take_along_axis(filled, order, axis=1)
+        new = np.ones(srt.shape, dtype=bool)
+        new[:, 1:] = srt[:, 1:] != srt[:, :-1]
+        groups = np.cumsum(new, axis=1) - 1 + (np.arange(c) * n)[:, None]
+        valid = np.isfinite(srt)
+        return cls(order, groups.ravel(), valid, bool(valid.all()))
+
+    def score(self, w: np.ndarray, fn: np.ndarray, top: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """AUROC and Spearman of every cell for one weighting ``w`` of the edges against ``fn``,
+        ``top`` the top of the function under that weighting (all in edge order)."""
+        ws = w[self.order] if self.all_valid else w[self.order] * self.valid
+        top_s = top[self.order]
+        # AUROC: for each top edge, the weight of non-top edges scored below it, plus half of those tied
+        pos = ws * top_s
+        neg = ws - pos
+        neg_g = np.bincount(self.gflat, weights=neg.ravel(), minlength=neg.size).reshape(neg.shape)
+        credit = (np.cumsum(neg_g, axis=1) - 0.5 * neg_g).ravel()[self.gflat].reshape(neg.shape)
+        with np.errstate(invalid="ignore", divide="ignore"):
+            auroc = (pos * credit).sum(axis=1) / (pos.sum(axis=1) * neg.sum(axis=1))
+        # Spearman: the weighted Pearson of the weighted mid-ranks of score and of fn
+        r_s = _midranks(ws, self.gflat)
+        f_order, f_groups = _fn_ranking(fn)
+        if self.all_valid:  # every cell ranks fn over the same edges: once
+            r_fn = np.empty(len(fn))
+            r_fn[f_order] = _midranks(w[f_order][None, :], f_groups)[0]
+            r_f = r_fn[self.order]
+        else:
+            c, n = self.order.shape
+            w_edge = np.zeros((c, n))
+            np.put_along_axis(w_edge, self.order, ws, axis=1)
+            gf = (f_groups[None, :] + (np.arange(c) * n)[:, None]).ravel()
+            r_fn = np.empty((c, n))
+            r_fn[:, f_order] = _midranks(w_edge[:, f_order], gf)
+            r_f = np.take_along_axis(r_fn, self.order, axis=1)
+        # from weighted sums (ranks below 1e9: float64 keeps these exact enough)
+        sw, wr_s, wr_f = ws.sum(axis=1), ws * r_s, ws * r_f
+        ms, mf = wr_s.sum(axis=1) / sw, wr_f.sum(axis=1) / sw
+        with np.errstate(invalid="ignore", divide="ignore"):
+            cov = (wr_s * r_f).sum(axis=1) / sw - ms * mf
+            var_s = (wr_s * r_s).sum(axis=1) / sw - ms * ms
+            var_f = (wr_f * r_f).sum(axis=1) / sw - mf * mf
+            rho = cov / np.sqrt(var_s * var_f)
+        return auroc, rho
+
+
+def bootstrap(scores: np.ndarray, attribution: np.ndarray, n_boot: int = N_BOOT, seed: int = 0) -> Agreement:
+    """Point AUROC and Spearman of each row of ``scores`` (cells x edges; NaN: the cell has no
+    score for that edge) against |attribution|, and ``n_boot`` paired replicates (module docstring)."""
+    scores = np.atleast_2d(np.asarray(scores, dtype=float))
+    a = np.asarray(attribution, dtype=float)
+    c, n = scores.shape
+    cells = _Cells.of(scores)
+    fn = np.abs(a)
+    auroc, rho = cells.score(np.ones(n), fn, top_of_function(fn))
+    rng = np.random.default_rng(seed)
+    a_boot, r_boot = np.empty((c, n_boot)), np.empty((c, n_boot))
+    for b in range(n_boot):
+        w = np.bincount(rng.integers(0, n, n), minlength=n).astype(float)
+        a_boot[:, b], r_boot[:, b] = cells.score(w, fn, top_of_function(fn, w))
+    return Agreement(auroc, rho, a_boot, r_boot)
+
+
+def best_and_ties(point: np.ndarray, boot: np.ndarray, level: float = LEVEL) -> tuple[int, list[int]]:
+    """The index of the highest ``point`` and the indices it does not beat beyond the
+    uncertainty: those whose paired difference's lower ``level`` bound is not above 0."""
+    point = np.asarray(point, dtype=float)
+    best = int(np.nanargmax(point))
+    tied = []
+    for i in range(len(point)):
+        if i == best or not np.isfinite(point[i]):
+            continue
+        d = boot[best] - boot[i]
+        d = d[np.isfinite(d)]
+        if not len(d) or np.quantile(d, (1 - level) / 2) <= 0:
+            tied.append(i)
+    return best, sorted(tied, key=lambda i: -point[i])

@@ -1,0 +1,110 @@
+"""compatlas.agreement: the point figures against scipy, the weighted ranks against a sample
+with the edges repeated, the bootstrap intervals' coverage and the measurability gate's false
+positive rate by simulation, and best / tied on constructed cells."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from scipy import stats
+
+from compatlas import agreement as ag
+
+
+def _auroc(score: np.ndarray, top: np.ndarray) -> float:
+    return stats.mannwhitneyu(score[top], score[~top]).statistic / (top.sum() * (~top).sum())
+
+
+def test_point_figures_are_mann_whitney_and_spearman_with_ties_and_missing_scores():
+    rng = np.random.default_rng(1)
+    n = 80
+    scores = np.round(rng.normal(size=(3, n)), 1)  # rounded: ties
+    scores[2, :9] = np.nan                          # a cell without a score for some edges
+    a = rng.normal(size=n) * np.exp(rng.normal(size=n))
+    fn, got = np.abs(a), ag.bootstrap(scores, a, n_boot=0)
+    top = ag.top_of_function(fn)
+    # the top of the function: the fewest edges holding half the total, by hand
+    srt = np.sort(fn)[::-1]
+    assert top.sum() == int(np.argmax(np.cumsum(srt) >= 0.5 * fn.sum())) + 1
+    for i in range(3):
+        v = ~np.isnan(scores[i])
+        assert got.auroc[i] == pytest.approx(_auroc(scores[i][v], top[v]), abs=1e-12)
+        assert got.spearman[i] == pytest.approx(stats.spearmanr(scores[i][v], fn[v]).statistic, abs=1e-12)
+
+
+def test_weights_are_the_sample_with_each_edge_repeated():
+    rng = np.random.default_rng(2)
+    n = 60
+    scores, fn = np.round(rng.normal(size=(2, n)), 1), np.exp(rng.normal(size=n))
+    w = rng.integers(0, 4, n).astype(float)
+    auroc, rho = ag._Cells.of(scores).score(w, fn, ag.top_of_function(fn, w))
+    idx = np.repeat(np.arange(n), w.astype(int))
+    top = ag.top_of_function(fn[idx])
+    assert top.sum() == ag.top_of_function(fn, w)[idx].sum()
+    for i in range(2):
+        assert auroc[i] == pytest.approx(_auroc(scores[i][idx], top), abs=1e-12)
+        assert rho[i] == pytest.approx(stats.spearmanr(scores[i][idx], fn[idx]).statistic, abs=1e-12)
+
+
+def _population(n: int, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
+    """Heavy-tailed function (log-normal, as attribution is) and a score that tracks it noisily."""
+    fn = np.exp(rng.normal(0, 1.5, n)) * 0.01
+    return np.log(fn) + rng.normal(0, 2.0, n), fn
+
+
+def test_intervals_cover_the_population_value_95_percent_of_the_time():
+    score, fn = _population(400_000, np.random.default_rng(99))
+    truth = ag.bootstrap(score, fn, n_boot=0)
+    rng, reps = np.random.default_rng(0), 120
+    covered = {"auroc": 0, "spearman": 0}
+    for r in range(reps):
+        s, f = _population(300, rng)
+        res = ag.bootstrap(s, f, n_boot=200, seed=r)
+        for which in covered:
+            lo, hi = res.interval(which)
+            covered[which] += bool(lo[0] <= getattr(truth, which)[0] <= hi[0])
+    # 95% nominal; with 120 datasets a calibrated interval lands in [0.89, 0.99] with probability ~0.99
+    for which, k in covered.items():
+        assert 0.89 <= k / reps <= 0.995, (which, k / reps)
+
+
+def test_best_and_ties():
+    rng = np.random.default_rng(3)
+    n = 400
+    fn = np.exp(rng.normal(0, 1.5, n))
+    good = np.log(fn) + rng.normal(0, 0.3, n)
+    scores = np.stack([rng.normal(size=n), good, rng.normal(size=n), good + 1e-9 * rng.normal(size=n)])
+    res = ag.bootstrap(scores, fn)
+    best, tied = ag.best_and_ties(res.auroc, res.auroc_boot)
+    assert best in (1, 3) and tied == [4 - best]        # the two near-copies tie; the random cells are beaten
+    res = ag.bootstrap(scores[:3], fn)
+    assert ag.best_and_ties(res.auroc, res.auroc_boot) == (1, [])
+
+
+def test_measurability_gate():
+    rng = np.random.default_rng(4)
+    few = ag.measurability(np.array([-2.0, -0.1, 0.05, 0.01]), np.full(4, 0.01), 16)
+    assert not few.measurable and "4 edges, fewer than 20" in few.why
+    # a planted function: 6 edges far beyond their standard error among 300 noise edges
+    a = rng.normal(0, 0.01, 300)
+    a[:6] = -1.0
+    planted = ag.measurability(a, np.full(300, 0.01), 16)
+    by_hand = int(np.argmax(np.cumsum(np.sort(np.abs(a))[::-1]) >= 0.5 * np.abs(a).sum())) + 1  # 5 of the 6
+    assert planted.measurable and planted.n_signal >= 6 and planted.n_top == by_hand >= ag.MIN_TOP
+    # five edges carry it, one of them nearly all: a top of 1 is not a sample
+    a1 = rng.normal(0, 0.01, 300)
+    a1[:5] = [-50.0, -0.5, -0.5, -0.5, -0.5]
+    one = ag.measurability(a1, np.full(300, 0.01), 16)
+    assert not one.measurable and "top of its function is 1 edge" in one.why
+    # a single sequence has no standard error: nothing can be told from zero
+    assert ag.signal_edges(a, np.zeros(300), 1) == 0
+
+
+def test_the_gate_rarely_finds_function_in_noise():
+    """Pure noise (each edge's mean over 16 sequences of N(0, 1) draws): the gate needs 3 edges past
+    Benjamini-Hochberg at 0.05, so a random-init model passes it well under 5% of the time."""
+    rng, reps, passed = np.random.default_rng(5), 300, 0
+    for _ in range(reps):
+        x = rng.normal(0, 1, (16, 200))
+        passed += ag.measurability(x.mean(0), x.std(0, ddof=1) / 4, 16).measurable
+    assert passed / reps <= 0.03, passed

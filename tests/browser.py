@@ -38,6 +38,9 @@ class Visit:
     failed: list[str] = field(default_factory=list)
     width: int = 0
     height: int = 0
+    window: int = 0  # the window's width the page was drawn at
+    clipped: list[str] = field(default_factory=list)  # figures wider than their box (an inner horizontal scroll)
+    probe: object = None  # what the visit's ``probe`` script returned
 
 
 class Browser:
@@ -98,23 +101,30 @@ class Browser:
             except TimeoutError:
                 return
 
-    def visit(self, path: Path, screenshot: Path | None = None, timeout: float = 120, tile: int = 0) -> Visit:
-        """Load ``path`` at 1280 px wide, draw every figure (the page's ``#drawall``), and report."""
+    def visit(self, path: Path, screenshot: Path | None = None, timeout: float = 120, tile: int = 0,
+              width: int = WIDTH, probe: str | None = None) -> Visit:
+        """Load ``path`` in a window ``width`` px wide, draw every figure (the page's ``#drawall``),
+        and report. ``probe``: a JavaScript expression evaluated once every figure is drawn (a
+        promise is awaited), its JSON-able value kept in ``Visit.probe``."""
         target = self.call("Target.createTarget", {"url": "about:blank"})["targetId"]
         s = self.call("Target.attachToTarget", {"targetId": target, "flatten": True})["sessionId"]
         for m in ("Page.enable", "Runtime.enable", "Log.enable", "Network.enable"):
             self.call(m, session=s)
         self.call("Emulation.setDeviceMetricsOverride",
-                  {"width": WIDTH, "height": HEIGHT, "deviceScaleFactor": 1, "mobile": False}, session=s)
+                  {"width": width, "height": HEIGHT, "deviceScaleFactor": 1, "mobile": False}, session=s)
         self.events = []
         url = path.resolve().as_uri()
-        v = Visit(url)
+        v = Visit(url, window=width)
         self.call("Page.navigate", {"url": url + "#drawall"}, session=s)
         deadline = time.monotonic() + timeout
         js = ("JSON.stringify({n: document.querySelectorAll('div.fig[data-spec]').length,"
               " d: document.querySelectorAll('div.fig[data-drawn]').length,"
               " f: [...document.querySelectorAll('div.fig')].filter(e => e.textContent.includes('Could not draw'))"
               ".map(e => e.textContent.slice(0, 300)),"
+              # a figure whose drawing is wider than its box scrolls inside it: its right edge (a caption's end,
+              # a legend) is cut off at first sight; named by the figure's spec id and the two widths
+              " c: [...document.querySelectorAll('div.fig')].filter(e => e.scrollWidth > e.clientWidth)"
+              ".map(e => `${e.dataset.spec}: ${e.scrollWidth} px drawn in a ${e.clientWidth} px box`),"
               " w: document.documentElement.scrollWidth, h: document.documentElement.scrollHeight,"
               " ok: document.readyState === 'complete' && location.protocol === 'file:'})")
         while True:
@@ -125,6 +135,13 @@ class Browser:
             self.drain(0.5)
         self.drain(1.0)
         v.figures, v.drawn, v.failed, v.width, v.height = state["n"], state["d"], state["f"], state["w"], state["h"]
+        v.clipped = state.get("c", [])
+        if probe is not None:
+            r = self.call("Runtime.evaluate", {"expression": probe, "returnByValue": True, "awaitPromise": True},
+                          session=s)
+            if "exceptionDetails" in r:
+                raise RuntimeError(f"probe failed: {r['exceptionDetails']}")
+            v.probe = r["result"].get("value")
         for e in self.events:
             p, m = e.get("params", {}), e.get("method")
             if m == "Network.requestWillBeSent" and not p["request"]["url"].startswith(LOCAL):
@@ -144,7 +161,7 @@ class Browser:
                            for i, y in enumerate(range(0, v.height, tile))]
             for y, h, out in pieces:
                 shot = self.call("Page.captureScreenshot", {"format": "png", "captureBeyondViewport": True,
-                                                            "clip": {"x": 0, "y": y, "width": WIDTH, "height": h, "scale": 1}},
+                                                            "clip": {"x": 0, "y": y, "width": width, "height": h, "scale": 1}},
                                  session=s)
                 out.write_bytes(base64.b64decode(shot["data"]))
         self.call("Target.closeTarget", {"targetId": target})
@@ -162,9 +179,10 @@ class Browser:
         shutil.rmtree(self.profile, ignore_errors=True)
 
 
-def check_report(report_dir: Path, shots: Path) -> list[str]:
-    """Open every page of a report at 1280 px; screenshots into ``shots``; return the problems
-    found (external requests, console errors, figures not drawn, a page wider than 1280 px)."""
+def check_report(report_dir: Path, shots: Path, widths: tuple[int, ...] = (WIDTH, 1400)) -> list[str]:
+    """Open every page of a report in a window of each of ``widths`` px; screenshots (at the first
+    width) into ``shots``; return the problems found (external requests, console errors, figures
+    not drawn, a figure wider than its box, a page wider than its window)."""
     binary = chromium()
     if binary is None:
         raise RuntimeError("Chromium is not installed: `apt-get install -y chromium` (Debian's package; "
@@ -173,18 +191,65 @@ def check_report(report_dir: Path, shots: Path) -> list[str]:
     problems = []
     b = Browser(binary)
     try:
-        for page in sorted(report_dir.glob("*.html")):
-            v = b.visit(page, shots / f"{page.stem}.png")
-            name = page.name
-            problems += [f"{name}: request leaves the file: {u}" for u in v.external]
-            problems += [f"{name}: console error: {e}" for e in v.errors]
-            # Vega's own warnings ("WARN domainMid exceeds domain", an unknown field): a figure drawn wrong
-            problems += [f"{name}: Vega warning: {w}" for w in v.warnings if "WARN" in w]
-            problems += [f"{name}: {f}" for f in v.failed]
-            if v.drawn != v.figures:
-                problems.append(f"{name}: {v.drawn} of {v.figures} figures drawn")
-            if v.width > WIDTH:
-                problems.append(f"{name}: {v.width} px wide")
+        for width in widths:
+            for page in sorted(report_dir.glob("*.html")):
+                v = b.visit(page, shots / f"{page.stem}.png" if width == widths[0] else None, width=width)
+                name = page.name if width == widths[0] else f"{page.name} at {width} px"
+                if width == widths[0]:  # what does not depend on the window's width, reported once
+                    problems += [f"{name}: request leaves the file: {u}" for u in v.external]
+                    problems += [f"{name}: console error: {e}" for e in v.errors]
+                    # Vega's own warnings ("WARN domainMid exceeds domain", an unknown field): a figure drawn wrong
+                    problems += [f"{name}: Vega warning: {w}" for w in v.warnings if "WARN" in w]
+                    problems += [f"{name}: {f}" for f in v.failed]
+                    if v.drawn != v.figures:
+                        problems.append(f"{name}: {v.drawn} of {v.figures} figures drawn")
+                problems += [f"{name}: figure clipped: {c}" for c in v.clipped]
+                if v.width > width:
+                    problems.append(f"{name}: {v.width} px wide in a {width} px window")
+    finally:
+        b.close()
+    return problems
+
+
+# What the circuit's menu (a vega-embed <select name="combo">) opened on, which of the page's
+# per-metric x space parts (data-combo) show, and which show after picking each other option
+# (the select set and its 'change' dispatched, as a reader's pick does).
+MENU_PROBE = """(async () => {
+  const sel = document.querySelector('div.fig select[name="combo"]');
+  if (!sel) return null;
+  const shown = () => [...document.querySelectorAll('[data-combo]')].filter(e => !e.hidden).map(e => e.dataset.combo);
+  const out = {opened: sel.value, shown: shown(), options: [...sel.options].map(o => o.value), picks: []};
+  for (const v of out.options.filter(v => v !== out.opened).concat([out.opened])) {
+    sel.value = v;
+    sel.dispatchEvent(new Event('change'));
+    await new Promise(r => setTimeout(r, 50));
+    out.picks.push({to: v, shown: shown()});
+  }
+  return out;
+})()"""
+
+
+def menu_problems(report_dir: Path, expected: dict[str, str]) -> list[str]:
+    """For each page named in ``expected`` (file name -> "metric · space"): the circuit's menu opens
+    on that metric x space, the page shows that one's tables only, and after each pick in the menu
+    the picked one's only."""
+    binary = chromium()
+    if binary is None:
+        raise RuntimeError("Chromium is not installed: `apt-get install -y chromium`")
+    problems = []
+    b = Browser(binary)
+    try:
+        for name, want in expected.items():
+            m = b.visit(report_dir / name, probe=MENU_PROBE).probe
+            if m is None:
+                problems.append(f"{name}: no metric · space menu")
+                continue
+            if m["opened"] != want:
+                problems.append(f"{name}: the menu opens on {m['opened']!r}, not {want!r}")
+            if m["shown"] != [m["opened"]]:
+                problems.append(f"{name}: opened on {m['opened']!r}, the page shows the tables of {m['shown']}")
+            problems += [f"{name}: picked {p['to']!r}, the page shows the tables of {p['shown']}"
+                         for p in m["picks"] if p["shown"] != [p["to"]]]
     finally:
         b.close()
     return problems

@@ -4,7 +4,11 @@
 Each model has a previous-token head (0, 1), induction heads in its last third (head 0 of
 those layers), and the K-composition of the first into the second far above every other pair,
 with p and q values that make exactly those pairs discoveries. With several checkpoints the
-induction heads form at the middle step and the loss drops there."""
+induction heads form at the middle step and the loss drops there. With ``circuit_in`` the
+circuit is planted in that one metric x space only, and every other one gets K discoveries that
+are not the circuit instead (from head (0, 0), no previous-token head, into every later head):
+more K discoveries than the circuit's cell, none of them from a previous-token head into an
+induction head."""
 
 from __future__ import annotations
 
@@ -35,6 +39,7 @@ class Spec:
     quantized: bool = False
     edges: bool = False  # edge attribution shards (eap, eap_ig) with the planted K edges carrying the task
     function: bool = True  # with ``edges``: K edges carry the task; False: every attribution is noise (a random model)
+    circuit_in: tuple[str, str] | None = None  # (metric, space) of the planted circuit; None: every one
 
 
 TRACKING = ("subspace", "residual")  # the one metric x space whose K score follows the K function (below the planted edges)
@@ -81,6 +86,7 @@ def _composition(s: Spec, ck: str, step: int | None, metrics, spaces, rng) -> tu
     n = len(wl)
     ind_layers = set(range(max(1, (2 * s.n_layers) // 3), s.n_layers))
     planted = (wl == 0) & (wh == 1) & np.isin(rl, list(ind_layers)) & (rh == 0)
+    decoy = (wl == 0) & (wh == 0)  # head (0, 0) into every later head: K discoveries, none the circuit
     f = _formed(step, s)
     comps, cals = [], []
     heads = {"writer_layer": wl, "writer_head": wh, "reader_layer": rl, "reader_head": rh}
@@ -92,8 +98,9 @@ def _composition(s: Spec, ck: str, step: int | None, metrics, spaces, rng) -> tu
                 if c == "K":
                     if (metric, space) == TRACKING:
                         score = 0.05 + 0.2 * _k_function(wl, wh, rl, rh)
-                    score = np.where(planted, 0.3 + 0.6 * f, score)
-                    p = np.where(planted, 10 ** (-1 - 5 * f), p)
+                    here = planted if s.circuit_in in (None, (metric, space)) else decoy
+                    score = np.where(here, 0.3 + 0.6 * f, score)
+                    p = np.where(here, 10 ** (-1 - 5 * f), p)
                 keys = [pl.lit(v).alias(k) for k, v in (("model", s.name), ("checkpoint", ck), ("processing", "none"),
                                                         ("space", space), ("metric", metric), ("comp", c))]
                 comps.append(pl.DataFrame({**heads, "score": score, "baseline_gaussian_mean": 0.1, "baseline_gaussian_std": 0.02,

@@ -16,6 +16,7 @@ from compatlas.atlas import connect as atlas_connect
 from compatlas.report import build_report
 from compatlas.report.heatmaps import heatmap_rows
 from compatlas.report.page import fmt, step
+from compatlas.vocab import METRICS
 from synthetic_atlas import Spec, as_older_atlas, write_suite
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -307,3 +308,106 @@ def test_training_figure_legend_draws_the_dash_and_every_panel_names_its_axis(su
     assert re.search(r'"strokeDash":\{"field":"space","legend":\{[^}]*"symbolFillColor":"#333"[^}]*"symbolType":"stroke"', run)
     assert run.count('"title":"training step"') >= 4  # loss, heads, strength, composition panels
     assert "tracks the formation</b> (" in run  # one line per comp, not a sentence
+
+
+def test_the_page_opens_on_the_cell_with_most_circuit_edges():
+    """The lead rule on hand-made counts (SmolLM2's, last checkpoint): frobenius x residual and
+    svd_bound x residual both have 9 K discoveries from a previous-token head into an induction
+    head; 9 of 20 beats 9 of 29. More such edges beat a larger share; where none has any, the
+    metric audit's lead; a full tie goes to the audit's lead, then to the usual order."""
+    from compatlas.report.circuit import lead_cell
+
+    audit = ("subspace", "token")
+    counts = pl.DataFrame({"metric": ["subspace", "frobenius", "svd_bound", "frobenius", "subspace"],
+                           "space": ["token", "residual", "residual", "activation", "activation"],
+                           "k": [0, 20, 29, 26, 0], "circuit": [0, 9, 9, 0, 0]})
+    assert lead_cell(counts, audit) == ("frobenius", "residual")
+    more = counts.with_columns(circuit=pl.when(pl.col("metric") == "svd_bound").then(10).otherwise(pl.col("circuit")))
+    assert lead_cell(more, audit) == ("svd_bound", "residual")
+    assert lead_cell(counts.with_columns(circuit=pl.lit(0)), audit) == audit  # SmolLM2's page opened here before
+    assert lead_cell(counts.clear(), audit) == audit
+    tie = pl.DataFrame({"metric": ["svd_bound", "subspace", "frobenius"], "space": ["token", "token", "token"],
+                        "k": [4, 4, 4], "circuit": [2, 2, 2]})
+    assert lead_cell(tie, audit) == audit
+    assert lead_cell(tie.filter(pl.col("metric") != "subspace"), audit) == ("frobenius", "token")
+
+
+def test_circuit_counts_count_a_shared_kv_test_once():
+    """A K test of a key/value head is one test for its query heads (as the discoveries count
+    it), so a circuit edge into three query heads of one key head is one of the cell's k."""
+    from compatlas.report.circuit import circuit_counts
+
+    summary = pl.DataFrame({"metric": ["frobenius"] * 2 + ["subspace"], "space": ["residual"] * 2 + ["token"],
+                            "comp": ["K", "V", "K"], "discoveries": [5, 7, 3]})
+    edges = pl.DataFrame({"metric": ["frobenius"] * 4, "space": ["residual"] * 4,
+                          "test": ["(16, 0, 17, -2)"] * 3 + ["(16, 0, 18, 6)"]})
+    got = {(r["metric"], r["space"]): (r["k"], r["circuit"]) for r in circuit_counts(edges, summary).iter_rows(named=True)}
+    assert got == {("frobenius", "residual"): (5, 2), ("subspace", "token"): (3, 0)}
+
+
+def test_the_k_circuit_in_a_line():
+    from compatlas.report.overview import compact_circuit, runs
+
+    assert runs([5, 3, 4, 7]) == "H3–5, H7" and runs([2]) == "H2"
+    e = pl.DataFrame([(16, 0, 17, h) for h in (3, 4, 5)] + [(16, 0, 18, 6), (16, 0, 18, 7), (22, 1, 23, 2),
+                                                            (22, 1, 23, 7), (19, 3, 20, 6)],
+                     schema=["writer_layer", "writer_head", "reader_layer", "reader_head"], orient="row")
+    assert compact_circuit(e) == "L16.H0 → L17.H3–5, L18.H6–7; L22.H1 → L23.H2, H7; L19.H3 → L20.H6"
+    assert compact_circuit(e, writers_max=1) == "L16.H0 → L17.H3–5, L18.H6–7; +3 more"
+
+
+def test_the_footer_names_a_trained_model_once():
+    from compatlas.report.overview import footer
+
+    text = footer({"models": {"smollm2-135m": {}, "induction-2l": {}}, "training": {"induction-2l": {}}}, [])
+    assert "Config (models: smollm2-135m, induction-2l)" in text
+
+
+def test_an_empty_panel_says_why():
+    from compatlas.report.circuit import empty_panels
+    from compatlas.report.queries import EDGE_MAX
+
+    e = pl.DataFrame({"combo": ["frobenius · residual"] * 2, "comp": ["K", "K"]})
+    found = {("frobenius · residual", "K"): 2, ("frobenius · residual", "V"): 400}
+    got = {(r["combo"], r["comp"]): r["text"].replace("\n", " ") for r in
+           empty_panels(e, ["frobenius · residual"], ["Q", "K", "V"], found, False).iter_rows(named=True)}
+    assert got == {("frobenius · residual", "Q"): "no discoveries in Q for this metric · space",
+                   ("frobenius · residual", "V"): f"400 discoveries in V, none among the {EDGE_MAX} drawn "
+                                                  "(smallest q, all comps)"}
+    cand = empty_panels(e.clear(), ["subspace · token"], ["V"], {}, True)
+    assert cand["text"].to_list() == ["no pair drawn\nin V for this\nmetric · space"]
+
+
+def test_long_captions_are_wrapped_to_the_figure_box():
+    from compatlas.report.page import CHAR_EM, wrap
+
+    line = "Rows: writer head; columns: reader head in a later layer. " * 8
+    out = wrap([line.strip(), "short"], px=600, font_px=10)
+    assert " ".join(out) == line.strip() + " short" and out[-1] == "short"
+    assert all(len(x) * CHAR_EM * 10 <= 600 for x in out) and len(out) > 2
+
+
+def test_a_circuit_in_another_cell_leads_every_part_of_the_page(tmp_path):
+    """The planted K circuit only in frobenius x residual, more K discoveries (none the circuit)
+    elsewhere: the page's menu, heatmap and the index name that cell and the circuit; a table per
+    metric x space, only the lead's shown; with no discoveries, the smallest-p pairs per comp."""
+    from compatlas.report import queries as q
+
+    db = write_suite(tmp_path, [Spec("aside", 6, 3, circuit_in=("frobenius", "residual"))])
+    build_report(db, tmp_path / "report", png=False)
+    page = (tmp_path / "report" / "model-aside.html").read_text(encoding="utf-8")
+    assert "The menu opens on <b>frobenius · residual</b>, by the rule" in page
+    assert "Here 2 of its 2 K discoveries are such edges." in page
+    assert json.dumps("aside @ final: frobenius, residual space") in page  # the heatmap's title
+    tables = re.findall(r"<div data-combo='([^']*)'( hidden)?>", page)
+    assert len(tables) == len(METRICS) * 2 and [c for c, hidden in tables if not hidden] == ["frobenius · residual"]
+    shown = page.split("<div data-combo='frobenius · residual'>")[1].split("<div data-combo=")[0]
+    assert "<td>L0.H1</td><td>L4.H0</td>" in shown and "<td>L0.H1</td><td>L5.H0</td>" in shown
+    index = (tmp_path / "report" / "index.html").read_text(encoding="utf-8")
+    row = index.split("<h2 id='models'>")[1].split("<a href='model-aside.html'>")[1].split("</tr>")[0]
+    assert "<b>K circuit</b>: L0.H1 → L4.H0, L5.H0" in row and "(frobenius, residual space: the most K" in row
+
+    con = atlas_connect(db)
+    top = q.strongest(con, "aside", "final")
+    per = top.group_by("metric", "space", "comp").len()
+    assert per.height == len(METRICS) * 2 * 3 and (per["len"] == q.STRONGEST_PER_COMP).all()

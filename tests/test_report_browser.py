@@ -1,6 +1,9 @@
 """The report in a real browser: headless Chromium (Debian's ``chromium``) opens the overview
-and every model page at 1280 px and checks that no request leaves the file, the console has no
-error, every chart draws (no "Could not draw"), and no page is wider than 1280 px.
+and every model page at 1280 and 1400 px and checks that no request leaves the file, the console
+has no error, every chart draws (no "Could not draw"), no figure is wider than its box (an inner
+horizontal scroll, its right edge cut off) and no page is wider than its window; and that each
+model page's circuit menu opens on the metric x space its rule picks, with the tables of that one
+shown and the tables of whichever is picked after.
 
 The screenshots are kept for a developer to look at: in ``$COMPATLAS_SCREENSHOTS`` when set,
 else in the test's temporary folder (the path is printed; ``pytest -s`` shows it). Where Chromium
@@ -8,12 +11,14 @@ is missing the test fails and says how to install it."""
 
 from __future__ import annotations
 
+import json
 import os
+import shutil
 from pathlib import Path
 
 import pytest
 
-from browser import check_report, chromium
+from browser import check_report, chromium, menu_problems
 from compatlas.report import build_report
 from synthetic_atlas import Spec, write_suite
 
@@ -40,14 +45,17 @@ def test_pages_in_chromium(tmp_path):
 
 
 def test_the_check_sees_what_goes_wrong(tmp_path):
-    """A page with a chart Vega cannot draw, a request to the network, a console error and a
-    2000 px block: every one is reported."""
+    """A page with a chart Vega cannot draw, a request to the network, a console error, a 2000 px
+    block and a figure 1,500 px wide: every one is reported (the last at 1280 and at 1400 px)."""
     if chromium() is None:
         pytest.fail("Chromium is not installed: `apt-get install -y chromium`")
     build_report(write_suite(tmp_path, [Spec("m", 2, 2)]), tmp_path / "report", png=False)
     good = (tmp_path / "report" / "index.html").read_text(encoding="utf-8")
     bad_spec = '{"mark": "no-such-mark", "data": {"values": [{"a": 1}]}, "encoding": {"x": {"field": "a"}}}'
+    # a figure drawn wider than the page's box for it: it scrolls inside its div, its right edge cut off
+    wide_spec = '{"width": 1500, "mark": "point", "data": {"values": [{"a": 1}]}, "encoding": {"x": {"field": "a"}}}'
     extra = (f'<script type="application/json" id="bad">{bad_spec}</script><div class="fig" data-spec="bad"></div>'
+             f'<script type="application/json" id="wide">{wide_spec}</script><div class="fig" data-spec="wide"></div>'
              '<img src="http://192.0.2.1/x.png"><div style="width: 2000px">wide</div>'
              '<script>console.error("boom")</script>')
     page = tmp_path / "bad" / "index.html"
@@ -55,4 +63,35 @@ def test_the_check_sees_what_goes_wrong(tmp_path):
     page.write_text(good.replace("<body>\n", "<body>\n" + extra, 1), encoding="utf-8")
     problems = "\n".join(check_report(page.parent, tmp_path / "shots"))
     assert "Could not draw" in problems and "http://192.0.2.1/x.png" in problems
-    assert "console error: boom" in problems and "px wide" in problems
+    assert "console error: boom" in problems and "px wide in a 1280 px window" in problems
+    assert "index.html: figure clipped: wide: " in problems and "index.html at 1400 px: figure clipped: wide: " in problems
+
+
+def test_the_menu_opens_on_the_rules_cell_and_the_tables_follow_it(tmp_path):
+    """"aside" has its K circuit in frobenius x residual only, and more K discoveries (none the
+    circuit) in every other metric x space: its page opens on frobenius x residual, not on the
+    metric audit's subspace x token nor on the cell with the most K discoveries. "plain" has the
+    circuit in every metric x space alike (a tie of count and share): the audit's lead. A page
+    opening elsewhere, or tables that stay put when the menu changes, are caught."""
+    if chromium() is None:
+        pytest.fail("Chromium is not installed: `apt-get install -y chromium`")
+    db = write_suite(tmp_path, [Spec("aside", 6, 3, circuit_in=("frobenius", "residual")), Spec("plain", 4, 3)])
+    build_report(db, tmp_path / "report", png=False)
+    expected = {"model-aside.html": "frobenius · residual", "model-plain.html": "subspace · token"}
+    assert menu_problems(tmp_path / "report", expected) == []
+
+    # broken on purpose: the menu opens on the audit's lead; the script no longer follows the menu
+    bad = tmp_path / "bad"
+    shutil.copytree(tmp_path / "report", bad)
+    page = bad / "model-aside.html"
+    text = page.read_text(encoding="utf-8")
+    default = '"value":' + json.dumps("frobenius · residual")
+    assert text.count(default) == 1
+    page.write_text(text.replace(default, '"value":' + json.dumps("subspace · token")), encoding="utf-8")
+    page = bad / "model-plain.html"
+    text = page.read_text(encoding="utf-8")
+    assert "follow(res.view);" in text
+    page.write_text(text.replace("follow(res.view);", ""), encoding="utf-8")
+    problems = "\n".join(menu_problems(bad, expected))
+    assert "model-aside.html: the menu opens on 'subspace · token', not 'frobenius · residual'" in problems
+    assert "model-plain.html: picked 'frobenius · residual', the page shows the tables of ['subspace · token']" in problems

@@ -71,13 +71,13 @@ def _build(con: duckdb.DuckDBPyConnection, out_dir: Path, config: dict[str, Any]
     cuts = (q.threshold(con, "prev_token_mean", 0.4), q.threshold(con, "induction_mean", 0.4))
     versions = ckpts["versions"].drop_nulls().unique().to_list() if "versions" in ckpts.columns else []
     foot = overview.footer(config, versions)
-    data: list[ModelData] = [load(con, m, ckpts, q_cut) for m in ckpts["model"].unique(maintain_order=True)]
+    data: list[ModelData] = [load(con, m, ckpts, q_cut, cuts) for m in ckpts["model"].unique(maintain_order=True)]
     written: list[Path] = []
     left_out = exclusions.excluded(con)  # said on the index and on each page it affects
     # each model's agreement with function, bootstrapped once for its page and the overview
     fns = {d.model: function.model_function(con, d.model, d.latest) for d in data}
     for d in data:
-        written += build_page(con, d, out_dir, q_cut, cuts, foot, png, pool, exclusions.notice(left_out, d.model),
+        written += build_page(con, d, out_dir, q_cut, foot, png, pool, exclusions.notice(left_out, d.model),
                               fns[d.model]).written
 
     page = Page(out_dir, "index.html", "compatlas: attention-head composition atlas", png, pool)

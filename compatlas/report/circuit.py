@@ -1,18 +1,78 @@
 """The circuit view: a model's discoveries as a layered node-link graph (heads placed by layer
 and head, one curved edge per discovery, one panel per comp, weighted by score), one metric x
-space at a time through a dropdown."""
+space at a time through a dropdown; and the rule that picks the metric x space a model's page
+opens on (``lead_cell``)."""
 
 from __future__ import annotations
+
+import html
 
 import altair as alt
 import numpy as np
 import polars as pl
 
-from compatlas.report.queries import EDGE_MAX
-from compatlas.report.page import COMP_COLOURS, CONTENT, order
+from compatlas.report.queries import EDGE_MAX, STRONGEST_PER_COMP
+from compatlas.report.page import COMP_COLOURS, CONTENT, order, wrap
 from compatlas.vocab import COMPS, METRICS, SPACES
 
 PREV, IND, OTHER = "previous-token head", "induction head", "other head"
+
+# The rule of ``lead_cell``, as the page states it
+LEAD_RULE = ("the metric · space with the most K-composition discoveries from a previous-token head into an "
+             "induction head (ties: the larger share of its K discoveries that are such edges); where no metric · "
+             "space has one, the metric audit's lead (subspace in token space, the one metric · space that "
+             "satisfies all four axioms)")
+
+
+def circuit_counts(circuit: pl.DataFrame, summary: pl.DataFrame) -> pl.DataFrame:
+    """Per metric x space of ``summary`` (queries.calibration_summary): ``k``, its K-composition
+    discoveries, and ``circuit``, how many of them are from a previous-token head into an
+    induction head (``circuit``: queries.circuit_edges; a test shared by a KV head's query heads
+    counts once, as ``k`` counts it)."""
+    if summary.is_empty() or "discoveries" not in summary.columns:
+        return pl.DataFrame(schema={"metric": pl.Utf8, "space": pl.Utf8, "k": pl.Int64, "circuit": pl.Int64})
+    k = summary.filter(pl.col("comp") == "K").select("metric", "space", k=pl.col("discoveries").fill_null(0).cast(pl.Int64))
+    if circuit.is_empty():
+        return k.with_columns(circuit=pl.lit(0, pl.Int64))
+    c = circuit.group_by("metric", "space").agg(circuit=pl.col("test").n_unique().cast(pl.Int64))
+    return k.join(c, on=["metric", "space"], how="left").with_columns(pl.col("circuit").fill_null(0))
+
+
+def lead_cell(counts: pl.DataFrame, fallback: tuple[str, str]) -> tuple[str, str]:
+    """The metric x space a model's page opens on (``LEAD_RULE``). ``counts``: per metric x space,
+    ``k`` (its K-composition discoveries) and ``circuit`` (those from a previous-token head into
+    an induction head: ``circuit_counts``). The most circuit edges; ties go to the larger share
+    circuit / k, then to ``fallback``, then to the usual order of metrics and spaces. Where no
+    metric x space has a circuit edge: ``fallback`` (the metric audit's lead, ``heatmaps.lead_combo``).
+
+    Why not the metric audit's lead alone: the one metric x space that satisfies all four axioms
+    can find none of a model's induction circuit (SmolLM2's subspace x token finds 6 V
+    discoveries L23/24 -> L29 and no K edge into an induction head), and the page then opened on
+    them and hid the circuit."""
+    found = counts.filter(pl.col("circuit") > 0)
+    if found.is_empty():
+        return fallback
+    usual = [(m, s) for m in METRICS for s in SPACES]
+    rank = {c: i for i, c in enumerate([fallback, *(c for c in usual if c != fallback)])}
+    best = min(found.iter_rows(named=True),
+               key=lambda r: (-r["circuit"], -r["circuit"] / max(r["k"], r["circuit"], 1),
+                              rank.get((r["metric"], r["space"]), len(rank)), r["metric"], r["space"]))
+    return best["metric"], best["space"]
+
+
+def lead_sentence(counts: pl.DataFrame, lead: tuple[str, str]) -> str:
+    """Why the page opens on ``lead``: the rule, and its numbers for this model (HTML)."""
+    m, s = (html.escape(x) for x in lead)
+    at = (pl.col("metric") == lead[0]) & (pl.col("space") == lead[1])
+    row = counts.filter(at)
+    n = int(row["circuit"][0]) if row.height else 0
+    if not n:
+        return (f"The menu opens on <b>{m} · {s}</b>, by the rule: {LEAD_RULE}. This model has no K discovery "
+                "from a previous-token head into an induction head in any metric · space.")
+    tied = "".join(f"; {html.escape(r['metric'])} · {html.escape(r['space'])} has {n:,} too, of {r['k']:,}"
+                   for r in counts.filter((pl.col("circuit") == n) & ~at).iter_rows(named=True))
+    return (f"The menu opens on <b>{m} · {s}</b>, by the rule: {LEAD_RULE}. Here {n:,} of its {int(row['k'][0]):,} "
+            f"K discoveries are such edges{tied}.")
 
 
 def node_frame(n_layers: int, n_heads: int, heads: pl.DataFrame, prev_cut: float, ind_cut: float) -> pl.DataFrame:
@@ -30,6 +90,7 @@ def node_frame(n_layers: int, n_heads: int, heads: pl.DataFrame, prev_cut: float
 
 
 CURVE_POINTS = 9  # points along each edge's curve
+NOTE_PX = 11  # font size of an empty panel's note
 
 
 def curves(e: pl.DataFrame) -> pl.DataFrame:
@@ -54,14 +115,38 @@ def curves(e: pl.DataFrame) -> pl.DataFrame:
     return pts.join(e, on="eid", how="left")
 
 
+def empty_panels(e: pl.DataFrame, combos: list[str], comps: list[str], found: dict[tuple[str, str], int],
+                 candidates: bool) -> pl.DataFrame:
+    """One row per metric x space (``combo``) x comp whose panel has no curve, with ``text``, why:
+    no discoveries there (``found``: discoveries per (combo, comp), from the calibration summary),
+    or, where the comp has some, that the drawn ones (the smallest q of the metric x space, all
+    comps together) left it none; with ``candidates``, that no pair was drawn."""
+    drawn = {(r["combo"], r["comp"]) for r in e.select("combo", "comp").unique().iter_rows(named=True)}
+    rows = []
+    for combo in combos:
+        for comp in comps:
+            if (combo, comp) in drawn:
+                continue
+            n = found.get((combo, comp), 0)
+            # short lines: a panel of a two-head model is 160 px wide
+            text = (f"no pair drawn\nin {comp} for this\nmetric · space" if candidates else
+                    f"no discoveries\nin {comp} for this\nmetric · space" if not n else
+                    f"{n:,} discoveries\nin {comp}, none among\nthe {EDGE_MAX} drawn\n(smallest q,\nall comps)")
+            rows.append({"combo": combo, "comp": comp, "text": text})
+    return pl.DataFrame(rows, schema={"combo": pl.Utf8, "comp": pl.Utf8, "text": pl.Utf8})
+
+
 def circuit_chart(edges: pl.DataFrame, nodes: pl.DataFrame, model: str, checkpoint: str, lead: tuple[str, str],
                   q_cut: float | None, candidates: bool = False,
-                  combos_scored: list[tuple[str, str]] | None = None) -> alt.HConcatChart:
+                  combos_scored: list[tuple[str, str]] | None = None,
+                  summary: pl.DataFrame | None = None) -> alt.HConcatChart:
     """One panel per comp (Q, K, V side by side, so their edges never lie on top of each other),
     each edge a curve (``curves``). ``edges``: queries.discoveries of the model x checkpoint (any
     metric x space), or with ``candidates`` queries.strongest (there are no discoveries): drawn
-    dashed, said so. The dropdown lists every metric x space scored (``combos_scored``) with its
-    number of discoveries, none left out for having none."""
+    dashed, said so. The dropdown (the Vega parameter ``combo``, "metric · space") lists every
+    metric x space scored (``combos_scored``) with its number of discoveries, none left out for
+    having none, and opens on ``lead``. A panel with no curve for the chosen metric x space says
+    why (``empty_panels``; ``summary``: queries.calibration_summary, its discoveries per comp)."""
     n_layers, n_heads = int(nodes["layer"].max()) + 1, int(nodes["head"].max()) + 1
     e = edges.with_columns(combo=pl.col("metric") + " · " + pl.col("space"),
                            writer="L" + pl.col("writer_layer").cast(pl.Utf8) + ".H" + pl.col("writer_head").cast(pl.Utf8),
@@ -75,7 +160,11 @@ def circuit_chart(edges: pl.DataFrame, nodes: pl.DataFrame, model: str, checkpoi
               for c in combos]
     pick = alt.param(name="combo", value=default if default in combos else (combos[0] if combos else default),
                      bind=alt.binding_select(options=combos or [default], labels=labels or None, name="metric · space: "))
-    comps = order(e["comp"].unique().to_list(), COMPS) or list(COMPS)
+    # every comp gets its panel, with or without curves: an empty one says why (``empty_panels``)
+    comps = order([*e["comp"].unique().to_list(), *COMPS], COMPS)
+    found = {} if summary is None or summary.is_empty() or "discoveries" not in summary.columns else {
+        (f"{r['metric']} · {r['space']}", r["comp"]): int(r["discoveries"] or 0) for r in summary.iter_rows(named=True)}
+    empty = empty_panels(e, combos, comps, found, candidates)
     panel_w = max(160, min(46 * n_heads + 40, (CONTENT - 330) // len(comps)))  # room for axes and legends
     height = min(900, max(200, 30 * n_layers))
     xs = alt.Scale(domain=[-1, n_heads], nice=False)
@@ -107,16 +196,33 @@ def circuit_chart(edges: pl.DataFrame, nodes: pl.DataFrame, model: str, checkpoi
                      alt.Tooltip("z_spectrum:Q", title="z", format=".1f"),
                      alt.Tooltip("n_null:Q", title="non-causal null pairs", format=","),
                      alt.Tooltip("p_value:Q", title="p", format=".2e"), alt.Tooltip("q_value:Q", title="q", format=".2e")])
-        panels.append(alt.layer(link, points).properties(width=panel_w, height=height, title=alt.TitleParams(
+        # the words on a white box over the heads' dots and grid lines, sized from them in the panel's units
+        px_x, px_y = panel_w / (n_heads + 1), height / n_layers
+        cx, cy = (n_heads - 1) / 2, (n_layers - 1) / 2
+        box = empty.filter(pl.col("comp") == comp).with_columns(
+            half_w=(pl.col("text").str.split("\n").list.eval(pl.element().str.len_chars()).list.max() * NOTE_PX * 0.33
+                    + 8) / px_x,
+            half_h=((pl.col("text").str.count_matches("\n") + 1) * NOTE_PX * 1.3 / 2 + 5) / px_y,
+            # Vega sets a text's first line at y: the block's middle goes at the box's
+            lift=pl.col("text").str.count_matches("\n") * NOTE_PX * 1.3 / 2 / px_y,
+        ).with_columns(x=pl.lit(cx), y=cy - pl.col("lift"), x0=cx - pl.col("half_w"), x1=cx + pl.col("half_w"),
+                       y0=cy - pl.col("half_h"), y1=cy + pl.col("half_h"))
+        why = alt.Chart(box).transform_filter("datum.combo == combo")
+        back = why.mark_rect(fill="white", stroke="#bbb", opacity=0.95).encode(
+            x=alt.X("x0:Q", scale=xs), x2="x1:Q", y=alt.Y("y0:Q", scale=ys), y2="y1:Q")
+        words = why.mark_text(lineBreak="\n", fontSize=NOTE_PX, lineHeight=NOTE_PX * 1.3, baseline="middle",
+                              color="#555", fontStyle="italic").encode(
+            x=alt.X("x:Q", scale=xs), y=alt.Y("y:Q", scale=ys), text="text:N")
+        panels.append(alt.layer(link, points, back, words).properties(width=panel_w, height=height, title=alt.TitleParams(
             f"{comp}-composition", color=COMP_COLOURS.get(comp, "#333"), fontSize=13, anchor="middle")))
     cap = int(e["n_total"].max()) if e.height else 0
     fdr = q_cut if q_cut is not None else "fdr"
+    what = ([f"No pair is a discovery (q <= {fdr}): dashed curves are the {STRONGEST_PER_COMP} pairs with the smallest p "
+             "per metric · space and comp, NOT a circuit."] if candidates else
+            [f"Curves: the discoveries (q <= {fdr}), writer head (upper) to reader head in a later layer, one panel "
+             "per comp, thicker for a higher score" + (f"; of the {cap:,} discoveries, the {EDGE_MAX} with the "
+                                                      "smallest q" if cap > EDGE_MAX else "") + "."])
     return alt.hconcat(*panels, spacing=12).add_params(pick).properties(title=alt.TitleParams(
         f"{model} @ {checkpoint}: the circuit its weights show", anchor="start", fontSize=14, subtitleColor="#444",
-        subtitle=([f"No pair is a discovery (q <= {fdr}): dashed curves are the pairs with the smallest p per metric · "
-                   "space, NOT a circuit."] if candidates else
-                  [f"Curves: the discoveries (q <= {fdr}), writer head (upper) to reader head in a later layer, one panel "
-                   "per comp, thicker for a higher score" + (f"; of the {cap:,} discoveries, the {EDGE_MAX} with the "
-                                                            "smallest q" if cap > EDGE_MAX else "") + "."])
-        + ["Nodes: every head, coloured by what it does on repeated random tokens (head scores). The menu lists "
-           "every metric · space with its number of discoveries."]))
+        subtitle=wrap(what + ["Nodes: every head, coloured by what it does on repeated random tokens (head scores). "
+                              "The menu lists every metric · space with its number of discoveries."], font_px=10)))

@@ -53,20 +53,21 @@ def readers_cell(layer: int, readers: list[int]) -> str:
     return head(layer, readers[0]) + "".join(f", H{h}" for h in readers[1:])
 
 
-def floor_summary(con: q.Con, model: str, checkpoint: str, metric: str, space: str, group: int) -> pl.DataFrame:
-    """Per comp of one metric x space: ``m`` (the tests Benjamini-Hochberg counted), ``n_null``,
+def floor_summary(con: q.Con, model: str, checkpoint: str, group: int) -> pl.DataFrame:
+    """Per metric x space x comp: ``m`` (the tests Benjamini-Hochberg counted), ``n_null``,
     ``k`` (tests beyond every null pair: p at most the counting floor 1 / (n_null + 1)) and
     ``q_k`` (the largest q among them). A row is its own test unless the calibration says a KV
-    head's test is shared by its ``group`` query heads (``test_unit``): then one row stands for it."""
+    head's test is shared by its ``group`` query heads (``test_unit``): then one row stands for
+    it. Every metric x space in one scan: the page has a table (and this note) for each."""
     if not q.has(con, "calibration", "p_value", "q_value", "n_null"):
         return pl.DataFrame()
     one = (f"(test_unit IS DISTINCT FROM 'kv_head' OR reader_head % {int(group)} = 0)"
            if "test_unit" in q.columns(con, "calibration") else "true")
-    return q._pl(con, f"""SELECT comp, count(*) AS m, max(n_null)::BIGINT AS n_null,
+    return q._pl(con, f"""SELECT metric, space, comp, count(*) AS m, max(n_null)::BIGINT AS n_null,
                                count_if(p_value <= (1 + 1e-9) / (n_null + 1))::BIGINT AS k,
                                max(q_value) FILTER (WHERE p_value <= (1 + 1e-9) / (n_null + 1)) AS q_k
-                        FROM calibration WHERE model = ? AND checkpoint = ? AND metric = ? AND space = ? AND {one}
-                        GROUP BY comp""", [model, checkpoint, metric, space])
+                        FROM calibration WHERE model = ? AND checkpoint = ? AND {one}
+                        GROUP BY ALL""", [model, checkpoint])
 
 
 def floor_note(floor: pl.DataFrame, q_cut: float | None) -> str:
@@ -96,13 +97,39 @@ def floor_note(floor: pl.DataFrame, q_cut: float | None) -> str:
                 "chance. " + " ".join(parts))
 
 
-def top_discoveries(edges: pl.DataFrame, info: dict, model: str, lead: tuple[str, str] | None, candidates: bool,
-                    floor: pl.DataFrame, q_cut: float | None) -> str:
-    """The lead metric x space's strongest findings per comp, and the floor note."""
+def combo_key(metric: str, space: str) -> str:
+    """A metric x space as the circuit chart's menu (its Vega parameter ``combo``) names it."""
+    return f"{metric} · {space}"
+
+
+def top_discoveries(edges: pl.DataFrame, info: dict, model: str, combos: list[tuple[str, str]],
+                    lead: tuple[str, str] | None, candidates: bool, floor: pl.DataFrame, q_cut: float | None) -> str:
+    """The strongest findings per comp and the floor note, for every metric x space of ``combos``:
+    each in a ``<div data-combo="metric · space">``, all hidden but ``lead``'s, so that the page's
+    script shows the one the circuit's menu picks (page.JS_EMBED). At most TOP_N rows per comp."""
     if edges.is_empty() or lead is None:
         return ""
     group = kv_group(info)
-    e = findings(edges.filter((pl.col("metric") == lead[0]) & (pl.col("space") == lead[1])), group)
+    what = "Pairs with the smallest p (no discoveries)" if candidates else "Top discoveries"
+    blocks = []
+    for metric, space in combos or [lead]:
+        key = combo_key(metric, space)
+        cell = floor.filter((pl.col("metric") == metric) & (pl.col("space") == space)) if floor.height else floor
+        body = _one_cell(edges.filter((pl.col("metric") == metric) & (pl.col("space") == space)), group, model,
+                         metric, space, what, candidates, cell, q_cut)
+        blocks.append(f"<div data-combo='{html.escape(key, quote=True)}'{'' if (metric, space) == lead else ' hidden'}>"
+                      f"{body}</div>")
+    return "".join(blocks)
+
+
+def _one_cell(edges: pl.DataFrame, group: int, model: str, metric: str, space: str, what: str, candidates: bool,
+              floor: pl.DataFrame, q_cut: float | None) -> str:
+    head_line = f"<h3>{what}: {html.escape(metric)}, {html.escape(space)} space</h3>"
+    if edges.is_empty():
+        return head_line + note("No calibrated pairs in this metric x space." if candidates or q_cut is None else
+                                f"No discoveries in {html.escape(metric)}, {html.escape(space)} space: no head pair "
+                                f"composes beyond this model's own non-causal pairs there at q <= {q_cut:g}.")
+    e = findings(edges, group)
     parts, shared = [], None
     for comp in [c for c in COMPS if c in set(e["comp"])]:
         top = e.filter(pl.col("comp") == comp).head(TOP_N)
@@ -112,10 +139,10 @@ def top_discoveries(edges: pl.DataFrame, info: dict, model: str, lead: tuple[str
                  r["baseline_spectrum_mean"], r["z_spectrum"], r["p_value"], r["q_value"]] for r in top.iter_rows(named=True)]
         parts.append(f"<div><b>{comp}-composition</b>"
                      + table(["writer", "reader", "score", "spectrum null", "z", "p", "q"], rows) + "</div>")
-    what = "Pairs with the smallest p (no discoveries)" if candidates else "Top discoveries"
     gqa = (f" Readers listed together (<code>{html.escape(shared)}</code>) are query heads of one key/value head "
            f"({group} query heads each): one finding, the same score, p and q." if shared else "")
-    return (f"<h3>{what}: {html.escape(lead[0])}, {html.escape(lead[1])} space</h3>"
-            + note(f"One row per finding, smallest q first (ties: smaller p, then larger z).{gqa} All discoveries: "
-                   f"<code>SELECT * FROM discoveries WHERE model = '{html.escape(model)}' AND latest</code>.")
+    return (head_line
+            + note(f"One row per finding, smallest q first (ties: smaller p, then larger z); at most {TOP_N} per comp.{gqa} "
+                   f"All discoveries: <code>SELECT * FROM discoveries WHERE model = '{html.escape(model)}' AND latest "
+                   f"AND metric = '{html.escape(metric)}' AND space = '{html.escape(space)}'</code>.")
             + "<div class='side'>" + "".join(parts) + "</div>" + ("" if candidates else floor_note(floor, q_cut)))

@@ -11,7 +11,7 @@ import altair as alt
 import numpy as np
 import polars as pl
 
-from compatlas.report.page import by_metric_space, finite, order, table
+from compatlas.report.page import by_metric_space, finite, order, table, wrap
 from compatlas.vocab import COMPS
 
 HEATMAP_DATA = "heatmap"  # name of the heatmap's dataset in the spec's top-level "datasets"
@@ -156,9 +156,9 @@ def heatmap_chart(df: pl.DataFrame, model: str, checkpoint: str, metric: str, sp
         what += f" Cyan squares: the discoveries (q <= {q_cut:g})."
     chart = alt.layer(*layers).add_params(pick).properties(width=width, height=height, title=alt.TitleParams(
         f"{model} @ {checkpoint}: {metric}, {space} space",
-        subtitle=[f"score = {METRIC_TEXT.get(metric, metric)}; space: {SPACE_TEXT.get(space, space)}.",
-                  "Rows: writer head; columns: reader head in a later layer. " + what,
-                  "Pick Q, K or V below; hover a cell for score, nulls, z, p and q."],
+        subtitle=wrap([f"score = {METRIC_TEXT.get(metric, metric)}; space: {SPACE_TEXT.get(space, space)}.",
+                       "Rows: writer head; columns: reader head in a later layer. " + what,
+                       "Pick Q, K or V below; hover a cell for score, nulls, z, p and q."], font_px=11),
         anchor="start", fontSize=14, subtitleFontSize=11, subtitleColor="#444"))
     return chart.configure_view(stroke="#999", fill="#f4f4f4")
 

@@ -5,7 +5,7 @@ the page read of one model."""
 from __future__ import annotations
 
 import html
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -25,13 +25,17 @@ class ModelData:
     checkpoints: pl.DataFrame      # this model's rows of queries.checkpoints, in step order
     latest: str
     combos: list[tuple[str, str]]  # (metric, space) scored at the last checkpoint
-    lead: tuple[str, str] | None
+    lead: tuple[str, str] | None   # the metric x space the page opens on (circuit.lead_cell)
     summary: pl.DataFrame          # queries.calibration_summary of the last checkpoint
     edges: pl.DataFrame            # queries.discoveries of the last checkpoint
     heads: pl.DataFrame            # head_scores of the last checkpoint
     cvb: pl.DataFrame              # composition_vs_behaviour of the last checkpoint
     outcome: fm.TrainingOutcome | None
     candidates: bool = False       # edges are the smallest-p pairs, not discoveries (there are none)
+    cuts: tuple[float, float] = (0.4, 0.4)  # head-score cuts of a previous-token and an induction head
+    # K discoveries from a previous-token head into an induction head, every metric x space (queries.circuit_edges)
+    circuit: pl.DataFrame = field(default_factory=pl.DataFrame)
+    counts: pl.DataFrame = field(default_factory=pl.DataFrame)  # circuit.circuit_counts: what chose ``lead``
 
     @property
     def stem(self) -> str:
@@ -43,14 +47,30 @@ class ModelData:
 
     def roles(self, prev_cut: float, ind_cut: float) -> tuple[pl.DataFrame, pl.DataFrame]:
         """(previous-token heads, induction heads) of the last checkpoint, strongest first."""
-        if self.heads.is_empty():
-            return self.heads, self.heads
-        readers = self.heads.filter(pl.col("layer") > self.heads["layer"].min())
-        return (self.heads.filter(pl.col("prev_token_mean") >= prev_cut).sort("prev_token_mean", descending=True),
-                readers.filter(pl.col("induction_mean") >= ind_cut).sort("induction_mean", descending=True))
+        return roles(self.heads, prev_cut, ind_cut)
+
+    def lead_sentence(self) -> str:
+        """Why the page opens on ``lead`` (circuit.lead_sentence)."""
+        return "" if self.lead is None else circuit.lead_sentence(self.counts, self.lead)
 
 
-def load(con: duckdb.DuckDBPyConnection, model: str, ckpts: pl.DataFrame, q_cut: float | None) -> ModelData:
+def roles(heads: pl.DataFrame, prev_cut: float, ind_cut: float) -> tuple[pl.DataFrame, pl.DataFrame]:
+    """(previous-token heads, induction heads) of ``heads`` (head_scores), strongest first; an
+    induction head reads from an earlier layer, so none is in the first."""
+    if heads.is_empty():
+        return heads, heads
+    readers = heads.filter(pl.col("layer") > heads["layer"].min())
+    return (heads.filter(pl.col("prev_token_mean") >= prev_cut).sort("prev_token_mean", descending=True),
+            readers.filter(pl.col("induction_mean") >= ind_cut).sort("induction_mean", descending=True))
+
+
+def load(con: duckdb.DuckDBPyConnection, model: str, ckpts: pl.DataFrame, q_cut: float | None,
+         cuts: tuple[float, float] | None = None) -> ModelData:
+    """What the overview and the model's page read of ``model``. ``cuts``: the head-score cuts of
+    a previous-token and an induction head (None: those the atlas was built with). The lead
+    metric x space, which the circuit's menu, the heatmap, the findings, the function scatter and
+    the overview's depth profile all show, is chosen here once (circuit.lead_cell)."""
+    cuts = cuts or (q.threshold(con, "prev_token_mean", 0.4), q.threshold(con, "induction_mean", 0.4))
     mine = ckpts.filter(pl.col("model") == model)
     info = mine.filter(pl.col("latest")).row(0, named=True)
     latest = info["checkpoint"]
@@ -67,9 +87,18 @@ def load(con: duckdb.DuckDBPyConnection, model: str, ckpts: pl.DataFrame, q_cut:
     candidates = edges.is_empty() and bool(combos)
     if candidates:  # nothing passes the FDR: show where the model comes closest, said as such
         edges = q.strongest(con, model, latest)
-    return ModelData(model, info, mine, latest, combos, heatmaps.lead_combo(combos) if combos else None,
-                     summary, edges, q.rows(con, "head_scores", model, latest),
-                     q.rows(con, "composition_vs_behaviour", model, latest), outcome, candidates)
+    heads = q.rows(con, "head_scores", model, latest)
+    prev, ind = roles(heads, *cuts)
+    # no discoveries at all (candidates): no circuit edge either, and no query for one
+    found = pl.DataFrame() if candidates else q.circuit_edges(con, model, latest, q_cut, _heads(prev), _heads(ind))
+    counts = circuit.circuit_counts(found, summary)
+    lead = circuit.lead_cell(counts, heatmaps.lead_combo(combos)) if combos else None
+    return ModelData(model, info, mine, latest, combos, lead, summary, edges, heads,
+                     q.rows(con, "composition_vs_behaviour", model, latest), outcome, candidates, cuts, found, counts)
+
+
+def _heads(df: pl.DataFrame) -> list[tuple[int, int]]:
+    return [] if df.is_empty() else list(zip(df["layer"].to_list(), df["head"].to_list()))
 
 
 def describe(d: ModelData) -> str:
@@ -106,8 +135,9 @@ def _too_small(summary: pl.DataFrame, q_cut: float | None) -> str:
 
 
 def build_page(con: duckdb.DuckDBPyConnection, d: ModelData, out_dir: Path, q_cut: float | None,
-               cuts: tuple[float, float], footer: str, png: bool, pool: Any = None, left_out: str = "",
+               footer: str, png: bool, pool: Any = None, left_out: str = "",
                fns: dict[str, function.CompFunction] | None = None) -> Page:
+    cuts = d.cuts  # the head-score cuts ``load`` chose the lead with: the page's roles are the same
     page = Page(out_dir, d.page, f"compatlas: {d.model}", png, pool)
     s = d.stem
     page.add(f"<nav><a href='index.html'>← all models</a> <a href='#circuit'>circuit</a> <a href='#heatmap'>heatmap</a>"
@@ -128,17 +158,18 @@ def build_page(con: duckdb.DuckDBPyConnection, d: ModelData, out_dir: Path, q_cu
             page.add(note(f"<b>No discoveries</b>: {why}.{_too_small(d.summary, q_cut)} Drawn instead, and not to be "
                           "read as a circuit: the pairs with the smallest p."))
         nodes = circuit.node_frame(int(d.info["n_layers"]), int(d.info["n_heads"]), d.heads, *cuts)
-        page.figure(circuit.circuit_chart(d.edges, nodes, d.model, d.latest, d.lead, q_cut, d.candidates, d.combos),
-                    f"{s}__circuit")
-        floor = findings.floor_summary(con, d.model, d.latest, *d.lead, findings.kv_group(d.info))
-        page.add(findings.top_discoveries(d.edges, d.info, d.model, d.lead, d.candidates, floor, q_cut))
+        page.figure(circuit.circuit_chart(d.edges, nodes, d.model, d.latest, d.lead, q_cut, d.candidates, d.combos,
+                                          d.summary), f"{s}__circuit")
+        page.add(note(d.lead_sentence() + " The tables below follow the menu."))
+        floor = findings.floor_summary(con, d.model, d.latest, findings.kv_group(d.info))
+        page.add(findings.top_discoveries(d.edges, d.info, d.model, d.combos, d.lead, d.candidates, floor, q_cut))
     if d.combos:
         metric, space = d.lead
         L, H = int(d.info.get("n_layers") or 1), int(d.info.get("n_heads") or 1)
         big = blocks.use_blocks(L, H)
         page.add("<h2 id='heatmap'>" + ("Every layer pair" if big else "Every head pair") + "</h2>",
-                 note(f"The heatmap shows {html.escape(metric)} in {html.escape(space)} space (the metric audit's one "
-                      "metric x space that satisfies all four axioms, when scored); the table below counts the "
+                 note(f"The heatmap shows {html.escape(metric)} in {html.escape(space)} space (the one the circuit's "
+                      "menu opens on, by the rule stated there); the table below counts the "
                       "discoveries of every metric x space. Any other: <code>SELECT * FROM composition_z WHERE "
                       f"model = '{html.escape(d.model)}' AND latest AND metric = ... AND space = ...</code>."))
         if big:  # aggregated in DuckDB: the page gets layers^2 cells per comp, whatever the heads

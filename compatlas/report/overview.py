@@ -34,9 +34,39 @@ def _circuit_elsewhere(d: ModelData) -> str:
             + (f" and <a href='{html.escape(d.page)}#training'>composition over training</a>" if d.outcome else ""))
 
 
+def runs(heads: list[int]) -> str:
+    """Head numbers as runs: [3, 4, 5, 7] -> "H3–5, H7"."""
+    out: list[list[int]] = []
+    for h in sorted(set(heads)):
+        if out and h == out[-1][-1] + 1:
+            out[-1].append(h)
+        else:
+            out.append([h])
+    return ", ".join(f"H{r[0]}" + (f"–{r[-1]}" if len(r) > 1 else "") for r in out)
+
+
+def compact_circuit(edges: pl.DataFrame, writers_max: int = 3) -> str:
+    """K-circuit edges (writer -> reader rows) in a line: per writer, most edges first, its readers
+    by layer with runs of heads: "L16.H0 → L17.H3–5, L18.H6–7; L22.H1 → L23.H2, H7"; past
+    ``writers_max`` writers, how many edges are left out."""
+    if edges.is_empty():
+        return ""
+    by = (edges.group_by("writer_layer", "writer_head").agg(pl.len().alias("n"))
+          .sort(["n", "writer_layer", "writer_head"], descending=[True, False, False]))
+    parts = []
+    for w in by.head(writers_max).iter_rows(named=True):
+        mine = edges.filter((pl.col("writer_layer") == w["writer_layer"]) & (pl.col("writer_head") == w["writer_head"]))
+        readers = ", ".join(f"L{layer}.{runs(g['reader_head'].to_list())}"
+                            for (layer,), g in mine.sort("reader_layer").group_by("reader_layer", maintain_order=True))
+        parts.append(f"{head(w['writer_layer'], w['writer_head'])} → {readers}")
+    left = int(by["n"].sum()) - int(by.head(writers_max)["n"].sum())
+    return "; ".join(parts) + (f"; +{left} more" if left else "")
+
+
 def _strongest(d: ModelData, q_cut: float | None = None) -> str:
-    """Per comp, the lead metric x space's number of discoveries and its strongest one; or why
-    the model can have none (``findings.why_none``) and where its circuit shows instead."""
+    """Per comp, the lead metric x space's number of discoveries and its strongest one, and the K
+    circuit there (K discoveries from a previous-token head into an induction head) where it has
+    one; or why the model can have none (``findings.why_none``) and where its circuit shows instead."""
     if d.lead is None:
         return "no pairs"
     if (why := why_none(d.summary, q_cut)) is not None:
@@ -52,7 +82,18 @@ def _strongest(d: ModelData, q_cut: float | None = None) -> str:
         best = "" if g.is_empty() or d.candidates else (f": {head(g['writer_layer'][0], g['writer_head'][0])} → "
                                         f"{head(g['reader_layer'][0], g['reader_head'][0])} (q {fmt(g['q_value'][0])})")
         out.append(html.escape(f"{comp} {fmt(n[comp])}{best}"))
-    return "<br>".join(out) + f"<br><small>({html.escape(d.lead[0])}, {html.escape(d.lead[1])} space)</small>"
+    where = f"{html.escape(d.lead[0])}, {html.escape(d.lead[1])}"
+    circ = d.circuit.filter((pl.col("metric") == d.lead[0]) & (pl.col("space") == d.lead[1])) if d.circuit.height else d.circuit
+    if circ.height:
+        out.append(f"<b>K circuit</b>: {html.escape(compact_circuit(circ))}")
+    return "<br>".join(out) + f"<br><small>({where} space: {html.escape(_why_lead(d))})</small>"
+
+
+def _why_lead(d: ModelData) -> str:
+    """Why the lead metric x space, in a few words (the rule: circuit.lead_cell)."""
+    if d.circuit.height:
+        return "the most K discoveries from a previous-token head into an induction head"
+    return "no K discovery from a previous-token head into an induction head anywhere; the metric audit's lead"
 
 
 def models_table(data: list[ModelData], cuts: tuple[float, float], q_cut: float | None = None) -> str:
@@ -164,7 +205,8 @@ def footer(config: dict[str, Any] | None, versions: list[str]) -> str:
             merged.setdefault(k, set()).add(str(x))
     extraction = ", ".join(f"{k} {' / '.join(sorted(v))}" for k, v in sorted(merged.items())) or "–"
     cfg = json.dumps({k: v for k, v in (config or {}).items() if k not in ("models", "training")}, default=str, indent=None)
-    models = ", ".join(list((config or {}).get("models", {})) + list((config or {}).get("training", {})))
+    # a trained model is in both lists (its entry under models, its training run under training): named once
+    models = ", ".join(dict.fromkeys([*(config or {}).get("models", {}), *(config or {}).get("training", {})]))
     return ("<footer><p>Report drawn " + datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
             + f". Libraries (report): {html.escape(', '.join(f'{k} {v}' for k, v in libs.items()))}."
             + f" Libraries (extraction): {html.escape(extraction)}.</p>"

@@ -26,6 +26,30 @@ WIDTH = 1280  # px: no page is wider than this window
 CONTENT = WIDTH - 80  # px left for a figure inside the body's margins
 
 
+# A figure's text is at most this wide: its div's box less vega-embed's 38 px for the figure's menu
+TEXT_MAX = CONTENT - 60
+CHAR_EM = 0.6  # a generous mean width of a character of the sans-serif font, in em (measured: about 0.5)
+
+
+def wrap(lines: Iterable[str], px: float = TEXT_MAX, font_px: float = 11) -> list[str]:
+    """Each line broken at spaces into lines of at most ``px`` (at ``CHAR_EM`` em a character):
+    for a chart's title or subtitle, which Vega draws on one line however long. Vega counts a
+    title in the chart's width, so an unbroken subtitle made the heatmap 1,358 px wide, its end
+    cut off in a figure box of 1,216 px."""
+    most = max(8, int(px / (CHAR_EM * font_px)))
+    out: list[str] = []
+    for line in lines:
+        cur = ""
+        for word in line.split(" "):
+            if cur and len(cur) + 1 + len(word) > most:
+                out.append(cur)
+                cur = word
+            else:
+                cur = f"{cur} {word}" if cur else word
+        out.append(cur)
+    return out
+
+
 def order(values: Iterable[Any], preferred: tuple[str, ...]) -> list[Any]:
     vals = set(v for v in values if v is not None)
     return [v for v in preferred if v in vals] + sorted(vals - set(preferred), key=str)
@@ -120,8 +144,16 @@ const opts = {renderer: "canvas", actions: {export: true, source: false, compile
 function show(el) {
   if (el.dataset.done) return; el.dataset.done = "1";
   const spec = JSON.parse(document.getElementById(el.dataset.spec).textContent);
-  vegaEmbed(el, spec, opts).then(() => { el.dataset.drawn = "1"; })
+  vegaEmbed(el, spec, opts).then(res => { follow(res.view); el.dataset.drawn = "1"; })
     .catch(e => { el.textContent = "Could not draw this figure: " + e; console.error(e); });
+}
+// A chart with a "combo" menu (the circuit's metric · space): the page's parts for one metric · space
+// (elements with data-combo, e.g. the top-discoveries tables) show only the one the menu picks.
+function follow(view) {
+  try { view.signal("combo"); } catch (e) { return; }  // no such signal: not a chart with the menu
+  const pick = v => document.querySelectorAll("[data-combo]").forEach(t => { t.hidden = t.dataset.combo !== v; });
+  view.addSignalListener("combo", (name, v) => pick(v));
+  pick(view.signal("combo"));
 }
 const figs = document.querySelectorAll("div.fig[data-spec]");
 if ("IntersectionObserver" in window && !location.hash.includes("drawall")) {

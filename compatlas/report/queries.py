@@ -18,6 +18,7 @@ from compatlas.vocab import COMPS, EDGE_METHODS
 
 Con = duckdb.DuckDBPyConnection
 EDGE_MAX = 150  # the circuit view draws at most this many discoveries per metric x space (smallest q first)
+STRONGEST_PER_COMP = 10  # where there are no discoveries: the smallest-p pairs drawn per metric x space x comp
 
 
 def columns(con: Con, view: str) -> set[str]:
@@ -146,25 +147,31 @@ def calibration_summary(con: Con, model: str, checkpoint: str, q_cut: float | No
     return scores.join(cal, on=keys, how="left")
 
 
-def strongest(con: Con, model: str, checkpoint: str, limit: int = 30) -> pl.DataFrame:
-    """Where nothing is a discovery: the ``limit`` pairs per metric x space with the smallest p
-    (ties, as at the null's floor: the largest z), in the columns of ``discoveries``."""
+def strongest(con: Con, model: str, checkpoint: str, limit: int = STRONGEST_PER_COMP) -> pl.DataFrame:
+    """Where nothing is a discovery: the ``limit`` pairs per metric x space x comp with the
+    smallest p (ties, as at the null's floor: the largest z), in the columns of ``discoveries``.
+    Per comp, not pooled: pooled, one comp's smallest p-values (toy-llama-gqa's Q and K) took
+    every place and left another comp's panel empty."""
     if not has(con, "calibration", "p_value") or not has(con, "composition", "score"):
         return pl.DataFrame()
     return _ranked(con, model, checkpoint, f"""SELECT * FROM calibration WHERE model = ? AND checkpoint = ?
-                   QUALIFY rank() OVER (PARTITION BY metric, space ORDER BY p_value) <= {int(limit)}""", limit)
+                   QUALIFY rank() OVER (PARTITION BY metric, space, comp ORDER BY p_value) <= {int(limit)}""",
+                   limit, by=("metric", "space", "comp"))
 
 
-def _ranked(con: Con, model: str, checkpoint: str, cal_sql: str, limit: int) -> pl.DataFrame:
-    """The p-values chosen by ``cal_sql`` joined to their scores, at most ``limit`` per metric x space."""
+def _ranked(con: Con, model: str, checkpoint: str, cal_sql: str, limit: int,
+            by: tuple[str, ...] = ("metric", "space")) -> pl.DataFrame:
+    """The p-values chosen by ``cal_sql`` joined to their scores, at most ``limit`` per ``by``
+    (a metric x space, or a metric x space x comp)."""
     k = "metric, space, comp, writer_layer, writer_head, reader_layer, reader_head"
     unit = ", test_unit, reader_kv_head" if "test_unit" in columns(con, "calibration") else ""
+    part = ", ".join(by)
     return _pl(con, f"""WITH d AS (SELECT {k}{unit}, n_null, p_value, q_value FROM ({cal_sql})),
         s AS (SELECT d.*, c.score, c.baseline_spectrum_mean, c.baseline_spectrum_std,
                      (c.score - c.baseline_spectrum_mean) / NULLIF(c.baseline_spectrum_std, 0) AS z_spectrum
               FROM d JOIN (SELECT * FROM composition WHERE model = ? AND checkpoint = ?) c USING ({k}))
         SELECT * FROM (SELECT *, count(DISTINCT {test_key(con)}) OVER (PARTITION BY metric, space) AS n_total,
-                              row_number() OVER (PARTITION BY metric, space ORDER BY q_value, p_value, z_spectrum DESC) AS rank
+                              row_number() OVER (PARTITION BY {part} ORDER BY q_value, p_value, z_spectrum DESC) AS rank
                        FROM s) WHERE rank <= {int(limit)}""", [model, checkpoint, model, checkpoint])
 
 
@@ -176,6 +183,30 @@ def discoveries(con: Con, model: str, checkpoint: str, q_cut: float | None, limi
         return pl.DataFrame()
     return _ranked(con, model, checkpoint, f"""SELECT * FROM calibration WHERE model = ? AND checkpoint = ?
                    AND q_value <= {float(q_cut)}""", limit)
+
+
+def circuit_edges(con: Con, model: str, checkpoint: str, q_cut: float | None, writers: list[tuple[int, int]],
+                  readers: list[tuple[int, int]]) -> pl.DataFrame:
+    """The K-composition discoveries of one model x checkpoint (every metric x space) from one of
+    ``writers`` (layer, head: the previous-token heads) into one of ``readers`` (the induction
+    heads): metric, space, the heads, ``test`` (the test it belongs to, ``test_key``: a KV head's
+    shared test counts once) and q. At most writers x readers rows per metric x space."""
+    cols = ["metric", "space", "writer_layer", "writer_head", "reader_layer", "reader_head", "test", "q_value"]
+    if q_cut is None or not writers or not readers or not has(con, "calibration", "q_value"):
+        return pl.DataFrame(schema=dict.fromkeys(cols, pl.Utf8) | {c: pl.Int64 for c in cols[2:6]} | {"q_value": pl.Float64})
+
+    def values(heads: list[tuple[int, int]]) -> str:  # integers only: safe inline
+        return ", ".join(f"({int(layer)}, {int(h)})" for layer, h in heads)
+
+    return _pl(con, f"""SELECT metric, space, writer_layer::BIGINT AS writer_layer, writer_head::BIGINT AS writer_head,
+                               reader_layer::BIGINT AS reader_layer, reader_head::BIGINT AS reader_head,
+                               {test_key(con)}::VARCHAR AS test, q_value
+                        FROM calibration
+                        JOIN (VALUES {values(writers)}) w(wl, wh) ON writer_layer = w.wl AND writer_head = w.wh
+                        JOIN (VALUES {values(readers)}) r(rl, rh) ON reader_layer = r.rl AND reader_head = r.rh
+                        WHERE model = ? AND checkpoint = ? AND comp = 'K' AND q_value <= {float(q_cut)}
+                        ORDER BY metric, space, writer_layer, writer_head, reader_layer, reader_head""",
+               [model, checkpoint])
 
 
 def depth_profile(con: Con, model: str, checkpoint: str, metric: str, space: str, q_cut: float) -> pl.DataFrame:

@@ -411,3 +411,31 @@ def test_a_circuit_in_another_cell_leads_every_part_of_the_page(tmp_path):
     top = q.strongest(con, "aside", "final")
     per = top.group_by("metric", "space", "comp").len()
     assert per.height == len(METRICS) * 2 * 3 and (per["len"] == q.STRONGEST_PER_COMP).all()
+
+
+def test_the_smallest_p_pairs_are_per_comp_and_per_test(tmp_path):
+    """Without discoveries the circuit draws the STRONGEST_PER_COMP smallest-p tests per metric x
+    space x comp; a key/value head's test (its query heads' rows share one p) counts once and
+    comes with all its rows."""
+    from compatlas.report import queries as q
+
+    db = write_suite(tmp_path, [Spec("g", 3, 4)], metrics=("frobenius",), spaces=("residual",))
+    con = as_older_atlas(db)
+    cal = sorted(str(p) for p in (tmp_path / "calibration").glob("*.parquet"))
+    # K and V tested per key/value head of 2 query heads, as in a grouped-query model: one p per test
+    kv = "comp IN ('K', 'V')"
+    con.execute(f"""CREATE OR REPLACE VIEW calibration AS SELECT * REPLACE (
+                      CASE WHEN {kv} THEN 'kv_head' ELSE test_unit END AS test_unit,
+                      CASE WHEN {kv} THEN reader_head // 2 ELSE reader_kv_head END AS reader_kv_head,
+                      CASE WHEN {kv} THEN min(p_value) OVER (PARTITION BY comp, writer_layer, writer_head, reader_layer,
+                                                             reader_head // 2) ELSE p_value END AS p_value)
+                    FROM read_parquet({cal!r})""")
+    con.close()
+    top = q.strongest(atlas_connect(db), "g", "final")
+    tests = top.with_columns(kv=pl.when(pl.col("test_unit") == "kv_head").then(pl.col("reader_head") // 2)
+                             .otherwise(pl.col("reader_head")))
+    per = tests.group_by("comp").agg(rows=pl.len(), tests=pl.struct("writer_layer", "writer_head", "reader_layer", "kv")
+                                     .n_unique())
+    got = {r["comp"]: (r["rows"], r["tests"]) for r in per.iter_rows(named=True)}
+    n = q.STRONGEST_PER_COMP
+    assert got == {"Q": (n, n), "K": (2 * n, n), "V": (2 * n, n)}

@@ -33,9 +33,16 @@ def circuit_counts(circuit: pl.DataFrame, summary: pl.DataFrame) -> pl.DataFrame
         return pl.DataFrame(schema={"metric": pl.Utf8, "space": pl.Utf8, "k": pl.Int64, "circuit": pl.Int64})
     k = summary.filter(pl.col("comp") == "K").select("metric", "space", k=pl.col("discoveries").fill_null(0).cast(pl.Int64))
     if circuit.is_empty():
-        return k.with_columns(circuit=pl.lit(0, pl.Int64))
+        return _usual_order(k.with_columns(circuit=pl.lit(0, pl.Int64)))
     c = circuit.group_by("metric", "space").agg(circuit=pl.col("test").n_unique().cast(pl.Int64))
-    return k.join(c, on=["metric", "space"], how="left").with_columns(pl.col("circuit").fill_null(0))
+    return _usual_order(k.join(c, on=["metric", "space"], how="left").with_columns(pl.col("circuit").fill_null(0)))
+
+
+def _usual_order(df: pl.DataFrame) -> pl.DataFrame:
+    """Rows of a per metric x space frame in the usual order of metrics, then spaces (a page says the same every build)."""
+    usual = {c: i for i, c in enumerate((m, s) for m in METRICS for s in SPACES)}
+    return df.with_columns(o=pl.struct("metric", "space").map_elements(
+        lambda r: usual.get((r["metric"], r["space"]), len(usual)), return_dtype=pl.Int64)).sort("o", "metric", "space").drop("o")
 
 
 def lead_cell(counts: pl.DataFrame, fallback: tuple[str, str]) -> tuple[str, str]:
@@ -69,8 +76,10 @@ def lead_sentence(counts: pl.DataFrame, lead: tuple[str, str]) -> str:
     if not n:
         return (f"The menu opens on <b>{m} · {s}</b>, by the rule: {LEAD_RULE}. This model has no K discovery "
                 "from a previous-token head into an induction head in any metric · space.")
-    tied = "".join(f"; {html.escape(r['metric'])} · {html.escape(r['space'])} has {n:,} too, of {r['k']:,}"
-                   for r in counts.filter((pl.col("circuit") == n) & ~at).iter_rows(named=True))
+    others = [f"{html.escape(r['metric'])} · {html.escape(r['space'])} ({n:,} of {r['k']:,})"
+              for r in _usual_order(counts.filter((pl.col("circuit") == n) & ~at)).iter_rows(named=True)]
+    tied = ("" if not others else f"; as many in {', '.join(others)}" if len(others) <= 3 else
+            f"; as many in {len(others)} other metric · spaces, e.g. {', '.join(others[:2])}")
     return (f"The menu opens on <b>{m} · {s}</b>, by the rule: {LEAD_RULE}. Here {n:,} of its {int(row['k'][0]):,} "
             f"K discoveries are such edges{tied}.")
 
@@ -217,8 +226,9 @@ def circuit_chart(edges: pl.DataFrame, nodes: pl.DataFrame, model: str, checkpoi
             f"{comp}-composition", color=COMP_COLOURS.get(comp, "#333"), fontSize=13, anchor="middle")))
     cap = int(e["n_total"].max()) if e.height else 0
     fdr = q_cut if q_cut is not None else "fdr"
-    what = ([f"No pair is a discovery (q <= {fdr}): dashed curves are the {STRONGEST_PER_COMP} pairs with the smallest p "
-             "per metric · space and comp, NOT a circuit."] if candidates else
+    what = ([f"No pair is a discovery (q <= {fdr}): dashed curves are the {STRONGEST_PER_COMP} smallest-p pairs per "
+             "metric · space and comp (a key/value head's drawn to each of its query heads), NOT a circuit."]
+            if candidates else
             [f"Curves: the discoveries (q <= {fdr}), writer head (upper) to reader head in a later layer, one panel "
              "per comp, thicker for a higher score" + (f"; of the {cap:,} discoveries, the {EDGE_MAX} with the "
                                                       "smallest q" if cap > EDGE_MAX else "") + "."])

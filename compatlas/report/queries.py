@@ -148,31 +148,42 @@ def calibration_summary(con: Con, model: str, checkpoint: str, q_cut: float | No
 
 
 def strongest(con: Con, model: str, checkpoint: str, limit: int = STRONGEST_PER_COMP) -> pl.DataFrame:
-    """Where nothing is a discovery: the ``limit`` pairs per metric x space x comp with the
-    smallest p (ties, as at the null's floor: the largest z), in the columns of ``discoveries``.
-    Per comp, not pooled: pooled, one comp's smallest p-values (toy-llama-gqa's Q and K) took
-    every place and left another comp's panel empty."""
+    """Where nothing is a discovery: the ``limit`` tests per metric x space x comp with the
+    smallest p (ties, as at the null's floor: the largest z), every query head of each (a KV
+    head's test is its query heads' rows), in the columns of ``discoveries``. Per comp, not
+    pooled: pooled, one comp's smallest p-values (toy-llama-gqa's Q and K) took every place and
+    left another comp's panel empty; per test, not per row: a KV head's four rows took four."""
     if not has(con, "calibration", "p_value") or not has(con, "composition", "score"):
         return pl.DataFrame()
+    # dense_rank: the rows of one test share their p, and count once
     return _ranked(con, model, checkpoint, f"""SELECT * FROM calibration WHERE model = ? AND checkpoint = ?
-                   QUALIFY rank() OVER (PARTITION BY metric, space, comp ORDER BY p_value) <= {int(limit)}""",
-                   limit, by=("metric", "space", "comp"))
+                   QUALIFY dense_rank() OVER (PARTITION BY metric, space, comp ORDER BY p_value) <= {int(limit)}""",
+                   limit, by=("metric", "space", "comp"), per_test=True)
 
 
 def _ranked(con: Con, model: str, checkpoint: str, cal_sql: str, limit: int,
-            by: tuple[str, ...] = ("metric", "space")) -> pl.DataFrame:
-    """The p-values chosen by ``cal_sql`` joined to their scores, at most ``limit`` per ``by``
-    (a metric x space, or a metric x space x comp)."""
+            by: tuple[str, ...] = ("metric", "space"), per_test: bool = False) -> pl.DataFrame:
+    """The p-values chosen by ``cal_sql`` joined to their scores, at most ``limit`` rows per ``by``
+    (a metric x space, or a metric x space x comp), or with ``per_test`` ``limit`` tests, each
+    with all its rows (queries.test_key)."""
     k = "metric, space, comp, writer_layer, writer_head, reader_layer, reader_head"
     unit = ", test_unit, reader_kv_head" if "test_unit" in columns(con, "calibration") else ""
     part = ", ".join(by)
+    test = test_key(con)
+    # per test: its rows share one rank, by the test's q, p and largest z (then by the test, to keep them together)
+    rank = (f"dense_rank() OVER (PARTITION BY {part} ORDER BY q_test, p_test, z_test DESC NULLS LAST, {test})"
+            if per_test else f"row_number() OVER (PARTITION BY {part} ORDER BY q_value, p_value, z_spectrum DESC)")
     return _pl(con, f"""WITH d AS (SELECT {k}{unit}, n_null, p_value, q_value FROM ({cal_sql})),
         s AS (SELECT d.*, c.score, c.baseline_spectrum_mean, c.baseline_spectrum_std,
                      (c.score - c.baseline_spectrum_mean) / NULLIF(c.baseline_spectrum_std, 0) AS z_spectrum
-              FROM d JOIN (SELECT * FROM composition WHERE model = ? AND checkpoint = ?) c USING ({k}))
-        SELECT * FROM (SELECT *, count(DISTINCT {test_key(con)}) OVER (PARTITION BY metric, space) AS n_total,
-                              row_number() OVER (PARTITION BY {part} ORDER BY q_value, p_value, z_spectrum DESC) AS rank
-                       FROM s) WHERE rank <= {int(limit)}""", [model, checkpoint, model, checkpoint])
+              FROM d JOIN (SELECT * FROM composition WHERE model = ? AND checkpoint = ?) c USING ({k})),
+        t AS (SELECT *, min(q_value) OVER w AS q_test, min(p_value) OVER w AS p_test, max(z_spectrum) OVER w AS z_test
+              FROM s WINDOW w AS (PARTITION BY {part}, {test}))
+        SELECT * EXCLUDE (q_test, p_test, z_test) FROM (SELECT *, count(DISTINCT {test}) OVER (PARTITION BY metric, space) AS n_total,
+                                               {rank} AS rank
+                                        FROM t) WHERE rank <= {int(limit)}
+        ORDER BY metric, space, comp, rank, writer_layer, writer_head, reader_layer, reader_head""",
+               [model, checkpoint, model, checkpoint])  # ordered: a page is the same every build
 
 
 def discoveries(con: Con, model: str, checkpoint: str, q_cut: float | None, limit: int = EDGE_MAX) -> pl.DataFrame:

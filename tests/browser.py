@@ -253,3 +253,44 @@ def menu_problems(report_dir: Path, expected: dict[str, str]) -> list[str]:
     finally:
         b.close()
     return problems
+
+
+# The function section (h2#function to the next h2) as a reader sees it (innerText: nothing hidden):
+# its tables' rows, how many of each row's cells carry an interval "x [lo, hi]", and its sentences.
+FUNCTION_PROBE = r"""(() => {
+  const h = document.getElementById('function');
+  if (!h) return null;
+  const parts = [];
+  for (let n = h.nextElementSibling; n && n.tagName !== 'H2'; n = n.nextElementSibling) parts.push(n);
+  const iv = /^-?[0-9.]+(e-?[0-9]+)? \[-?[0-9.]+(e-?[0-9]+)?, -?[0-9.]+(e-?[0-9]+)?\]$/;
+  const rows = parts.flatMap(p => p.tagName === 'TABLE' ? [...p.querySelectorAll('tbody tr')] : []);
+  return {rows: rows.map(r => [...r.querySelectorAll('td')].filter(td => iv.test(td.innerText.trim())).length),
+          text: parts.map(p => p.innerText).join('\n')};
+})()"""
+
+
+def function_problems(report_dir: Path, expected: dict[str, bool]) -> list[str]:
+    """For each page named in ``expected`` (file name -> whether it has a function to predict):
+    where it has, its agreement table shows every AUROC and Spearman with its interval and a
+    sentence says which cell is best or which are tied; where it has not, the page says "No
+    function to predict" and shows no agreement table."""
+    binary = chromium()
+    if binary is None:
+        raise RuntimeError("Chromium is not installed: `apt-get install -y chromium`")
+    problems = []
+    b = Browser(binary)
+    try:
+        for name, has_function in expected.items():
+            f = b.visit(report_dir / name, probe=FUNCTION_PROBE).probe
+            if f is None:
+                problems.append(f"{name}: no function section")
+            elif has_function:
+                if not f["rows"] or min(f["rows"]) < 2:
+                    problems.append(f"{name}: agreement rows without their intervals: {f['rows']}")
+                if "best" not in f["text"] and "tied" not in f["text"]:
+                    problems.append(f"{name}: no sentence names the best or the tied cells")
+            elif f["rows"] or "No function to predict" not in f["text"]:
+                problems.append(f"{name}: no function to predict, yet {len(f['rows'])} agreement rows and no such sentence")
+    finally:
+        b.close()
+    return problems

@@ -13,12 +13,13 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 from pathlib import Path
 
 import pytest
 
-from browser import check_report, chromium, menu_problems
+from browser import check_report, chromium, function_problems, menu_problems
 from compatlas.report import build_report
 from synthetic_atlas import Spec, write_suite
 
@@ -95,3 +96,25 @@ def test_the_menu_opens_on_the_rules_cell_and_the_tables_follow_it(tmp_path):
     problems = "\n".join(menu_problems(bad, expected))
     assert "model-aside.html: the menu opens on 'subspace · token', not 'frobenius · residual'" in problems
     assert "model-plain.html: picked 'frobenius · residual', the page shows the tables of ['subspace · token']" in problems
+
+
+def test_agreement_with_function_carries_its_uncertainty(tmp_path):
+    """"wide" has a K function (tests/synthetic_atlas.py): its table shows every AUROC and Spearman
+    with an interval and names the best cell; "run" has 4 edges per comp, too few: no agreement
+    figure, "No function to predict"; the overview ranks with intervals. A page that drops the
+    intervals, or shows a table for a model without function, is caught."""
+    if chromium() is None:
+        pytest.fail("Chromium is not installed: `apt-get install -y chromium`")
+    db = write_suite(tmp_path, [Spec("wide", 8, 4, edges=True), Spec("run", 2, 2, steps=[0, 64, 400], edges=True)])
+    out = tmp_path / "report"
+    build_report(db, out, png=False)
+    expected = {"index.html": True, "model-wide.html": True, "model-run.html": False}
+    assert function_problems(out, expected) == []
+    # broken: the intervals stripped from the wide model's page, the run model's sentence removed
+    wide = (out / "model-wide.html").read_text(encoding="utf-8")
+    (out / "model-wide.html").write_text(re.sub(r" \[-?[0-9.e-]+, -?[0-9.e-]+\]", "", wide), encoding="utf-8")
+    run = (out / "model-run.html").read_text(encoding="utf-8")
+    (out / "model-run.html").write_text(run.replace("No function to predict", "Function"), encoding="utf-8")
+    problems = "\n".join(function_problems(out, expected))
+    assert "model-wide.html: agreement rows without their intervals" in problems
+    assert "model-run.html: no function to predict, yet" in problems

@@ -13,7 +13,7 @@ import polars as pl
 from compatlas import formation as fm
 from compatlas.formation import TrainingOutcome
 from compatlas.report.page import head, note, step, table
-from compatlas.vocab import COMPS, METRICS, SPACES
+from compatlas.vocab import COMPS, METRICS, NORMALISED_METRICS, SPACES
 
 PANEL_W = 1060
 
@@ -56,6 +56,7 @@ def trajectory_chart(t: TrainingOutcome, strength: pl.DataFrame, model: str) -> 
     top = float(heads["step"].max())
     log = log_axis(heads["step"])
     panels = []
+    magnitudes: list[str] = []
     if t.loss.height:
         w = max(1, t.loss.height // 300)  # bin to about 300 points
         loss = t.loss.with_columns(b=(pl.col("step") - 1) // w).group_by("b").agg(pl.col("step").max(), pl.col("loss").mean()).sort("step")
@@ -76,9 +77,13 @@ def trajectory_chart(t: TrainingOutcome, strength: pl.DataFrame, model: str) -> 
     if not t.curves.is_empty():
         comps = [c for c in COMPS if c in set(t.curves["comp"])]
         w = (PANEL_W - 30 * (len(comps) - 1) - 120) // max(len(comps), 1)
-        c = t.curves.with_columns(marker=pl.lit(t.marker)).cast({"step": pl.Float64})
+        # the normalised scores share [0, 1]; a magnitude (contribution) in its own units would flatten them
+        c = (t.curves.filter(pl.col("metric").is_in(NORMALISED_METRICS))
+             .with_columns(marker=pl.lit(t.marker)).cast({"step": pl.Float64}))
+        magnitudes = sorted(set(t.curves["metric"]) - set(NORMALISED_METRICS))
         layers = [alt.Chart().mark_line(point=alt.OverlayMarkDef(size=18)).encode(
-            x=step_x(top, log), y=alt.Y("score:Q", title=f"score of {head(pl_, ph)} → {head(il, ih)}"),
+            x=step_x(top, log), y=alt.Y("score:Q", title=f"score of {head(pl_, ph)} → {head(il, ih)}",
+                                        scale=alt.Scale(domain=[0, 1])),
             color=alt.Color("metric:N", sort=list(METRICS), legend=alt.Legend(symbolType="stroke", symbolStrokeWidth=2.5)),
             # the legend draws the dash as a line: as points it showed two identical dots
             # (with the points overlaid, the symbol needs a fill colour too, or Vega draws it blank)
@@ -95,7 +100,9 @@ def trajectory_chart(t: TrainingOutcome, strength: pl.DataFrame, model: str) -> 
     return alt.vconcat(*panels, spacing=8).resolve_scale(color="independent", strokeDash="independent").properties(
         title=alt.TitleParams(f"{model}: the circuit forming over training", anchor="start", subtitleColor="#444",
                               subtitle=[("Checkpoint step on a log axis (step 0 at the left)" if log else "Checkpoint step")
-                                        + (f"; dashed: the {marker} ({step(t.marker)})." if marker else ".")]))
+                                        + (f"; dashed: the {marker} ({step(t.marker)})." if marker else ".")]
+                              + ([f"Composition panels: the normalised scores; {', '.join(magnitudes)} (a magnitude, in "
+                                  "its own units) is in the table below."] if magnitudes else [])))
 
 
 def describe(t: TrainingOutcome) -> str:

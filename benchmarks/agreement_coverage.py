@@ -1,4 +1,4 @@
-"""How well the report's agreement intervals (``compatlas.agreement``) are calibrated, and what
+"""How well the report's agreement intervals (``compatlas.function.agreement``) are calibrated, and what
 they cost.
 
 Coverage: a population of edges with a heavy-tailed function (log-normal |attribution|, spread
@@ -22,7 +22,7 @@ import time
 
 import numpy as np
 
-from compatlas import agreement as ag
+from compatlas.function import agreement as ag
 
 
 def population(n: int, sd: float, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:

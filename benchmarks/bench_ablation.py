@@ -35,11 +35,11 @@ import polars as pl  # noqa: E402
 import torch  # noqa: E402
 import yaml  # noqa: E402
 
-from compatlas.config import validate_config  # noqa: E402
-from compatlas.induction import (  # noqa: E402
+from compatlas.plan.config import validate_config  # noqa: E402
+from compatlas.behaviour.induction import (  # noqa: E402
     ablation_effects, clean_tokens, head_attention_scores, sample_tokens, token_directions, token_set,
 )
-from compatlas.loading import boot  # noqa: E402
+from compatlas.models.loading import boot  # noqa: E402
 from compatlas.runtime import resolve_device  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
@@ -88,7 +88,7 @@ def separation(model, settings: dict, counts: list[int], mode: str, batch_size: 
     """Exact ablation drops of induction heads vs the rest for the first S of max(counts)
     sequences, per S in counts (one ablation run: the per-sequence drops, prefixes of them)."""
     from compatlas.runtime import stable_seed
-    from compatlas.induction import _cached_drops, _draw, _stats, head_z_means, induction_sequences, strengths
+    from compatlas.behaviour.induction import _cached_drops, _draw, _stats, head_z_means, induction_sequences, strengths
 
     with torch.no_grad():
         W_E = model.W_E.detach().float().cpu()
@@ -137,7 +137,7 @@ def separation(model, settings: dict, counts: list[int], mode: str, batch_size: 
 
 def train_run(config: dict, run: str, workdir: Path) -> dict:
     """Train ``run`` of the config to its last step in one segment; the model entry of the result."""
-    from compatlas.training import train_segment
+    from compatlas.models.training import train_segment
 
     spec = {k: v for k, v in config["training"][run].items() if k not in ("schedule", "description", "spaces", "blocks")}
     train_segment(spec, spec["steps"], None, workdir, run)

@@ -38,9 +38,9 @@ import torch  # noqa: E402
 import yaml  # noqa: E402
 
 from bench_ablation import spearman, train_run  # noqa: E402 (benchmarks/ is the script's folder)
-from compatlas.config import validate_config  # noqa: E402
-from compatlas.induction import DTYPES, measure_behaviour, token_directions  # noqa: E402
-from compatlas.loading import boot  # noqa: E402
+from compatlas.plan.config import validate_config  # noqa: E402
+from compatlas.behaviour.induction import DTYPES, measure_behaviour, token_directions  # noqa: E402
+from compatlas.models.loading import boot  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 log = logging.getLogger("bench_behaviour_device")

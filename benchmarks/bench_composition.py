@@ -89,7 +89,7 @@ def make_weights(shape: dict, n_layers: int, seed: int = SEED):
     """Random Gaussian attention weights (std 0.02, GPT-2's init), float32, on the CPU."""
     import torch
 
-    from compatlas.weights import AttentionWeights
+    from compatlas.models.weights import AttentionWeights
 
     g = torch.Generator(device="cpu").manual_seed(seed)
     H, Hkv, d, dh = shape["n_heads"], shape["n_kv_heads"], shape["d_model"], shape["d_head"]
@@ -135,7 +135,7 @@ def time_spectrum_baseline(timer: "Timer", f, metric: str, comp: str, l1: int, l
     """
     import inspect
 
-    from compatlas import composition as C
+    from compatlas.composition.scores import scores as C
 
     args = (f.writer_norm[l1], f.writer_sv[l1], f.reader_norm[comp][l2], f.reader_sv[comp][l2])
     sv = f.writer_sv
@@ -182,7 +182,7 @@ def memory_block(device: str, baseline_maxrss: float, baseline_rss: float) -> di
 def child_ours(cfg: dict, workdir: Path) -> dict:
     import torch
 
-    from compatlas.composition import head_factors, layer_pair_scores
+    from compatlas.composition.scores import head_factors, layer_pair_scores
     from compatlas.runtime import stable_seed
 
     device, shape, repeats = cfg["device"], SHAPES[cfg["gpt2_shape"]], cfg["repeats"]
@@ -245,7 +245,7 @@ def machine_limit(w, timer: "Timer", repeats: int) -> dict:
     (the CPU rate is what other processes' load cannot dilute, the wall rate what a user sees)."""
     import torch
 
-    from compatlas.composition import head_factors, layer_pair_scores
+    from compatlas.composition.scores import head_factors, layer_pair_scores
 
     L, H, d, dh = w.n_layers, w.n_heads, w.d_model, w.d_head
     Hkv = w.n_kv_heads
@@ -375,7 +375,7 @@ def float64_check(w32, ref32: dict, workdir: Path, FactoredMatrix, composition_s
     plus how far each float32 side is from the float64 reference on that subset."""
     import torch
 
-    from compatlas.composition import head_factors, layer_pair_scores, layer_pairs
+    from compatlas.composition.scores import head_factors, layer_pair_scores, layer_pairs
 
     w = w32.to("cpu", torch.float64)
     W_K, W_V = w.expanded_kv()
@@ -414,7 +414,7 @@ def float64_check(w32, ref32: dict, workdir: Path, FactoredMatrix, composition_s
 def child_big(cfg: dict, workdir: Path) -> dict:
     import torch
 
-    from compatlas.composition import head_factors, layer_pair_scores
+    from compatlas.composition.scores import head_factors, layer_pair_scores
     from compatlas.runtime import stable_seed
 
     device, shape = cfg["device"], SHAPES[cfg["big_shape"]]
@@ -554,7 +554,7 @@ def report(results: dict) -> None:
     print()
     print(f"compatlas composition benchmark  {env['date']}  host {env['hostname']}  device {env['device']}")
     print(f"  {env['cpu']} x {env['cpu_count']} cores, torch {env['torch']} ({env['torch_threads']} threads), "
-          f"transformer_lens {env['transformer_lens']}, compatlas/composition.py sha256 {env['kernel_sha256'][:12]}")
+          f"transformer_lens {env['transformer_lens']}, compatlas/composition/scores.py sha256 {env['kernel_sha256'][:12]}")
     if not (ours or ref):
         print("\n[1] skipped")
     else:
@@ -683,7 +683,7 @@ def environment(device: str, quick: bool) -> dict:
     except md.PackageNotFoundError:
         tl = None
     return {
-        "kernel_sha256": kernel_sha256(),  # which version of compatlas/composition.py was timed
+        "kernel_sha256": kernel_sha256(),  # which version of compatlas/composition/scores.py was timed
         "date": _dt.datetime.now().astimezone().isoformat(timespec="seconds"),
         "hostname": socket.gethostname(), "device": device, "quick": quick,
         "command": " ".join([Path(sys.executable).name, *sys.argv]),
@@ -774,7 +774,7 @@ def main() -> int:
         r.get("kernel_sha256") for r in (results["gpt2"].get("ours"), results["gpt2"].get("reference"), results.get("big")) if r}
     results["kernel_changed_during_run"] = len(shas - {None}) > 1
     if results["kernel_changed_during_run"]:
-        print("!! compatlas/composition.py changed while the benchmark ran: parts timed different versions", file=sys.stderr)
+        print("!! compatlas/composition/scores.py changed while the benchmark ran: parts timed different versions", file=sys.stderr)
 
     report(results)
     out = args.json or ROOT / "benchmarks" / "results" / (

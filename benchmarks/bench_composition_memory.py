@@ -31,7 +31,7 @@ D_MODEL, N_HEADS, N_KV, D_HEAD, D_VOCAB = 8192, 64, 8, 128, 4096
 def write_shard(folder: Path, n_layers: int) -> int:
     import torch
 
-    from compatlas.weights import AttentionWeights, save_weights
+    from compatlas.models.weights import AttentionWeights, save_weights
 
     g = torch.Generator().manual_seed(0)
     r = lambda *s: torch.randn(*s, generator=g)  # noqa: E731
@@ -43,7 +43,7 @@ def write_shard(folder: Path, n_layers: int) -> int:
 
 
 def child(folder: Path, layers: str) -> None:
-    from compatlas.weights import load_weights
+    from compatlas.models.weights import load_weights
 
     t0 = time.perf_counter()
     w = load_weights(folder / "weights.safetensors", folder / "meta.json",

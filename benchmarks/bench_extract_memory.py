@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Peak memory of weight extraction: streaming (compatlas.streaming) against today's path
+"""Peak memory of weight extraction: streaming (compatlas.models.streaming) against today's path
 (the whole model booted in float32 through TransformerBridge), measured in the same run.
 
 Usage::
@@ -62,7 +62,7 @@ def write_model(folder: Path, s: dict, seed: int = 0) -> int:
     from safetensors.torch import save_file
     from transformers import LlamaConfig
 
-    from compatlas.small_models import word_tokenizer
+    from compatlas.models.small_models import word_tokenizer
 
     folder.mkdir(parents=True, exist_ok=True)
     LlamaConfig(num_hidden_layers=s["n_layers"], hidden_size=s["d_model"], num_attention_heads=s["n_heads"],
@@ -134,8 +134,8 @@ def child(role: str, folder: Path, processing: str, out: Path, space_factors: bo
     import transformer_lens.model_bridge  # noqa: F401 - both paths import these; counted as imports
     import transformers  # noqa: F401
 
-    from compatlas.loading import load_and_extract
-    from compatlas.weights import WEIGHT_KEYS, save_weights
+    from compatlas.models.loading import load_and_extract
+    from compatlas.models.weights import WEIGHT_KEYS, save_weights
 
     rss_imports = vm_rss(os.getpid())
     entry = {"source": {"kind": "local", "path": str(folder)}, "processing": processing}
@@ -148,7 +148,7 @@ def child(role: str, folder: Path, processing: str, out: Path, space_factors: bo
             del bridge
         t_space = cpu_space = None
         if space_factors:  # the rest of the extract rule: the token-space factors of W_E (float64)
-            from compatlas.token_space import add_space_factors
+            from compatlas.composition.token_space import add_space_factors
 
             t3, c3 = time.perf_counter(), time.process_time()
             add_space_factors(w)

@@ -30,7 +30,7 @@ each block's job touches, per-pair costs (GEMMs, scores, nulls, table) times its
 spaces' basis change measured at the same shape, and the number of blocks whose jobs fit a card.
 
 On the CPU only the small shapes run (default ``gpt2``); TF32 and bf16 are emulated there by
-rounding the inputs (``compatlas.precision``), so their times mean nothing and are not printed.
+rounding the inputs (``compatlas.composition.precision``), so their times mean nothing and are not printed.
 """
 
 from __future__ import annotations
@@ -52,13 +52,13 @@ if str(ROOT) not in sys.path:
 
 import torch  # noqa: E402
 
-from compatlas.composition import block_pairs, factor_family, null_pairs, touched_layers  # noqa: E402
-from compatlas.composition_job import JobClock, default_tile_bytes, plan_tiles, score_tiles  # noqa: E402
-from compatlas.job_factors import job_factors  # noqa: E402
-from compatlas.precision import core_gemm, gemm_operand  # noqa: E402
+from compatlas.composition.scores import block_pairs, factor_family, null_pairs, touched_layers  # noqa: E402
+from compatlas.composition.job import JobClock, default_tile_bytes, plan_tiles, score_tiles  # noqa: E402
+from compatlas.composition.job_factors import job_factors  # noqa: E402
+from compatlas.composition.precision import core_gemm, gemm_operand  # noqa: E402
 from compatlas.vocab import COMPS  # noqa: E402
 from compatlas.vocab import NORMALISED_METRICS as METRICS  # noqa: E402 -- the issue's three; contribution shares the magnitude cores
-from compatlas.weights import AttentionWeights  # noqa: E402
+from compatlas.models.weights import AttentionWeights  # noqa: E402
 
 SHAPES = {  # n_layers, n_heads, n_kv_heads, d_model, d_head
     "tiny": dict(name="tiny GQA (CI)", L=4, H=4, Hkv=2, d=128, dh=32),
@@ -193,7 +193,7 @@ class Floor:
 
 def measure_shape(key: str, dev: torch.device, repeats: int, dtypes: tuple[str, ...]) -> dict:
     """Floor, kernel and job of one shape in interleaved rounds; the median of per-round ratios."""
-    from compatlas.composition_table import on_device, score_space
+    from compatlas.composition.table import on_device, score_space
 
     s = SHAPES[key]
     layers = list(range(s["L"]))
@@ -259,8 +259,8 @@ def measure_shape(key: str, dev: torch.device, repeats: int, dtypes: tuple[str, 
 def factor_times(w_dev: AttentionWeights) -> dict:
     """``head_factors`` of each family on the device, its small factorisations on the host
     (``small_linalg.ON_HOST``, the default) and on the GPU, one timed call each after a warm-up."""
-    from compatlas import small_linalg
-    from compatlas.composition import head_factors
+    from compatlas.composition import small_linalg
+    from compatlas.composition.scores import head_factors
 
     out = {}
     for on_host in (True, False):
@@ -281,7 +281,7 @@ def measure_basis_change(w_dev: AttentionWeights) -> dict:
     (``token_space.embedding_basis``, once per job) and the basis change of the job's layers, from
     a synthetic well-conditioned factor. The SVD is timed at SVD_PROBE first; at d_model only
     where that predicts under SVD_MAX_S, else scaled by (d / SVD_PROBE)^3 (and said so)."""
-    from compatlas.token_space import EmbeddingBasis, change_basis, embedding_basis
+    from compatlas.composition.token_space import EmbeddingBasis, change_basis, embedding_basis
 
     dev, d = w_dev.W_Q.device, w_dev.d_model
     g = torch.Generator(device=dev).manual_seed(2)

@@ -2,7 +2,7 @@
 
 Target: the batched sweep runs at least 10x more sequences per second than a loop
 of single-sequence forward passes. Both sides call the production code
-(``compatlas.induction.strengths``: a sequence and its control per induction sample), the
+(``compatlas.behaviour.induction.strengths``: a sequence and its control per induction sample), the
 loop with ``batch_size=1``; the strengths must agree.
 
     python benchmarks/bench_induction.py [--model smollm2|toy-gpt2] [--sequences 256]
@@ -29,10 +29,10 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import torch  # noqa: E402
 import yaml  # noqa: E402
 
-from compatlas.induction import (  # noqa: E402
+from compatlas.behaviour.induction import (  # noqa: E402
     _draw, clean_tokens, induction_sequences, sample_tokens, strengths, token_directions, token_set,
 )
-from compatlas.loading import boot  # noqa: E402
+from compatlas.models.loading import boot  # noqa: E402
 from compatlas.runtime import resolve_device, stable_seed  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent

@@ -30,10 +30,10 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from compatlas.calibration import calibrate  # noqa: E402
-from compatlas.composition import layer_pairs, null_pairs  # noqa: E402
-from compatlas.composition_table import score_block  # noqa: E402
-from compatlas.weights import AttentionWeights, load_weights  # noqa: E402
+from compatlas.composition.calibration import calibrate  # noqa: E402
+from compatlas.composition.scores import layer_pairs, null_pairs  # noqa: E402
+from compatlas.composition.table import score_block  # noqa: E402
+from compatlas.models.weights import AttentionWeights, load_weights  # noqa: E402
 
 TARGET = 2.5
 

@@ -18,11 +18,11 @@ from pathlib import Path
 
 import torch
 
-from compatlas.composition import layer_pairs
-from compatlas.composition_table import score_block
-from compatlas.token_space import add_space_factors
+from compatlas.composition.scores import layer_pairs
+from compatlas.composition.table import score_block
+from compatlas.composition.token_space import add_space_factors
 from compatlas.vocab import METRICS
-from compatlas.weights import AttentionWeights
+from compatlas.models.weights import AttentionWeights
 
 SHAPES = {  # layers, heads, kv heads, d_model, d_head, vocab
     "smollm2": (30, 9, 3, 576, 64, 49152),

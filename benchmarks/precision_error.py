@@ -8,7 +8,7 @@ Usage::
 For the model's whole grid (every causal, mirrored and same-layer pair: block 0 of 1) and every
 metric x space, ``composition_table.score_space`` at ``float64`` (the reference), ``float32``,
 ``tf32`` and ``bf16`` (on the CPU the two are emulated by rounding the core products' inputs,
-``compatlas.precision``, which is what the GPU's tensor cores compute up to the order of the float32
+``compatlas.composition.precision``, which is what the GPU's tensor cores compute up to the order of the float32
 sums). Per metric x space x comp it prints the largest |score - float64 score| over all pairs in
 units of the standard deviation of that cell's null (its anti-causal pairs' float64 scores, the
 null the p-values are taken against), and the discoveries (q <= 0.05, ``calibration.calibrate``
@@ -28,11 +28,11 @@ if str(ROOT) not in sys.path:
 
 import polars as pl  # noqa: E402
 
-from compatlas.calibration import calibrate  # noqa: E402
-from compatlas.composition import block_pairs, null_pairs  # noqa: E402
-from compatlas.composition_table import score_space  # noqa: E402
+from compatlas.composition.calibration import calibrate  # noqa: E402
+from compatlas.composition.scores import block_pairs, null_pairs  # noqa: E402
+from compatlas.composition.table import score_space  # noqa: E402
 from compatlas.vocab import NORMALISED_METRICS as METRICS  # noqa: E402 -- the three the figures were measured for
-from compatlas.weights import load_weights  # noqa: E402
+from compatlas.models.weights import load_weights  # noqa: E402
 
 PRECISIONS = ("float32", "tf32", "bf16")
 FDR = 0.05

@@ -127,8 +127,8 @@ def main(argv: list[str] | None = None) -> int:
         import polars as pl
 
         from compatlas.atlas import query
-        from compatlas.atlas_files import AtlasChanged, last_good_path
-        from compatlas.query_guard import RefusedStatement
+        from compatlas.atlas.files import AtlasChanged, last_good_path
+        from compatlas.atlas.query_guard import RefusedStatement
 
         if not Path(args.db).exists():
             if not last_good_path(args.db).exists():
@@ -160,7 +160,7 @@ def main(argv: list[str] | None = None) -> int:
         if excluded:
             print(f"compatlas: warning: {excluded} result shards are left out of this atlas "
                   "(SELECT * FROM excluded_shards)", file=sys.stderr)
-        from compatlas.query_hints import row_count, unknown_values
+        from compatlas.atlas.query_hints import row_count, unknown_values
 
         try:
             models = query(args.db, "SELECT DISTINCT model FROM models ORDER BY model")["model"].to_list()
@@ -185,7 +185,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.cmd == "validate":
         import yaml
 
-        from compatlas.config import ConfigError, load_config_file
+        from compatlas.plan.config import ConfigError, load_config_file
         from compatlas.plan import build_plan
 
         try:

@@ -20,13 +20,13 @@ NormalisedMetric = Literal["frobenius", "svd_bound", "subspace"]
 NORMALISED_METRICS: tuple[NormalisedMetric, ...] = get_args(NormalisedMetric)
 
 Metric = Literal[NormalisedMetric, "contribution"]
-"""How a writer/reader head pair's composition is scored (``compatlas.composition``): the three
+"""How a writer/reader head pair's composition is scored (``compatlas.composition.scores``): the three
 normalised scores and one magnitude, ``contribution``."""
 METRICS: tuple[Metric, ...] = get_args(Metric)
 
 TokenSpace = Literal["token", "token_norm"]
 """The token basis of W_E (``token_norm``: W_E's rows as the first attention norm sees them;
-``compatlas.token_space``)."""
+``compatlas.composition.token_space``)."""
 TOKEN_SPACES: tuple[TokenSpace, ...] = get_args(TokenSpace)
 
 WeightSpace = Literal["residual", TokenSpace]
@@ -35,11 +35,11 @@ WEIGHT_SPACES: tuple[WeightSpace, ...] = get_args(WeightSpace)
 
 Space = Literal[WeightSpace, "activation"]
 """The basis the scores are taken in: the residual stream, a token basis, or the model's own
-activation statistics over a text sample (``compatlas.activation_space``)."""
+activation statistics over a text sample (``compatlas.composition.activation_space``)."""
 SPACES: tuple[Space, ...] = get_args(Space)
 
 TextKind = Literal["stdlib", "file", "hub", "induction"]
-"""Where the activation space's text sample comes from (``compatlas.text_sample``)."""
+"""Where the activation space's text sample comes from (``compatlas.composition.text_sample``)."""
 TEXT_KINDS: tuple[TextKind, ...] = get_args(TextKind)
 
 Comp = Literal["Q", "K", "V"]
@@ -47,11 +47,11 @@ Comp = Literal["Q", "K", "V"]
 COMPS: tuple[Comp, ...] = get_args(Comp)
 
 Transform = Literal["permutation", "orthogonal", "orthogonal_scale", "diagonal", "gl"]
-"""Classes of change of residual basis ``x -> x T`` of the invariance audit (``compatlas.invariance``)."""
+"""Classes of change of residual basis ``x -> x T`` of the invariance audit (``compatlas.audits.invariance``)."""
 TRANSFORMS: tuple[Transform, ...] = get_args(Transform)
 
 SourceKind = Literal["hub", "local", "gguf", "build", "trained"]
-"""Where a model's weights come from (``compatlas.loading``). ``trained`` is never written in a
+"""Where a model's weights come from (``compatlas.models.loading``). ``trained`` is never written in a
 config: the config turns each training run into a model of that kind."""
 SOURCE_KINDS: tuple[SourceKind, ...] = get_args(SourceKind)
 CONFIG_SOURCE_KINDS: tuple[SourceKind, ...] = tuple(k for k in SOURCE_KINDS if k != "trained")
@@ -63,26 +63,26 @@ PROCESSINGS: tuple[Processing, ...] = get_args(Processing)
 
 NormGains = Literal["fold", "raw"]
 """What extraction does with the per-channel gains of QK-norm and the post-attention norm
-(``compatlas.norm_gains``): fold them into W_Q / W_K columns and W_O output channels, or keep raw."""
+(``compatlas.models.norm_gains``): fold them into W_Q / W_K columns and W_O output channels, or keep raw."""
 NORM_GAINS: tuple[NormGains, ...] = get_args(NormGains)
 
 NullStratify = Literal["none", "distance"]
 """Which null pairs a causal pair is calibrated against: all of its group's, or only those at
-the same layer distance (``compatlas.calibration``)."""
+the same layer distance (``compatlas.composition.calibration``)."""
 NULL_STRATIFY: tuple[NullStratify, ...] = get_args(NullStratify)
 
 NullPairs = Literal["mirror", "mirror_and_same_layer"]
 """Which non-causal pairs make the null: the causal pairs' anti-causal mirror image, or that and
-the same-layer pairs of distinct heads (a stricter test; ``compatlas.calibration``)."""
+the same-layer pairs of distinct heads (a stricter test; ``compatlas.composition.calibration``)."""
 NULL_PAIRS: tuple[NullPairs, ...] = get_args(NullPairs)
 
 TestUnit = Literal["query_head", "kv_head"]
 """What one calibrated test is: a writer head x reader query head, or a writer head x reader KV
-head where the score cannot differ across the query heads of a KV group (``compatlas.calibration``)."""
+head where the score cannot differ across the query heads of a KV group (``compatlas.composition.calibration``)."""
 TEST_UNITS: tuple[TestUnit, ...] = get_args(TestUnit)
 
 AblationMode = Literal["zero", "mean"]
-"""What an ablated head's output is replaced by (``compatlas.induction.ablation_effects``)."""
+"""What an ablated head's output is replaced by (``compatlas.behaviour.induction.ablation_effects``)."""
 ABLATION_MODES: tuple[AblationMode, ...] = get_args(AblationMode)
 
 AblationMethod = Literal["exact", "attribution", "full"]
@@ -92,9 +92,9 @@ ABLATION_METHODS: tuple[AblationMethod, ...] = get_args(AblationMethod)
 CONFIG_ABLATION_METHODS: tuple[AblationMethod, ...] = ("exact", "attribution")
 
 EdgeMethod = Literal["eap", "eap_attn", "eap_ig"]
-"""How every edge's effect is estimated (``compatlas.edge_attribution``): edge attribution
+"""How every edge's effect is estimated (``compatlas.function.edge_attribution``): edge attribution
 patching; the same with the attention softmax of Q and K edges computed exactly (AtP*'s QK fix,
-``compatlas.eap_attn``); or with integrated gradients. Exact patching measures a sample beside them."""
+``compatlas.function.eap_attn``); or with integrated gradients. Exact patching measures a sample beside them."""
 EDGE_METHODS: tuple[EdgeMethod, ...] = get_args(EdgeMethod)
 
 Architecture = Literal["gpt2", "llama"]
@@ -103,7 +103,7 @@ Llama: rotary, RMSNorm)."""
 ARCHITECTURES: tuple[Architecture, ...] = get_args(Architecture)
 
 TrainingData = Literal["repeat", "copy"]
-"""The synthetic sequences a training run learns induction on (``compatlas.training``)."""
+"""The synthetic sequences a training run learns induction on (``compatlas.models.training``)."""
 TRAINING_DATA: tuple[TrainingData, ...] = get_args(TrainingData)
 
 Device = Literal["auto", "cpu", "cuda"]
@@ -120,7 +120,7 @@ ROLES: tuple[Role, ...] = get_args(Role)
 
 ScoreDtype = Literal["float32", "float64", "tf32", "bf16"]
 """Precision of the composition kernels (``dtype`` in the config): ``tf32`` and ``bf16`` round the
-inputs of the core products only, with float32 accumulation (``compatlas.precision``)."""
+inputs of the core products only, with float32 accumulation (``compatlas.composition.precision``)."""
 SCORE_DTYPES: tuple[ScoreDtype, ...] = get_args(ScoreDtype)
 
 DeviceMap = Literal["none", "auto", "balanced"]

@@ -2,7 +2,7 @@
 import json
 from pathlib import Path
 
-from compatlas.calibration import calibrate_shards
+from compatlas.composition.calibration import calibrate_shards
 from compatlas.logs import exit_now, setup
 from compatlas.storage import check_shards, read_provenance, write_shard_parts
 from compatlas.tables import CALIBRATION_SCHEMA, provenance
@@ -12,7 +12,7 @@ inp, stratify, null_pairs = snakemake.input, snakemake.params.stratify, snakemak
 results = Path(snakemake.output[0]).parents[3]  # results/calibration/model=.../checkpoint=.../pvalues.parquet
 check_shards([*inp.causal, *inp.null], results)  # a bad one: named, set aside under results/, remade next run
 first = read_provenance(inp.causal[0])
-meta = json.loads(Path(inp.meta).read_text())  # read as JSON: compatlas.weights would import torch
+meta = json.loads(Path(inp.meta).read_text())  # read as JSON: compatlas.models.weights would import torch
 kv_group = int(meta["n_heads"]) // int(meta["n_kv_heads"])
 record = provenance(first, stratify=stratify, null_pairs=null_pairs, kv_group=kv_group, causal_shards=len(inp.causal),
                     null_shards=len(inp.null))

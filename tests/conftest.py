@@ -87,7 +87,7 @@ def random_weights(seed: int, *, L: int, H: int, Hkv: int, d: int, dh: int, spec
     """
     import torch
 
-    from compatlas.weights import AttentionWeights
+    from compatlas.models.weights import AttentionWeights
 
     f64 = torch.float64
     g = torch.Generator().manual_seed(seed)
@@ -125,11 +125,11 @@ TINY_ARCHS = ("gpt2", "llama-gqa", "pythia", "gemma", "gemma3", "bert", "bert-ba
 
 
 def random_moments(L: int, H: int, Hkv: int, dh: int, seed: int):
-    """Random activation moments (``compatlas.moments.Moments``) of a model's shapes: each a
+    """Random activation moments (``compatlas.composition.moments.Moments``) of a model's shapes: each a
     positive definite Wishart-like matrix per head, every norm's slope 1, attention scale 2."""
     import torch
 
-    from compatlas.moments import Moments
+    from compatlas.composition.moments import Moments
 
     f64 = torch.float64
     g = torch.Generator().manual_seed(seed)

@@ -264,7 +264,7 @@ def tiny_repo(folder: Path, architecture: str, seed: int, dtype: str = "float32"
     import torch
     import transformers as tf
 
-    from compatlas.small_models import word_tokenizer
+    from compatlas.models.small_models import word_tokenizer
 
     torch.manual_seed(seed)
     if architecture == "gpt2":
@@ -347,10 +347,10 @@ def _extract_main(cases_path: str) -> None:
     import sys
 
     from compatlas.plan import build_plan, thaw
-    from compatlas.loading import load_and_extract
-    from compatlas.sources import ModelLoadError
-    from compatlas.token_space import add_space_factors
-    from compatlas.weights import save_weights
+    from compatlas.models.loading import load_and_extract
+    from compatlas.models.sources import ModelLoadError
+    from compatlas.composition.token_space import add_space_factors
+    from compatlas.models.weights import save_weights
 
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(levelname)s %(name)s: %(message)s")
     spec = json.loads(Path(cases_path).read_text())

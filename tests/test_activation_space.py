@@ -1,5 +1,5 @@
-"""The activation space and the ``contribution`` metric (compatlas.activation_space,
-compatlas.moments): the score is the RMS of what the writer actually adds to the reader's logit
+"""The activation space and the ``contribution`` metric (compatlas.composition.activation_space,
+compatlas.composition.moments): the score is the RMS of what the writer actually adds to the reader's logit
 or value output in the model's own forward pass, and it survives any invertible change of the
 residual basis."""
 
@@ -10,9 +10,9 @@ import torch
 from conftest import random_moments, random_weights
 from test_composition import _boot_bridge
 
-from compatlas.composition_table import score_block
-from compatlas.loading import extract
-from compatlas.moments import MOMENT_KEYS, Moments, load_moments, measure_moments, save_moments
+from compatlas.composition.table import score_block
+from compatlas.models.loading import extract
+from compatlas.composition.moments import MOMENT_KEYS, Moments, load_moments, measure_moments, save_moments
 
 F64 = torch.float64
 B, T = 6, 10  # sequences x tokens of the brute-force sample
@@ -120,7 +120,7 @@ def test_moments_round_trip_and_name_a_corrupt_file(gpt2, tmp_path):
     raw = bytearray((tmp_path / "m.safetensors").read_bytes())
     raw[-3] ^= 0xFF
     (tmp_path / "m.safetensors").write_bytes(bytes(raw))
-    from compatlas.weights import CorruptShardError
+    from compatlas.models.weights import CorruptShardError
     with pytest.raises(CorruptShardError, match="m.safetensors"):
         load_moments(tmp_path / "m.safetensors", tmp_path / "m.json")
 

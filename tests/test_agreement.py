@@ -1,4 +1,4 @@
-"""compatlas.agreement: the point figures against scipy, the weighted ranks against a sample
+"""compatlas.function.agreement: the point figures against scipy, the weighted ranks against a sample
 with the edges repeated, the bootstrap intervals' coverage and the measurability gate's false
 positive rate by simulation, and best / tied on constructed cells."""
 
@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from scipy import stats
 
-from compatlas import agreement as ag
+from compatlas.function import agreement as ag
 
 
 def _auroc(score: np.ndarray, top: np.ndarray) -> float:

@@ -201,7 +201,7 @@ def test_check_shards_adopts_shards_written_before_sealing(capsys, tmp_path):
 
 
 def test_compared_values_of_closed_columns_are_read_from_the_where():
-    from compatlas.query_hints import compared_values, unknown_values
+    from compatlas.atlas.query_hints import compared_values, unknown_values
 
     sql = ("SELECT * FROM composition WHERE model = 'smollm2' AND Comp='k' AND metric IN ('frobenius', 'x''y') "
            "AND space = 'residual' AND score > 0.5")

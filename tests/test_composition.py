@@ -1,4 +1,4 @@
-"""Mathematical checks of the composition kernel (compatlas.composition) against values derived
+"""Mathematical checks of the composition kernel (compatlas.composition.scores) against values derived
 independently: by hand, from dense d_model x d_model matrices in float64, from transformer_lens,
 or (for the null samplers) from exact moments and brute-force Monte Carlo.
 
@@ -15,9 +15,9 @@ import pytest
 import torch
 from conftest import random_weights, tiny_hf_model
 
-from compatlas.composition import gaussian_baseline, haar_overlap_blocks, head_factors, layer_pair_scores
+from compatlas.composition.scores import gaussian_baseline, haar_overlap_blocks, head_factors, layer_pair_scores
 from compatlas.vocab import COMPS, METRICS
-from compatlas.weights import AttentionWeights
+from compatlas.models.weights import AttentionWeights
 
 F64 = torch.float64
 TOL = 1e-10

@@ -10,13 +10,13 @@ import pytest
 import torch
 from conftest import random_weights
 
-from compatlas.composition import (
+from compatlas.composition.scores import (
     block_pairs, gaussian_baseline, haar_overlap_blocks, head_factors, layer_pair_scores, null_pairs, spectrum_baseline,
 )
-from compatlas.composition_table import score_block, score_space
-from compatlas.precision import gemm_operand, round_tf32
+from compatlas.composition.table import score_block, score_space
+from compatlas.composition.precision import gemm_operand, round_tf32
 from compatlas.runtime import stable_seed
-from compatlas.token_space import add_space_factors
+from compatlas.composition.token_space import add_space_factors
 from compatlas.vocab import COMPS, METRICS, NORMALISED_METRICS
 
 KEY = ["comp", "writer_layer", "writer_head", "reader_layer", "reader_head"]
@@ -172,7 +172,7 @@ def test_the_gpu_job_benchmark_runs_on_the_cpu(tmp_path, capsys):
 
 
 def test_small_factorisations_on_host_threads_give_the_batched_results():
-    from compatlas.small_linalg import on_host
+    from compatlas.composition.small_linalg import on_host
 
     x = torch.randn(3, 70, 8, 8, dtype=torch.float32)
     torch.testing.assert_close(on_host(torch.linalg.svdvals, x, force=True), torch.linalg.svdvals(x), atol=1e-5, rtol=1e-5)
@@ -182,7 +182,7 @@ def test_small_factorisations_on_host_threads_give_the_batched_results():
 
 
 def test_factors_made_one_layer_at_a_time_score_the_same(gqa, monkeypatch):
-    from compatlas import job_factors
+    from compatlas.composition import job_factors
 
     pairs = block_pairs(list(range(4)), 1, 0) + null_pairs(list(range(4)), 1, 0)
     kw = dict(baseline_samples=N, device="cpu", dtype="float64")

@@ -7,9 +7,9 @@ import polars as pl
 import pytest
 from conftest import random_weights
 
-from compatlas.composition import block_pairs, layer_pairs
-from compatlas.composition_table import score_block
-from compatlas.token_space import add_space_factors
+from compatlas.composition.scores import block_pairs, layer_pairs
+from compatlas.composition.table import score_block
+from compatlas.composition.token_space import add_space_factors
 
 KEY = ["comp", "writer_layer", "writer_head", "reader_layer", "reader_head"]
 
@@ -31,8 +31,8 @@ def test_blocks_equal_one_whole_job(space):
 def test_a_job_reading_only_its_layers_scores_the_same(tmp_path):
     """``load_weights(layers=...)`` reads a block's layers from the shard (safetensors slices) and
     the block scores exactly as from the whole model; the per-layer tensors are those layers'."""
-    from compatlas.composition import null_pairs, touched_layers
-    from compatlas.weights import load_weights, save_weights, shard_n_layers
+    from compatlas.composition.scores import null_pairs, touched_layers
+    from compatlas.models.weights import load_weights, save_weights, shard_n_layers
 
     w = random_weights(1, L=6, H=4, Hkv=2, d=16, dh=4, vocab=80, ln1=1.0, meta={"norm_type": "RMS"})
     add_space_factors(w)

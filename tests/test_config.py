@@ -1,4 +1,4 @@
-"""The config and the plan made of it (compatlas/config.py, compatlas/checkpoints.py, compatlas/plan.py).
+"""The config and the plan made of it (compatlas/plan/config.py, compatlas/plan/checkpoints.py, compatlas/plan/build.py).
 
 Validation: errors caught before any job, in one line naming the key (and, through Snakemake
 or the CLI, the config file); a model's size is read without loading weights. Planning: every
@@ -19,8 +19,8 @@ import pytest
 import yaml
 from conftest import machine_slowdown
 
-from compatlas.config import ConfigError, validate_config
-from compatlas.checkpoints import schedule
+from compatlas.plan.config import ConfigError, validate_config
+from compatlas.plan.checkpoints import schedule
 from compatlas.plan import CheckpointPlan, build_plan, freeze, scored_layers, thaw
 
 REPO = Path(__file__).resolve().parent.parent

@@ -16,13 +16,13 @@ import torch
 from conftest import tiny_hf_model
 from test_induction import V, induction_model
 
-from compatlas.edge_attribution import (
+from compatlas.function.edge_attribution import (
     InductionTask, attribution_scores, causal_edges, exact_sample, exact_scores, induction_task,
 )
-from compatlas.edge_measure import attribute_edges
-from compatlas.loading import boot
-from compatlas.sequences import TokenSet
-from compatlas.small_models import word_tokenizer
+from compatlas.function.edge_measure import attribute_edges
+from compatlas.models.loading import boot
+from compatlas.behaviour.sequences import TokenSet
+from compatlas.models.small_models import word_tokenizer
 from compatlas.tables import EDGE_ATTRIBUTION_SCHEMA
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -174,7 +174,7 @@ def causal_edges_of(L: int, H: int):
 
 def test_exact_patching_from_the_reader_layer_equals_the_whole_model(gqa):
     """Skipping the blocks below the reader (their clean stream cached) changes nothing."""
-    from compatlas.block_skip import block_list
+    from compatlas.behaviour.block_skip import block_list
 
     assert block_list(gqa) is not None  # the blocks can be skipped on this model
     task = induction_task(POOL, 3, 6, seed=4)
@@ -238,7 +238,7 @@ def _reference_eap_attn(model, task: InductionTask, edges) -> torch.Tensor:
     """eap_attn by brute force, per edge and sequence [E, S]: the whole model run with only the
     reader head's own input shifted by the writer's a_u(corrupt) - a_u(clean), and
     sum over the heads reading it of (z' - z) . dM/dz, dM/dz by autograd on a clean pass."""
-    from compatlas.edge_attribution import FORK_HOOK, RESID_IN, _metric, _pass, n_kv_heads, split_inputs
+    from compatlas.function.edge_attribution import FORK_HOOK, RESID_IN, _metric, _pass, n_kv_heads, split_inputs
 
     L, H, S = model.cfg.n_layers, model.cfg.n_heads, len(task.clean)
     group = H // n_kv_heads(model)
@@ -285,10 +285,10 @@ def test_eap_attn_equals_patching_each_reader_head_alone(name, request, monkeypa
     nothing above run, writers split over several passes) gives, for every edge, what the
     whole model gives with only that head's input shifted: GQA's KV heads (4 query / 2 KV
     heads) and Gemma's (one KV head, QK-norm, sandwich norms) included."""
-    import compatlas.eap_attn
+    import compatlas.function.eap_attn
 
     model = request.getfixturevalue(name)
-    monkeypatch.setattr(compatlas.eap_attn, "FORK_BUDGET", 3 * 13 * model.cfg.n_heads * model.cfg.d_model)  # 3 rows: 1 writer
+    monkeypatch.setattr(compatlas.function.eap_attn, "FORK_BUDGET", 3 * 13 * model.cfg.n_heads * model.cfg.d_model)  # 3 rows: 1 writer
     task = induction_task(POOL, 3, 6, seed=6)
     edges = causal_edges(model)
     fast = attribution_scores(model, task, "eap_attn", batch_size=3)

@@ -23,7 +23,7 @@ import pytest
 
 from compatlas import cli
 from compatlas.atlas import build_atlas, query
-from compatlas.atlas_files import SESSIONS, wal_path
+from compatlas.atlas.files import SESSIONS, wal_path
 from compatlas.storage import QUARANTINE, atomic_path, checksum_path, remove_leftover_temps, write_shard
 from compatlas.tables import COMPOSITION_SCHEMA, HEAD_SCORES_SCHEMA
 

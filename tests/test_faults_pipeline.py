@@ -19,7 +19,7 @@ import yaml
 from conftest import machine_slowdown
 
 from compatlas.atlas import query
-from compatlas.atlas_files import SESSIONS, wal_path
+from compatlas.atlas.files import SESSIONS, wal_path
 from compatlas.storage import bad_shards
 
 pytestmark = pytest.mark.slow

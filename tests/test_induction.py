@@ -11,13 +11,13 @@ import pytest
 import torch
 from conftest import tiny_hf_model
 
-from compatlas.block_skip import Skip, block_list
-from compatlas.induction import (
+from compatlas.behaviour.block_skip import Skip, block_list
+from compatlas.behaviour.induction import (
     NearbyB, TokenSet, ablation_effects, clean_tokens, head_attention_scores, induction_sequences, induction_sweep,
     logodds, measure_behaviour, nearest_tokens, sample_tokens, strengths,
 )
-from compatlas.loading import boot
-from compatlas.small_models import word_tokenizer
+from compatlas.models.loading import boot
+from compatlas.models.small_models import word_tokenizer
 
 V, P = 32, 32                      # vocabulary, positions
 TOK, PREV, POS, OUT, SINK = 0, V, 2 * V, 2 * V + P, 3 * V + P
@@ -320,7 +320,7 @@ def test_attribution_is_the_derivative_of_the_exact_drop(built):
     head's z is scaled, taken by central finite differences on the same sequences (exact at
     first order: zeroing z is scale 1 -> 0). Covers the lower head's gradient through the upper one."""
     from compatlas.runtime import stable_seed
-    from compatlas.induction import _draw
+    from compatlas.behaviour.induction import _draw
 
     S, eps = 6, 1e-2
     attr = ablation_effects(built, POOL, sequences=S, method="attribution", seed=2, batch_size=8)
@@ -381,7 +381,7 @@ def test_attribution_matches_finite_differences_on_llama_in_float64(tmp_path):
     run in float64 (Hugging Face still takes the attention softmax in float32: hence a step of
     1e-2, whose truncation error is O(step^2)): every head, to 1%."""
     from compatlas.runtime import stable_seed
-    from compatlas.induction import _draw
+    from compatlas.behaviour.induction import _draw
 
     model, _ = boot({"source": {"kind": "build", "architecture": "llama", "n_layers": 3, "n_heads": 4, "n_kv_heads": 2,
                                 "d_head": 8, "d_vocab": 40, "seed": 0}}, None, tmp_path, dtype=torch.float64)
@@ -396,7 +396,7 @@ def test_attribution_matches_finite_differences_on_llama_in_float64(tmp_path):
         seq, ctrl = induction_sequences(gen, pool, A, B, 10, 10)
         means = None
         if mode == "mean":
-            from compatlas.induction import head_z_means
+            from compatlas.behaviour.induction import head_z_means
             means = head_z_means(model, torch.cat([seq, ctrl]), 8)
 
         def moved(layer: int, head: int, t: float) -> torch.Tensor:  # z -> z + t (ablated z - z)

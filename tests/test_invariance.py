@@ -1,4 +1,4 @@
-"""The invariance audit (compatlas.invariance): its change of residual basis preserves the
+"""The invariance audit (compatlas.audits.invariance): its change of residual basis preserves the
 network's function, each transform class has its shape, the comparison and the layer sampling
 are right, and token_norm survives exactly the classes row normalisation commutes with."""
 
@@ -9,7 +9,7 @@ import pytest
 import torch
 from conftest import random_weights
 
-from compatlas.invariance import apply_transform, compare, random_transform, sample_layers
+from compatlas.audits.invariance import apply_transform, compare, random_transform, sample_layers
 from compatlas.vocab import TRANSFORMS
 
 D, DH = 12, 3
@@ -53,8 +53,8 @@ def test_compare_and_sampling():
 
 def test_token_norm_survives_orthogonal_but_not_diagonal():
     """Row normalisation commutes with orthogonal T (and a global scale), not with diagonal T."""
-    from compatlas.invariance import audit
-    from compatlas.token_space import add_space_factors
+    from compatlas.audits.invariance import audit
+    from compatlas.composition.token_space import add_space_factors
 
     w = random_weights(5, L=3, H=2, Hkv=2, d=D, dh=DH, vocab=60, ln1=0.5, meta={"norm_type": "RMS"})
     add_space_factors(w)  # as extraction does: the stored token_norm factor folds ln1_w

@@ -1,4 +1,4 @@
-"""The metric audit (compatlas.metric_audit): its constructions give the values derived by
+"""The metric audit (compatlas.audits.metric_audit): its constructions give the values derived by
 hand, and Axioms 1 to 3 give the same verdicts in every space."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from compatlas.vocab import COMPS, SPACES, WEIGHT_SPACES
-from compatlas.metric_audit import constructions, score
+from compatlas.audits.metric_audit import constructions, score
 
 
 @pytest.mark.parametrize("d", [4, 16, 64])
@@ -31,7 +31,7 @@ def test_rotation_sweep_subspace_is_cos_squared():
 
 def test_axioms_1_to_3_agree_across_spaces():
     """The constructions live where all three bases agree, so only Axiom 4 may tell spaces apart."""
-    from compatlas.metric_audit import audit_metric
+    from compatlas.audits.metric_audit import audit_metric
 
     for metric in ("subspace", "frobenius"):
         verdicts = {}

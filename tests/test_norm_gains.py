@@ -1,5 +1,5 @@
 """QK-norm and the post-attention (sandwich) norm, checked against the model's own forward
-(a tiny Gemma-3 with random norm gains; ``compatlas.norm_gains``).
+(a tiny Gemma-3 with random norm gains; ``compatlas.models.norm_gains``).
 
 With the gains folded, the extracted factors give the model's normalised queries, keys and
 layer outputs up to one positive scalar per token (the RMS the norms divide by): the cosine
@@ -11,9 +11,9 @@ import pytest
 import torch
 from conftest import tiny_hf_model
 
-from compatlas import streaming
-from compatlas.norm_gains import fold_layer
-from compatlas.small_models import word_tokenizer
+from compatlas.models import streaming
+from compatlas.models.norm_gains import fold_layer
+from compatlas.models.small_models import word_tokenizer
 
 
 @pytest.fixture(scope="module")

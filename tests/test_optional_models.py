@@ -15,11 +15,11 @@ import pytest
 import torch
 import yaml
 
-from compatlas.composition import head_factors, layer_pair_scores
-from compatlas.loading import load_and_extract
-from compatlas.sources import gguf_file
+from compatlas.composition.scores import head_factors, layer_pair_scores
+from compatlas.models.loading import load_and_extract
+from compatlas.models.sources import gguf_file
 from compatlas.vocab import COMPS
-from compatlas.weights import AttentionWeights
+from compatlas.models.weights import AttentionWeights
 
 REPO = Path(__file__).resolve().parent.parent
 OPTIONAL = yaml.safe_load((REPO / "config" / "optional.yaml").read_text())["models"]

@@ -1,4 +1,4 @@
-"""compatlas.sources: locating model files and reading a GGUF header without parsing the file."""
+"""compatlas.models.sources: locating model files and reading a GGUF header without parsing the file."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from gguf import GGUFEndian, GGUFReader, GGUFWriter
 
-from compatlas.sources import ModelLoadError, gguf_file, gguf_header
+from compatlas.models.sources import ModelLoadError, gguf_file, gguf_header
 
 
 def reader_facts(path: Path) -> dict:

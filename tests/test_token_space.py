@@ -7,10 +7,10 @@ import pytest
 import torch
 from conftest import random_weights
 
-from compatlas.composition_table import score_block
-from compatlas.token_space import embedding_basis, to_space
+from compatlas.composition.table import score_block
+from compatlas.composition.token_space import embedding_basis, to_space
 from compatlas.vocab import COMPS, METRICS
-from compatlas.weights import AttentionWeights
+from compatlas.models.weights import AttentionWeights
 
 L, H, HKV, D, DH, VOCAB = 3, 4, 2, 16, 4, 300
 
@@ -178,7 +178,7 @@ def test_token_norm_equals_brute_force_on_normalised_rows(metric, norm):
 
 
 def test_small_vocabulary_has_no_token_space_but_extracts():
-    from compatlas.token_space import add_space_factors
+    from compatlas.composition.token_space import add_space_factors
 
     w = random_model()
     small = AttentionWeights(**{**w.__dict__, "W_E": w.W_E[: D - 2], "meta": {}, "extras": {}})

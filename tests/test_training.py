@@ -10,9 +10,9 @@ import pytest
 import torch
 import yaml
 
-from compatlas import formation as fm
-from compatlas.config import validate_config
-from compatlas.training import induction_batch, train_segment
+from compatlas.behaviour import formation as fm
+from compatlas.plan.config import validate_config
+from compatlas.models.training import induction_batch, train_segment
 
 def _demo_spec() -> dict:
     """The default demo run's training spec, defaults filled in."""
@@ -83,8 +83,8 @@ def test_mlps_stay_zero_attention_only(tmp_path):
 
 @pytest.mark.parametrize("n_layers", [1, 3])
 def test_one_and_three_layer_runs_train_and_load_through_the_bridge(tmp_path, n_layers):
-    from compatlas.induction import TokenSet, head_attention_scores
-    from compatlas.loading import boot
+    from compatlas.behaviour.induction import TokenSet, head_attention_scores
+    from compatlas.models.loading import boot
 
     spec = dict(SPEC, n_layers=n_layers)
     train_segment(spec, 3, None, tmp_path / "m")
@@ -110,8 +110,8 @@ def test_default_run_forms_a_previous_token_and_an_induction_head(tmp_path):
     token after the current token's earlier occurrence (the pipeline's own head scores,
     read through the bridge), and the loss has fallen with them. At step 800 the circuit's K edge
     is the top K edge by exact patching and by eap_attn."""
-    from compatlas.induction import TokenSet, head_attention_scores
-    from compatlas.loading import boot
+    from compatlas.behaviour.induction import TokenSet, head_attention_scores
+    from compatlas.models.loading import boot
 
     spec = _demo_spec()
     scores, losses = {}, {}
@@ -133,7 +133,7 @@ def test_default_run_forms_a_previous_token_and_an_induction_head(tmp_path):
     # carries the task. Exact patching and eap_attn rank it first on three sequence sets;
     # plain EAP, whose gradient the saturated attention flattens, does not reliably
     # (docs/edge_attribution.md).
-    from compatlas.edge_measure import attribute_edges
+    from compatlas.function.edge_measure import attribute_edges
 
     train_segment(spec, 800, previous, tmp_path / "s800")
     bridge, _ = boot({"source": {"kind": "local", "path": str(tmp_path / "s800" / "hf_model")}}, None, tmp_path / "s800")

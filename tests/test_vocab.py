@@ -105,6 +105,6 @@ def test_vocab_imports_nothing_heavy():
 
 def test_every_source_kind_has_a_loader():
     """The loader table covers the closed set of source kinds, no more, no less."""
-    from compatlas.loading import LOADERS
+    from compatlas.models.loading import LOADERS
 
     assert set(LOADERS) == set(vocab.SOURCE_KINDS)

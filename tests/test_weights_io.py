@@ -7,8 +7,8 @@ from __future__ import annotations
 import torch
 from safetensors import safe_open
 
-from compatlas.token_space import embedding_gram, factor_and_spectrum, normalised_embedding, _row_normaliser
-from compatlas.weights import AttentionWeights, write_safetensors
+from compatlas.composition.token_space import embedding_gram, factor_and_spectrum, normalised_embedding, _row_normaliser
+from compatlas.models.weights import AttentionWeights, write_safetensors
 
 
 def test_write_safetensors_reads_back_through_safetensors(tmp_path):

@@ -1,6 +1,6 @@
 # The model's own activation statistics: second moments of every head's query, key, value and
 # attention output over a text sample, one forward pass per model x checkpoint (the same boot as
-# induction). The activation space's composition jobs read them (compatlas/activation_space.py).
+# induction). The activation space's composition jobs read them (compatlas/composition/activation_space.py).
 
 
 rule moments:

@@ -28,9 +28,9 @@ rule atlas:
 # every input is then newer, the atlas is rebuilt and every missing input remade for it. The DAG's
 # own settings (--forcerun) are not yet set while the workflow is parsed.
 # The same for an atlas a read-write session wrote to (a WAL beside it, or its bytes changed): the
-# rebuild moves the session's WAL aside (compatlas/atlas_files.py).
+# rebuild moves the session's WAL aside (compatlas/atlas/files.py).
 if workflow.is_main_process and os.path.exists(rules.atlas.output[0]):
-    from compatlas.atlas_files import as_built, wal_path
+    from compatlas.atlas.files import as_built, wal_path
 
     _missing = [f for f in atlas_inputs() if not os.path.exists(f)]
     if _missing:

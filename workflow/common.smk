@@ -7,7 +7,7 @@ import sys
 
 from snakemake.exceptions import WorkflowError
 
-from compatlas.config import ConfigError, load_config_file
+from compatlas.plan.config import ConfigError, load_config_file
 from compatlas.plan import build_plan, thaw
 from compatlas.storage import remove_leftover_temps
 from compatlas.vocab import METRICS, SPACES

@@ -29,7 +29,7 @@ rule composition:
 
 
 # p- and q-values of every causal pair of a model x checkpoint against its null pairs
-# (compatlas/calibration.py): all metrics, spaces and blocks at once, one small job. The weights'
+# (compatlas/composition/calibration.py): all metrics, spaces and blocks at once, one small job. The weights'
 # metadata says how many query heads share a KV head (one test where their scores cannot differ).
 rule calibrate:
     input:

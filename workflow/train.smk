@@ -15,7 +15,7 @@ rule train:
         "../envs/compatlas.yaml"
     log:
         f"{LOGS}/train/{{model}}/{{checkpoint}}.log",
-    threads: 1  # training pins one thread (compatlas.training.one_thread)
+    threads: 1  # training pins one thread (compatlas.models.training.one_thread)
     resources:
         mem_mb=2000,
         runtime=60,

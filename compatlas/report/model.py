@@ -12,7 +12,7 @@ from typing import Any
 import duckdb
 import polars as pl
 
-from compatlas import formation as fm
+from compatlas.behaviour import formation as fm
 from compatlas.report import behaviour, blocks, circuit, findings, function, heatmaps, queries as q, training
 from compatlas.report.audits import invariance_chart
 from compatlas.report.page import Page, esc, fmt, note, safe_name, step

@@ -325,7 +325,7 @@ def function_edges(con: Con, model: str, checkpoint: str, method: str, comp: str
     """Every edge of one comp as composition_vs_function counts it (a K/V edge into a KV group is
     one edge, its composition the largest of the group's query heads'), in the view's tie order:
     its attribution, standard error and number of sequences, and its composition score in every
-    metric x space (long: a row per edge x metric x space). ``compatlas.agreement`` bootstraps it."""
+    metric x space (long: a row per edge x metric x space). ``compatlas.function.agreement`` bootstraps it."""
     if not has(con, "edge_attribution", "reader_kv_head", "score_stderr", "n_sequences") or not has(con, "composition", "score"):
         return pl.DataFrame()
     unit = "reader_head" if comp == "Q" else "reader_kv_head"

@@ -10,8 +10,8 @@ import html
 import altair as alt
 import polars as pl
 
-from compatlas import formation as fm
-from compatlas.formation import TrainingOutcome
+from compatlas.behaviour import formation as fm
+from compatlas.behaviour.formation import TrainingOutcome
 from compatlas.report.page import head, note, step, table
 from compatlas.vocab import COMPS, METRICS, NORMALISED_METRICS, SPACES
 

@@ -1,0 +1,263 @@
+"""The DuckDB atlas: views over the Parquet shards, and the extraction metadata as `models`.
+
+Rebuilding is cheap (no data is copied): the views read the shards in place. The file is
+built under a temporary name and renamed, so readers never see a half-built database.
+
+Relocatable, and open to plain DuckDB: the views name their shards relative to the folder that
+holds the database's folder, through that folder's name (``results/composition/...``). DuckDB
+resolves relative paths against the working directory, so ``duckdb.connect("results/atlas.duckdb")``
+and the DuckDB CLI answer from the project folder with nothing set; anywhere else one line does
+it, ``SET file_search_path = '<the folder holding results/>'`` (``SEARCH_PATH_HINT``). ``connect``
+sets it itself, so a copied or moved ``results/`` keeps working (renamed too: see ``connect``).
+
+Written in DuckDB's v1.0.0 storage format (``STORAGE_VERSION``): the atlas is views and two small
+tables, which every DuckDB from 1.0 on reads, where a file in the newest format is refused by
+DuckDB 1.x ("Trying to read a database file with version number ...").
+
+A shard that fails its checksum or does not open (truncated, corrupt) is set aside under
+``results/quarantine/`` (the next run remakes it) and left out of its view with a warning in the
+log and a row in the ``excluded_shards`` table (view, path, error), rather than failing the
+build: one bad shard would otherwise break every query of its view, and a failed atlas job
+loses the previous ``atlas.duckdb`` (Snakemake removes a job's outputs before it runs). Each
+build also leaves a copy of itself (``last_good_path``) that queries fall back on meanwhile.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import shutil
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+import duckdb
+import polars as pl
+
+from compatlas.atlas.files import last_good_path, private_copy, readable, set_aside_sessions
+from compatlas.atlas.query_guard import check_read_only, lock_down
+from compatlas.storage import atomic_path, bad_shards, checksum_path, seal, set_aside, shard_error
+from compatlas.tables import EXCLUDED_SHARDS_SCHEMA, MODELS_SCHEMA, SHARD_VIEWS
+
+log = logging.getLogger(__name__)
+
+# Views derived from the ones over shards (SQL, so they follow the shards whenever the atlas is
+# rebuilt), in the order they are created: each reads only views before it. The SQL of each is
+# views/<name>.sql beside this module; {fdr}, {prev} and {ind} in it are build_atlas's thresholds,
+# {min_readers} and {min_class} the counts below which a statistic is NULL (MIN_READERS, MIN_CLASS).
+DERIVED_VIEWS = ("checkpoints", "composition_z", "discoveries", "induction_summary", "reader_best_composition",
+                 "composition_vs_behaviour", "composition_vs_function", "eap_vs_exact")
+
+
+# The oldest storage format that holds what the atlas holds: DuckDB 1.0 and later read it.
+STORAGE_VERSION = "v1.0.0"
+# What the views' comment says, and what a plain DuckDB user outside the project folder runs first.
+SEARCH_PATH_HINT = "SET file_search_path = '{parent}'"
+_BASE_COMMENT = re.compile(r"shard paths are relative to the folder holding '([^']*)/'")
+
+
+# composition_vs_behaviour gives no Spearman from fewer readers than this (2 readers give +-1), and
+# no AUROC unless the induction heads and the other readers number at least MIN_CLASS each; the
+# report shows these NULLs as they are, beside the counts.
+MIN_READERS = 10
+MIN_CLASS = 3
+
+
+def derived_view_sql(name: str, fdr: float, prev: float, ind: float) -> str:
+    """The ``CREATE VIEW`` statement of a derived view, its thresholds filled in."""
+    sql = resources.files("compatlas.atlas").joinpath("views", f"{name}.sql").read_text(encoding="utf-8")
+    return sql.format(fdr=float(fdr), prev=float(prev), ind=float(ind), min_readers=MIN_READERS, min_class=MIN_CLASS)
+
+
+_DUCK_TYPES = {pl.Utf8: "VARCHAR", pl.Int32: "INTEGER", pl.Int64: "BIGINT", pl.Float64: "DOUBLE", pl.Boolean: "BOOLEAN"}
+
+
+def models_frame(meta_paths: list[str | os.PathLike]) -> pl.DataFrame:
+    """The ``models`` table: a row per extraction metadata file (``tables.MODELS_SCHEMA``)."""
+    rows: list[dict[str, Any]] = []
+    for p in meta_paths:
+        meta = json.loads(Path(p).read_text())
+        row = {c: meta.get(c) for c in MODELS_SCHEMA}
+        row["versions"] = json.dumps(meta.get("versions", {}), sort_keys=True)
+        row["norm_gains"] = json.dumps(meta.get("norm_gains", {}), sort_keys=True)  # {} : no QK- or sandwich norm
+        row["quantized"] = bool(meta.get("quantized", False))
+        rows.append(row)
+    return pl.DataFrame(rows, schema=MODELS_SCHEMA)
+
+
+def _parquet_view(name: str, shards: list[str | os.PathLike], types: dict, root: Path | None = None,
+                  temp: bool = False, present: set[str] | None = None) -> str:
+    """The view over ``shards``; ``present``: the columns some shard has (read from their footers
+    when not given)."""
+    columns = list(types)
+    create = "CREATE TEMP VIEW" if temp else "CREATE VIEW"
+    if not shards:  # an empty, typed view keeps queries valid before the first results
+        cols = ", ".join(f"NULL::{_DUCK_TYPES[types[c]]} AS {c}" for c in columns)
+        return f"{create} {name} AS SELECT {cols} WHERE false"
+
+    def where(s) -> str:  # "results/composition/..." when the shard is inside the database's folder
+        p = Path(s).resolve()
+        return (Path(root.name) / p.relative_to(root)).as_posix() if root is not None and p.is_relative_to(root) else str(p)
+
+    files = ", ".join("'" + where(s).replace("'", "''") + "'" for s in sorted(map(str, shards)))
+    # a column added to a schema since older shards were written reads as NULL there (union_by_name);
+    # where no shard has it yet, it is typed NULL, not an error
+    if present is None:
+        absolute = ", ".join("'" + str(Path(s).resolve()).replace("'", "''") + "'" for s in shards)
+        present = {r[0] for r in duckdb.sql(f"SELECT DISTINCT name FROM parquet_schema([{absolute}])").fetchall()}
+    cols = [c if c in present else f"NULL::{_DUCK_TYPES[types[c]]} AS {c}" for c in columns]
+    return f"{create} {name} AS SELECT {', '.join(cols)} FROM read_parquet([{files}], union_by_name = true)"
+
+
+# The shards a build let into each view, with what it verified of them (path relative to the
+# atlas's folder, size, mtime, sha256): a connection trusts a shard unchanged since (same size and
+# mtime) and verifies any other against its checksum again, so no changed or vanished shard
+# reaches a query between two builds.
+SHARD_FILES_DDL = "CREATE TABLE shard_files (view VARCHAR, path VARCHAR, bytes BIGINT, mtime_ns BIGINT, sha256 VARCHAR)"
+
+
+def connect(db_path: str | os.PathLike, read_only: bool = True) -> duckdb.DuckDBPyConnection:
+    """Open the atlas from any working directory. The views store their shards' paths relative
+    to the folder that holds the database's folder (``results/composition/...``), so that the
+    folder can be moved; DuckDB resolves such a path against the working directory first, and
+    only then against ``file_search_path``. So a read-only connection shadows each shard view
+    with a temporary view of the same name whose paths are absolute, in the database's folder as
+    it is now (renamed since the build, too): the views never read another atlas's shards, e.g.
+    the project's own ``results/`` while the atlas opened is a copy elsewhere (derived views
+    resolve to the temporary ones). It also leaves out any shard gone or changed since the
+    build (``shard_files``), listing it in its temporary ``excluded_shards``, and never opens
+    a WAL or a file a read-write session changed (``atlas_files.readable``)."""
+    folder = Path(db_path).resolve().parent
+    if not read_only:
+        con = duckdb.connect(str(db_path), config={"storage_compatibility_version": STORAGE_VERSION})
+    else:
+        path, private, notes = readable(db_path)
+        for note in notes:
+            log.warning("%s", note)
+        try:
+            con = duckdb.connect(str(path), read_only=True)
+        except duckdb.IOException as e:
+            if "lock" not in str(e).lower() or private:
+                raise
+            log.warning("%s is held open read-write by another process; reading a copy of it", path)
+            path, private = private_copy(Path(path)), True
+            con = duckdb.connect(str(path), read_only=True)
+        if private:  # open now: the copy goes when the connection closes
+            Path(path).unlink()
+            Path(path).parent.rmdir()
+    con.execute(f"SET file_search_path = '{str(folder.parent).replace(chr(39), chr(39) * 2)}'")
+    if read_only:
+        if con.execute("SELECT count(*) FROM duckdb_tables() WHERE table_name = 'shard_files'").fetchone()[0]:
+            _verified_shard_views(con, folder)
+        else:  # an atlas built before shard_files
+            _pin_shard_paths(con, folder)
+    return con
+
+
+def _pin_shard_paths(con: duckdb.DuckDBPyConnection, folder: Path) -> None:
+    """The temporary views of ``connect``: each shard view's SQL with ``'<folder as built>/``
+    replaced by the folder's absolute path."""
+    comment = con.execute("SELECT comment FROM duckdb_views() WHERE view_name = 'composition'").fetchone()
+    built_as = m.group(1) if comment and comment[0] and (m := _BASE_COMMENT.search(comment[0])) else folder.name
+    relative = "'" + built_as.replace("'", "''") + "/"
+    absolute = "'" + (folder.as_posix() + "/").replace("'", "''")
+    views = con.execute("SELECT view_name, sql FROM duckdb_views() WHERE schema_name = 'main' AND NOT internal").fetchall()
+    for name, sql in views:
+        if name in SHARD_VIEWS and relative in sql:
+            con.execute(sql.replace(relative, absolute).replace(f"CREATE VIEW {name} ", f"CREATE TEMP VIEW {name} ", 1))
+
+
+def _verified_shard_views(con: duckdb.DuckDBPyConnection, folder: Path) -> None:
+    """The temporary views of ``connect`` from ``shard_files``: absolute paths in the folder as
+    it is now, each shard unchanged since the build or verified again; the others left out."""
+    rows = con.execute("SELECT view, path, bytes, mtime_ns FROM shard_files ORDER BY view, path").fetchall()
+    kept: dict[str, list[Path]] = {v: [] for v in SHARD_VIEWS}
+    dropped = []
+    for view, rel, size, mtime in rows:
+        p = folder / rel
+        st = p.stat() if p.exists() else None
+        err = None if st and (st.st_size, st.st_mtime_ns) == (size, mtime) else shard_error(p)
+        if err is None:
+            kept[view].append(p)
+        else:
+            log.warning("left out of the %s view: result shard %s changed since the atlas was built (%s)", view, p, err)
+            dropped.append((view, str(p), f"since the atlas was built: {err}"))
+    built = dict(con.execute("SELECT view_name, sql FROM duckdb_views() WHERE schema_name = 'main'").fetchall())
+    for view, types in SHARD_VIEWS.items():
+        # the columns the build found in no shard are NULL in its view's SQL: not the footers again
+        absent = {c for c in types if f" AS {c}," in built.get(view, "") or f" AS {c} " in built.get(view, "")}
+        con.execute(_parquet_view(view, kept[view], types, temp=True, present=set(types) - absent))
+    if dropped:
+        con.execute("CREATE TEMP TABLE excluded_shards AS SELECT * FROM main.excluded_shards")
+        con.executemany("INSERT INTO temp.excluded_shards VALUES (?, ?, ?)", dropped)
+
+
+def build_atlas(db_path: str | os.PathLike, shards: dict[str, list[str | os.PathLike]],
+                meta_paths: list[str | os.PathLike], prev_token_threshold: float = 0.4,
+                induction_threshold: float = 0.4, fdr: float = 0.05) -> None:
+    """(Re)build the atlas database: a view per entry of ``tables.SHARD_VIEWS`` over its shards
+    (empty views for the ones with none), then the derived views. Every shard is checked to open
+    first, naming any bad one. The thresholds say which heads count as previous-token heads and
+    as induction heads in ``composition_vs_behaviour``; ``fdr`` is the q-value cut of ``discoveries``."""
+    unknown = set(shards) - set(SHARD_VIEWS)
+    if unknown:
+        raise ValueError(f"no view is defined for {sorted(unknown)}")
+    root = Path(db_path).resolve().parent
+    for note in set_aside_sessions(db_path):
+        log.warning("%s", note)
+    excluded = []
+    for view, paths in shards.items():
+        for path, error in bad_shards(paths).items():
+            where = set_aside(path, root) if error != "missing" else None
+            moved = f"; set aside as {where}" if where else ""
+            log.warning("left out of the %s view: result shard %s is corrupt or truncated (%s)%s; the next "
+                        "snakemake run remakes it", view, path, error, moved)
+            excluded.append({"view": view, "path": path, "error": error + moved})
+    dropped = {e["path"] for e in excluded}
+    files = []
+    for view, paths in shards.items():
+        for p in map(Path, paths):
+            if str(p) not in dropped:
+                st, rel = p.stat(), p.resolve().relative_to(root) if p.resolve().is_relative_to(root) else p.resolve()
+                files.append((view, rel.as_posix(), st.st_size, st.st_mtime_ns, checksum_path(p).read_text().split()[0]))
+    models = models_frame(meta_paths)
+    with atomic_path(db_path) as tmp:
+        tmp.unlink()  # duckdb wants to create the file itself
+        con = connect(tmp, read_only=False)  # tmp sits beside db_path: the views bind relative to root
+        try:
+            con.register("models_df", models.to_arrow())
+            con.execute("CREATE TABLE models AS SELECT * FROM models_df")
+            con.register("excluded_df", pl.DataFrame(excluded, schema=EXCLUDED_SHARDS_SCHEMA).to_arrow())
+            con.execute("CREATE TABLE excluded_shards AS SELECT * FROM excluded_df")
+            con.execute(SHARD_FILES_DDL)
+            if files:
+                con.executemany("INSERT INTO shard_files VALUES (?, ?, ?, ?, ?)", files)
+            for name, types in SHARD_VIEWS.items():
+                kept = [p for p in shards.get(name, []) if str(p) not in dropped]
+                con.execute(_parquet_view(name, kept, types, root))
+                hint = SEARCH_PATH_HINT.format(parent=root.parent)
+                comment = (f"shard paths are relative to the folder holding '{root.name}/' (the project folder "
+                           f"by default); from elsewhere first run: {hint}")
+                con.execute(f"COMMENT ON VIEW {name} IS '{comment.replace(chr(39), chr(39) * 2)}'")
+            for view in DERIVED_VIEWS:
+                con.execute(derived_view_sql(view, fdr, prev_token_threshold, induction_threshold))
+        finally:
+            con.close()
+        with atomic_path(last_good_path(db_path)) as keep:  # what queries fall back on (see last_good_path)
+            shutil.copyfile(tmp, keep)
+            seal(keep, last_good_path(db_path))
+        seal(tmp, db_path)  # a read-write session's checkpointed change then shows (atlas_files.as_built)
+
+
+def query(db_path: str | os.PathLike, sql: str) -> pl.DataFrame:
+    """The answer to ``sql``, read statements only, on a connection that reads nothing outside
+    the atlas's folder and writes nothing (``query_guard``)."""
+    check_read_only(sql)
+    con = connect(db_path)
+    try:
+        lock_down(con, Path(db_path).resolve().parent)
+        return con.sql(sql).pl()
+    finally:
+        con.close()

@@ -1,0 +1,363 @@
+"""Q-, K- and V-composition scores for every writer/reader head pair, kept factored.
+
+Conventions (row vectors; docs/math.md#conventions): the writer head h1 has
+``OV1 = W_V1 W_O1``; the reader matrix ``R = A B`` is ``QK2 = W_Q2 W_K2^T`` (Q),
+``QK2^T = W_K2 W_Q2^T`` (K) or ``OV2 = W_V2 W_O2`` (V). Composition looks at ``L R`` with
+``L = OV1``.
+
+Never a d_model x d_model product per pair: with thin QRs ``W_V1 = Q R_V1`` and
+``B^T = Q R_B``, ``||W_V1 (W_O1 A) B||_F = ||R_V1 W_O1 A R_B^T||_F``. So each writer head
+gets an ``emit`` matrix ``R_V1 W_O1`` [d_head, d_model], each reader head an ``absorb``
+matrix ``A R_B^T`` [d_model, d_head], and the d_head x d_head cores of all head pairs of a
+layer pair come out of one matrix product. Singular values of ``OV`` and ``QK`` are those
+of their d_head x d_head cores ``R_A R_B^T``.
+
+Grouped-query attention: the K and V readers' ``A`` (``W_K``, ``W_V``) is shared by the g query
+heads of a KV group, so ``absorb = A R_B^T`` splits into the shared ``A`` [d_model, d_head] and a
+per-query-head ``post = R_B^T`` [d_head, d_head]: the d_model-long product ``emit A`` is computed
+once per KV head and each query head adds only a d_head x d_head one. For ``subspace`` the
+reader's basis is that of ``A`` itself, shared by the whole group. K and V cost about 1/g + d_head/d_model
+of the full product (SmolLM2, g = 3: 0.45; Llama-2-70B, g = 8: 0.14).
+
+Metrics (the first three in [0, 1]):
+
+- ``frobenius``: ``||L R||_F / (||L||_F ||R||_F)`` (Mathematical Framework).
+- ``svd_bound``: ``||L R||_F / sqrt(sum_i s_i(L)^2 s_i(R)^2)``, both spectra sorted
+  descending (Lieberum's tighter denominator; von Neumann's trace inequality makes it <= 1).
+- ``subspace``: mean squared cosine of the principal angles between the writer's output
+  subspace (row space of W_O1) and the reader's input subspace (column space of A), over
+  ``min(rank1, rank2)`` angles. Deliberately magnitude-free: it asks *where* a head writes
+  and reads, so Lieberum's axioms 1 and 2 hold exactly; the two metrics above carry the
+  magnitudes.
+- ``contribution``: ``||L R||_F`` itself, a magnitude: in residual space the weights' own
+  (every input isotropic), in the ``activation`` space the RMS of what the writer adds to the
+  reader's logit or output on the model's own statistics (``compatlas.composition.activation_space``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from compatlas.runtime import one_thread
+from compatlas.composition.small_linalg import on_host
+from compatlas.vocab import COMPS, METRICS, Comp, Metric
+from compatlas.models.weights import AttentionWeights
+
+
+
+@dataclass
+class HeadFactors:
+    """Per-head factors of one model for one metric: everything pair scores need.
+
+    ``emit``: [L, H, d_head, d_model]; ``absorb[c]``: [L, H / g, d_model, d_head], one per
+    query head (g = 1), or per KV head where a KV group of g query heads shares it; ``post[c]``: None or
+    [L, H, d_head, d_head], the per-query-head right factor of a shared ``absorb``;
+    ``*_norm``: [L, H] Frobenius norms; ``*_sv``: [L, H, d_head] singular values,
+    descending (for ``subspace``: 1 on the head's rank, 0 beyond). ``absorb_cols[c]``: the same
+    ``absorb`` laid out [d_model, L * H / g * d_head], so that a writer's reader layers are one
+    column slice of it (no copy per layer pair).
+    """
+
+    metric: Metric
+    emit: torch.Tensor
+    writer_norm: torch.Tensor
+    writer_sv: torch.Tensor
+    absorb: dict[str, torch.Tensor]
+    reader_norm: dict[str, torch.Tensor]
+    reader_sv: dict[str, torch.Tensor]
+    post: dict[str, torch.Tensor | None] = field(default_factory=dict)
+    absorb_cols: dict[str, torch.Tensor] = field(default_factory=dict)
+
+
+def _r_factor(A: torch.Tensor) -> torch.Tensor:
+    """An upper-triangular R [..., k, k] with ``R^T R = A^T A`` for A [..., n, k] (n >= k), so
+    ``||A X||_F = ||R X||_F`` for every X.
+
+    Cholesky of the Gram matrix: one batched GEMM and a k x k factorisation, a third of a QR's
+    cost on tall A. It is backward stable (``R^T R = A^T A + E``, ``||E|| ~ eps ||A||^2``), which
+    is all a norm needs; heads whose Gram matrix is not numerically positive definite (rank
+    deficient) fall back to the QR's R."""
+    G = A.transpose(-2, -1) @ A  # the d_model-long product: all threads
+    with one_thread():
+        R, info = torch.linalg.cholesky_ex(G, upper=True)
+        bad = info != 0
+        if bool(bad.any()):
+            R[bad] = torch.linalg.qr(A[bad], mode="r").R
+    return R
+
+
+def _orthonormal_basis(A: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Orthonormal basis of the column space of A [..., n, k], zero-padded past its rank.
+
+    Returns (U [..., n, k], indicator [..., k] of the kept columns)."""
+    Q, R = torch.linalg.qr(A)  # then the singular values of the small k x k R, not of A
+    S = on_host(torch.linalg.svdvals, R)
+    tol = S[..., :1] * max(A.shape[-2:]) * torch.finfo(A.dtype).eps
+    if bool((S > tol).all()):  # every head full rank: Q is a basis already (no score sees its rotation)
+        return Q, torch.ones_like(S)
+    U_R, S, _ = on_host(torch.linalg.svd, R)  # rank-deficient heads: R's singular vectors order Q's columns
+    keep = (S > tol).to(A.dtype)
+    return (Q @ U_R) * keep[..., None, :], keep
+
+
+def _core_spectrum(R_A: torch.Tensor, R_B: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Norm and singular values of ``A B`` from the R factors of A and B^T."""
+    sv = on_host(torch.linalg.svdvals, R_A @ R_B.transpose(-2, -1))
+    return sv.pow(2).sum(-1).sqrt(), sv
+
+
+# the weights (A, B^T) of each reader matrix R = A B, as in reader_factors: Q: W_Q W_K^T,
+# K: W_K W_Q^T, V: W_V W_O ("O": W_O^T)
+_READS: dict[str, tuple[str, str]] = {"Q": ("Q", "K"), "K": ("K", "Q"), "V": ("V", "O")}
+
+
+def reader_factors(w: AttentionWeights) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """(A, B^T) of each reader matrix R = A B, per comp: A of K and V per KV head (shared by
+    its query heads), everything else per query head."""
+    W_K, W_V = w.expanded_kv()
+    W_Q, W_O = w.W_Q, w.W_O
+    return {
+        "Q": (W_Q, W_K),  # QK = W_Q W_K^T
+        "K": (w.W_K, W_Q),  # QK^T = W_K W_Q^T
+        "V": (w.W_V, W_O.transpose(-2, -1)),  # OV = W_V W_O
+    }
+
+
+def _gram_factor(G: torch.Tensor) -> torch.Tensor:
+    """An R [..., k, k] with ``R^T R = G`` for a symmetric positive semi-definite G (a measured
+    second moment): its Cholesky factor, or ``diag(sqrt(e)) V^T`` from its eigenvectors where G is
+    singular. Either way ``||R X||_F = ||G^1/2 X||_F``."""
+    with one_thread():
+        R, info = torch.linalg.cholesky_ex(G, upper=True)
+        bad = info != 0
+        if bool(bad.any()):
+            e, V = torch.linalg.eigh(G[bad])
+            R[bad] = e.clamp_min(0).sqrt()[..., :, None] * V.transpose(-2, -1)
+    return R
+
+
+def head_factors(w: AttentionWeights, metric: Metric, comps: tuple[Comp, ...] = COMPS,
+                 grams: dict[str, torch.Tensor] | None = None) -> HeadFactors:
+    """Precompute everything per head (R factors, SVDs of d_head x d_head cores): once per model.
+
+    ``grams`` (the activation space, ``compatlas.composition.activation_space``) replaces Gram matrices the
+    kernel would take from the weights by measured second moments, [L, H or H / g, d_head, d_head]:
+    ``"writer"`` the writer's ``W_V^T W_V``, ``"Q"`` / ``"K"`` the reader's other side (``W_K^T W_K``
+    for Q, ``W_Q^T W_Q`` for K). ``subspace`` compares subspaces, which no moment changes."""
+    if metric not in METRICS:
+        raise ValueError(f"unknown metric {metric!r}; choose from {METRICS}")
+    grams = grams or {}
+    W_Ot = w.W_O.transpose(-2, -1)  # [L, H, d_model, d_head]
+    absorb, r_norm, r_sv, post = {}, {}, {}, {}
+    if metric == "subspace":
+        with one_thread():
+            U_O, keep_O = _orthonormal_basis(W_Ot)
+            emit = U_O.transpose(-2, -1)
+            w_norm, w_sv = keep_O.sum(-1).sqrt(), keep_O
+            readers = reader_factors(w)
+            for c in comps:
+                A = readers[c][0]
+                g = w.n_heads // A.shape[1]
+                U_A, keep_A = _orthonormal_basis(A)
+                keep_A = keep_A.repeat_interleave(g, dim=1)
+                absorb[c], r_norm[c], r_sv[c], post[c] = U_A, keep_A.sum(-1).sqrt(), keep_A, None
+    else:
+        # four R factors, one per weight (K and V per KV head), and two core spectra: the V
+        # reader's core R_V R_O^T is the writer's, and K's R_K R_Q^T is Q's transposed (with
+        # measured moments neither holds: each side then has its own factor and spectrum)
+        mats = {"Q": w.W_Q, "K": w.W_K, "V": w.W_V, "O": W_Ot}
+        need = {"V", "O"} | {x for c in comps for x in _READS[c]}
+        R = {k: _r_factor(mats[k]) for k in sorted(need)}
+        R_writer = _gram_factor(grams["writer"]) if "writer" in grams else R["V"]
+        R_other = {c: _gram_factor(grams[c]) if c in grams else R[_READS[c][1]] for c in comps}
+
+        def full(t: torch.Tensor) -> torch.Tensor:  # per query head
+            return t.repeat_interleave(w.n_heads // t.shape[1], dim=1)
+
+        spectra: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
+
+        def spectrum(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            key = tuple(sorted((id(a), id(b))))
+            if key not in spectra:
+                with one_thread():
+                    spectra[key] = _core_spectrum(full(a), full(b))
+            return spectra[key]
+
+        w_norm, w_sv = spectrum(R_writer, R["O"])
+        emit = full(R_writer) @ w.W_O
+        for c in comps:
+            a = _READS[c][0]
+            r_norm[c], r_sv[c] = spectrum(R[a], R_other[c])
+            if mats[a].shape[1] == w.n_heads:
+                absorb[c], post[c] = mats[a] @ full(R_other[c]).transpose(-2, -1), None
+            else:  # shared A, per-query-head R_B^T: see the module docstring
+                absorb[c], post[c] = mats[a], full(R_other[c]).transpose(-2, -1)
+    cols = {c: a.permute(2, 0, 1, 3).reshape(a.shape[2], -1) for c, a in absorb.items()}
+    return HeadFactors(metric, emit, w_norm, w_sv, absorb, r_norm, r_sv, post, cols)
+
+
+def factor_family(metric: Metric) -> Metric:
+    """The metric whose ``head_factors`` (and so whose core products) serve ``metric``: every metric
+    scored from the Gram R factors and core spectra shares them, so a job scoring several computes
+    the cores once (``composition_job``); ``subspace`` alone uses orthonormal bases."""
+    return "subspace" if metric == "subspace" else "frobenius"
+
+
+def pair_denominator(metric: Metric, w_norm, w_sv, r_norm, r_sv) -> torch.Tensor:
+    """[H1, H2] denominators: the quantity ||L R||_F (or its square, for subspace) is divided by."""
+    if metric == "frobenius":
+        return w_norm[:, None] * r_norm[None, :]
+    if metric == "contribution":  # a magnitude: nothing to divide by
+        return torch.ones(w_norm.shape[0], r_norm.shape[0], dtype=w_norm.dtype, device=w_norm.device)
+    if metric == "svd_bound":
+        return (w_sv.pow(2) @ r_sv.pow(2).T).sqrt()
+    # subspace: ||U1^T U2||_F^2 over the number of principal angles, min(rank1, rank2)
+    r1, r2 = w_sv.sum(-1), r_sv.sum(-1)
+    return torch.minimum(r1[:, None], r2[None, :]).clamp_min(1.0)
+
+
+def normalised_score(metric: Metric, sq_norm: torch.Tensor, denom: torch.Tensor) -> torch.Tensor:
+    """Score from the squared Frobenius norm of the core and the pair denominator."""
+    if metric == "subspace":
+        return sq_norm / denom
+    return sq_norm.clamp_min(0).sqrt() / denom
+
+
+def layer_pair_scores(f: HeadFactors, l1: int, readers: list[int], comp: Comp) -> torch.Tensor:
+    """Scores [len(readers), H1, H2] of writer layer l1 into each reader layer, one GEMM."""
+    E = f.emit[l1]  # [H1, dh, d]
+    H1, dh, d = E.shape
+    L, Hg = f.absorb[comp].shape[:2]
+    nR = len(readers)
+    g, post = H1 // Hg, f.post.get(comp)  # query heads per absorb head
+    cols = f.absorb_cols[comp]  # [d, L * Hg * dh]
+    width = Hg * dh
+    if nR and list(readers) == list(range(readers[0], readers[0] + nR)):  # consecutive layers: a view
+        F = cols[:, readers[0] * width:(readers[0] + nR) * width]
+    else:
+        F = cols.view(d, L, width)[:, readers].reshape(d, nR * width)
+    core = E.reshape(H1 * dh, d) @ F
+    # squared Frobenius norms of the d_head x d_head blocks: squared in place, summed along the
+    # contiguous axis first (the products are the bulk of the memory traffic)
+    if post is None:  # per query head, or a subspace basis shared by the KV group
+        sq = core.square_().view(H1, dh, nR * Hg, dh).sum(-1).sum(1)
+        sq = sq.view(H1, nR, Hg).repeat_interleave(g, dim=2)  # [H1, nR, H2]
+    else:  # each query head j of KV head k: core[.., k, :] @ post[k * g + j]
+        core = core.view(H1 * dh, nR, Hg, dh).permute(1, 2, 0, 3)  # [nR, Hg, H1 dh, dh]
+        P = post[readers].reshape(nR, Hg, g, dh, dh).permute(0, 1, 3, 2, 4).reshape(nR, Hg, dh, g * dh)
+        sq = (core @ P).square_().view(nR, Hg, H1, dh, g, dh).sum(-1).sum(3)  # [nR, Hg, H1, g]
+        sq = sq.permute(2, 0, 1, 3).reshape(H1, nR, Hg * g)  # [H1, nR, H2]
+    # all reader layers' denominators at once: [H1, nR x H2]
+    r_norm, r_sv = f.reader_norm[comp][readers], f.reader_sv[comp][readers]
+    den = pair_denominator(f.metric, f.writer_norm[l1], f.writer_sv[l1], r_norm.reshape(-1),
+                           r_sv.reshape(r_norm.numel(), -1))
+    return normalised_score(f.metric, sq.reshape(H1, -1), den).view(H1, nR, -1).transpose(0, 1).contiguous()
+
+
+# ----------------------------------------------------------------------------- nulls
+
+
+def haar_overlap_blocks(d: int, k: int, n: int, seed: int, dtype: torch.dtype = torch.float64,
+                        device: str | torch.device = "cpu") -> torch.Tensor:
+    """n samples [n, k, k] of ``V^T U`` for independent uniformly random orthonormal frames V, U in R^{d x k}.
+
+    By rotation invariance this is the top k x k block of one random frame. The Q factor of a
+    Gaussian ``G = [G_top; G_rest]`` is such a frame, and its top block is ``G_top R^-1`` with
+    ``R^T R = G_top^T G_top + G_rest^T G_rest``; the second term is Wishart, drawn by Bartlett's
+    decomposition, so a sample costs O(k^3), never O(d k^2).
+    """
+    rng = np.random.default_rng(seed)  # numpy only draws numbers; the algebra runs in torch
+    dof = d - k
+    G_top = rng.standard_normal((n, k, k))
+    if dof >= k:  # Bartlett: W = A A^T, A lower triangular, A_ii^2 ~ chi2(dof - i)
+        A = np.tril(rng.standard_normal((n, k, k)), -1)
+        idx = np.arange(k)
+        A[:, idx, idx] = np.sqrt(rng.chisquare(dof - idx, size=(n, k)))
+        A_t = torch.from_numpy(A).to(device)
+        W_rest = A_t @ A_t.transpose(-2, -1)
+    else:  # small d: draw G_rest itself
+        G_rest = torch.from_numpy(rng.standard_normal((n, dof, k))).to(device)
+        W_rest = G_rest.transpose(-2, -1) @ G_rest
+    G_top_t = torch.from_numpy(G_top).to(device)
+    L = torch.linalg.cholesky(G_top_t.transpose(-2, -1) @ G_top_t + W_rest)  # gram = L L^T, R = L^T
+    P = torch.linalg.solve_triangular(L, G_top_t.transpose(-2, -1), upper=False).transpose(-2, -1)
+    return P.to(dtype)
+
+
+def spectrum_baseline(metric: Metric, w_norm, w_sv, r_norm, r_sv, P2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Mean and std [H1, H2] of each pair's score with its spectra kept and singular vectors random.
+
+    ``||diag(s_L) P diag(s_R)||_F^2 = s_L^2 (P o P) s_R^2`` with P a random overlap block
+    (``P2 = haar_overlap_blocks(...) ** 2``, [n, d_head, d_head]). All pairs share the n draws
+    (common random numbers): each pair's n samples are still exact, and comparisons between
+    pairs get sharper, at the cost of one einsum per layer pair.
+    """
+    a, b = (w_sv, r_sv) if metric == "subspace" else (w_sv.pow(2), r_sv.pow(2))
+    sq = torch.einsum("wi,nij,rj->nwr", a, P2, b)
+    scores = normalised_score(metric, sq, pair_denominator(metric, w_norm, w_sv, r_norm, r_sv))
+    return scores.mean(0), scores.std(0)
+
+
+def gaussian_baseline(metric: Metric, comp: Comp, d_model: int, d_head: int, n: int, seed: int,
+                      dtype: torch.dtype = torch.float64, device: str | torch.device = "cpu") -> tuple[float, float]:
+    """Mean and std of the score over n x n pairs of n writer and n reader heads with Gaussian factors
+    of the model's shapes, computed by the same kernel as the real scores."""
+    s = layer_pair_scores(head_factors(gaussian_heads(d_model, d_head, n, seed, dtype, device), metric, (comp,)),
+                          0, [1], comp)
+    return float(s.mean()), float(s.std())
+
+
+def gaussian_heads(d_model: int, d_head: int, n: int, seed: int, dtype: torch.dtype = torch.float64,
+                   device: str | torch.device = "cpu") -> AttentionWeights:
+    """Standard Gaussian weights of two layers of n heads each: layer 0 the Gaussian baseline's
+    writers, layer 1 its readers. Drawn in ``dtype`` by a generator on ``device`` (at 70B shapes
+    they are 268M numbers: on a GPU, drawn there, never copied from the host); a GPU draws other
+    numbers of the same law than the CPU."""
+    g = torch.Generator(device=device).manual_seed(seed)
+
+    def gauss(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=g, dtype=dtype, device=device)
+
+    return AttentionWeights(
+        W_Q=gauss(2, n, d_model, d_head), W_K=gauss(2, n, d_model, d_head),
+        W_V=gauss(2, n, d_model, d_head), W_O=gauss(2, n, d_head, d_model),
+        W_E=torch.zeros(1, d_model, dtype=dtype, device=device),
+    )
+
+
+# ----------------------------------------------------------------------------- layer pairs
+
+
+def layer_pairs(layers: list[int]) -> list[tuple[int, int]]:
+    """All (writer, reader) layer pairs with writer < reader, in order."""
+    return [(a, b) for i, a in enumerate(layers) for b in layers[i + 1:]]
+
+
+def touched_layers(pairs: list[tuple[int, int]]) -> list[int]:
+    """The layers some (writer, reader) layer pairs touch, in order: all a job must read and factor."""
+    return sorted({layer for pair in pairs for layer in pair})
+
+
+def block_pairs(layers: list[int], blocks: int, block: int) -> list[tuple[int, int]]:
+    """The layer pairs of job ``block`` out of ``blocks``: contiguous shares, sizes differing by
+    at most one (contiguous keeps a writer's readers together, one GEMM each)."""
+    pairs = layer_pairs(layers)
+    if not 0 <= block < blocks:
+        raise ValueError(f"block {block} out of range for {blocks} blocks")
+    size, extra = divmod(len(pairs), blocks)
+    start = block * size + min(block, extra)
+    return pairs[start:start + size + (block < extra)]
+
+
+def null_pairs(layers: list[int], blocks: int, block: int) -> list[tuple[int, int]]:
+    """The (writer, reader) layer pairs of job ``block`` whose heads cannot compose: the reader
+    runs before the writer or beside it, so it never sees the writer's output.
+
+    Each causal pair (a, b) of the block is mirrored as (b, a); same-layer pairs (l, l) (distinct
+    heads only, see ``calibration``) go to the jobs in turn, layer i to job ``i % blocks``. Every
+    job thus scores as many null as causal pairs, with the same GEMM shapes."""
+    mirrors = [(b, a) for a, b in block_pairs(layers, blocks, block)]
+    return mirrors + [(layer, layer) for i, layer in enumerate(layers) if i % blocks == block]

@@ -1,0 +1,121 @@
+"""One model x checkpoint's edge attribution (``compatlas.function.edge_attribution``): the settings of
+``induction.edge_attribution`` in, the ``edge_attribution`` table and its provenance out."""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections.abc import Sequence
+
+import polars as pl
+import torch
+
+from compatlas.function.edge_attribution import (
+    Edge, attribution_scores, attribution_work, causal_edges, exact_sample, exact_scores, induction_task, mean_stderr, n_kv_heads,
+)
+from compatlas.progress import Progress
+from compatlas.tables import EDGE_ATTRIBUTION_SCHEMA
+from compatlas.vocab import COMPS, Comp
+
+log = logging.getLogger(__name__)
+def _grid(model, values: dict[Comp, torch.Tensor]) -> dict[str, list]:
+    """Columns of every causal edge per comp, K/V edges on each query head of their KV group,
+    from comp -> [L, H, L, width] tensors (``values`` names the column of each)."""
+    L, H = model.cfg.n_layers, model.cfg.n_heads
+    g = H // n_kv_heads(model)
+    lw, hw, lr, hr = torch.meshgrid(*(torch.arange(n) for n in (L, H, L, H)), indexing="ij")
+    keep = lw < lr
+    cols: dict[str, list] = {k: [] for k in ("comp", "writer_layer", "writer_head", "reader_layer", "reader_head",
+                                             "reader_kv_head", *values)}
+    for c in COMPS:
+        r = hr if c == "Q" else hr // g
+        cols["comp"] += [c] * int(keep.sum())
+        for name, t in (("writer_layer", lw), ("writer_head", hw), ("reader_layer", lr), ("reader_head", hr),
+                        ("reader_kv_head", hr // g)):
+            cols[name] += t[keep].tolist()
+        for name, per_comp in values.items():
+            cols[name] += per_comp[c][lw, hw, lr, r][keep].tolist()
+    return cols
+
+
+def edge_table(model, scores: dict[str, dict[Comp, torch.Tensor]], exact_edges: Sequence[Edge],
+               exact: torch.Tensor) -> pl.DataFrame:
+    """One row per method x causal edge (x query head of a KV group for K/V): the mean score over
+    sequences and its standard error, and the exact patching value where measured (else null)."""
+    L, H = model.cfg.n_layers, model.cfg.n_heads
+    width = {"Q": H, "K": n_kv_heads(model), "V": n_kv_heads(model)}
+    ex = {c: torch.full((L, H, L, width[c]), math.nan, dtype=torch.float64) for c in COMPS}
+    ex_se = {c: t.clone() for c, t in ex.items()}
+    if len(exact_edges):
+        mean, se = mean_stderr(exact.T)
+        for e, m, s in zip(exact_edges, mean.tolist(), se.tolist()):
+            ex[e.comp][e.writer_layer, e.writer_head, e.reader_layer, e.reader_index] = m
+            ex_se[e.comp][e.writer_layer, e.writer_head, e.reader_layer, e.reader_index] = s
+    frames = []
+    for method, per_comp in scores.items():
+        stats = {c: mean_stderr(per_comp[c]) for c in COMPS}
+        cols = _grid(model, {"score": {c: stats[c][0] for c in COMPS}, "score_stderr": {c: stats[c][1] for c in COMPS},
+                             "exact": ex, "exact_stderr": ex_se})
+        n = len(cols["comp"])
+        cols["method"] = [method] * n
+        cols["n_sequences"] = [next(iter(per_comp.values())).shape[0]] * n
+        frames.append(pl.DataFrame(cols).with_columns(pl.col("exact", "exact_stderr").fill_nan(None)))
+    out = pl.concat(frames)
+    return out.select([pl.col(k).cast(v) if k in out.columns else pl.lit(None, dtype=v).alias(k) for k, v in EDGE_ATTRIBUTION_SCHEMA.items()
+                       if k not in ("model", "checkpoint")])
+
+
+def attribute_edges(model, tokens, settings: dict, seed: int = 0) -> tuple[pl.DataFrame, dict]:
+    """Every method of ``settings["methods"]`` for every causal edge, and exact patching of the
+    sample ``exact_sample`` draws from the first method's scores. ``tokens``: a TokenSet."""
+    S, T, bs = settings["sequences"], settings["length"], settings["batch_size"]
+    task = induction_task(tokens, S, T, seed)
+    edges = causal_edges(model)
+    t0 = time.perf_counter()
+    scores: dict[str, dict[Comp, torch.Tensor]] = {}
+    seconds: dict[str, float] = {}
+    for method in settings["methods"]:
+        work, unit = attribution_work(model, method, S, settings["steps"])
+        tm = time.perf_counter()
+        scores[method] = attribution_scores(model, task, method, settings["steps"], bs,
+                                            Progress(log, f"edge attribution ({method})", work, unit))
+        seconds[method] = round(time.perf_counter() - tm, 3)
+        log.info("%s: %d edges x %d sequences in %.1fs", method, len(edges), S, seconds[method])
+    t1 = time.perf_counter()
+    sample = exact_sample(list(scores.values()), edges, settings["exact_top"], settings["exact_random"], seed)
+    exact = exact_scores(model, task, sample, bs, Progress(log, "exact edge patching", len(sample) * S, "edge x sequence"))
+    log.info("exact patching: %d edges x %d sequences in %.1fs", len(sample), S, time.perf_counter() - t1)
+    facts = {"edges": len(edges), "exact_edges": len(sample), "corruption": "every token but BOS resampled",
+             "attribution_seconds": round(t1 - t0, 3), "method_seconds": seconds,
+             "exact_seconds": round(time.perf_counter() - t1, 3)}
+    return edge_table(model, scores, sample, exact), facts
+
+
+def boot_and_attribute_edges(model_id: str, entry: dict, checkpoint: dict | None, settings: dict, meta_path: str,
+                             workdir, device: str = "auto") -> tuple[pl.DataFrame, dict]:
+    """Boot one model (x checkpoint) as the induction job does (same devices, dtypes and token
+    pool) and attribute its edges: the ``edge_attribution`` table and its shard's provenance.
+    ``settings``: the model's ``induction`` section (``edge_attribution`` in it)."""
+    from compatlas.behaviour.induction import boot_for_forward
+    from compatlas.tables import provenance
+    from compatlas.behaviour.tokens import clean_tokens, sample_tokens, token_directions, token_set
+
+    t0 = time.perf_counter()
+    edge = settings["edge_attribution"]
+    need = 2 * edge["length"] + 1
+    m = boot_for_forward(model_id, entry, checkpoint, settings, meta_path, workdir, device, "edge attribution",
+                         lambda n_ctx: f"induction.edge_attribution.length {edge['length']} needs {need}"
+                         if need > n_ctx else None)
+    meta, bridge, dtype, device_map, dev = m.meta, m.bridge, m.dtype, m.device_map, m.device
+    clean, _ = clean_tokens(bridge.tokenizer, m.W_E, token_directions(m.W_E, m.W_U))
+    tokens = token_set(bridge.tokenizer, sample_tokens(clean, settings["pool"], settings["seed"], "pool"),
+                       settings["prepend_bos"])
+    table, facts = attribute_edges(bridge, tokens, edge, settings["seed"])
+    label = meta.get("checkpoint", "final")
+    table = table.with_columns(model=pl.lit(model_id), checkpoint=pl.lit(label)).select(list(EDGE_ATTRIBUTION_SCHEMA))
+    record = provenance(meta, processing="none", weight_processing="none (forward passes on the loaded model)",
+                        settings=edge, dtype=str(dtype).removeprefix("torch."), device_map=device_map, device=str(dev),
+                        kv_group=bridge.cfg.n_heads // n_kv_heads(bridge), **facts,
+                        seconds=round(time.perf_counter() - t0, 3))
+    return table, record

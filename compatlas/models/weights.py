@@ -1,0 +1,266 @@
+"""The extracted attention weights of one model checkpoint: the shard every rule reads.
+
+Extraction (``compatlas.models.loading``) runs once per model x checkpoint and writes a
+safetensors file plus JSON metadata; everything downstream reads only this.
+Shapes follow TransformerLens (row vectors):
+
+- ``W_Q``: [n_layers, n_heads, d_model, d_head]
+- ``W_K``, ``W_V``: [n_layers, n_kv_heads, d_model, d_head] (grouped-query: n_kv_heads <= n_heads)
+- ``W_O``: [n_layers, n_heads, d_head, d_model]
+- ``W_E``: [d_vocab, d_model]; ``W_U``: [d_model, d_vocab] or absent (encoders)
+- ``ln1_w``: [n_layers, d_model] weight of the norm in front of each attention layer
+  (absent when the model has none or it was folded into the weights)
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, BinaryIO
+
+import torch
+
+from compatlas.runtime import library_versions
+from compatlas.storage import atomic_path, file_sha256
+
+WEIGHT_KEYS = ("W_Q", "W_K", "W_V", "W_O", "W_E", "W_U", "ln1_w", "ln_final_w")
+
+
+class CorruptShardError(RuntimeError):
+    """A weight or result shard that cannot be read back intact."""
+
+
+@dataclass
+class AttentionWeights:
+    W_Q: torch.Tensor
+    W_K: torch.Tensor
+    W_V: torch.Tensor
+    W_O: torch.Tensor
+    W_E: torch.Tensor | None  # None in a derived basis (token space), where the kernel needs no vocabulary side
+    W_U: torch.Tensor | None = None
+    ln1_w: torch.Tensor | None = None
+    ln_final_w: torch.Tensor | None = None
+    meta: dict[str, Any] = field(default_factory=dict)
+    # derived per-model tensors computed once at extraction (e.g. the token-space factor R_E)
+    extras: dict[str, torch.Tensor] = field(default_factory=dict)
+    # the model's layer numbers of the per-layer tensors, when they hold only some layers
+    # (``load_weights(layers=...)``); None: all layers, in order
+    layer_ids: tuple[int, ...] | None = None
+
+    @property
+    def n_layers(self) -> int:
+        return self.W_Q.shape[0]
+
+    @property
+    def n_heads(self) -> int:
+        return self.W_Q.shape[1]
+
+    @property
+    def n_kv_heads(self) -> int:
+        return self.W_K.shape[1]
+
+    @property
+    def d_model(self) -> int:
+        return self.W_Q.shape[2]
+
+    @property
+    def d_head(self) -> int:
+        return self.W_Q.shape[3]
+
+    @property
+    def d_vocab(self) -> int:
+        if self.W_E is None:
+            raise ValueError("these weights carry no W_E (a derived basis)")
+        return self.W_E.shape[0]
+
+    def validate(self) -> None:
+        """Check the shapes agree with each other; raise ValueError naming the culprit."""
+        L, H, d, dh = self.W_Q.shape
+        Hkv = self.W_K.shape[1]
+        expect = {
+            "W_K": (L, Hkv, d, dh),
+            "W_V": (L, Hkv, d, dh),
+            "W_O": (L, H, dh, d),
+        }
+        for name, shape in expect.items():
+            got = tuple(getattr(self, name).shape)
+            if got != shape:
+                raise ValueError(f"{name} has shape {got}, expected {shape}")
+        if H % Hkv:
+            raise ValueError(f"n_heads={H} is not a multiple of n_kv_heads={Hkv}")
+        if self.W_E is not None and (self.W_E.ndim != 2 or self.W_E.shape[1] != d):
+            raise ValueError(f"W_E has shape {tuple(self.W_E.shape)}, expected [d_vocab, {d}]")
+        if self.W_U is not None and self.W_U.shape[0] != d:
+            raise ValueError(f"W_U has shape {tuple(self.W_U.shape)}, expected [{d}, d_vocab]")
+        if dh > d:
+            raise ValueError(f"d_head={dh} > d_model={d}: heads are not low rank")
+
+    def expanded_kv(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """W_K and W_V repeated to one per query head (query head h uses kv head h // group)."""
+        group = self.n_heads // self.n_kv_heads
+        return self.W_K.repeat_interleave(group, dim=1), self.W_V.repeat_interleave(group, dim=1)
+
+    def layers(self, layers: list[int]) -> "AttentionWeights":
+        """The same model restricted to some layers (for composition on a layer range), given by
+        the model's layer numbers; the result's per-layer tensors are in that order."""
+        position = {layer: i for i, layer in enumerate(self.layer_ids or range(self.n_layers))}
+        missing = [layer for layer in layers if layer not in position]
+        if missing:
+            raise ValueError(f"layers {missing} are not in these weights (they hold layers {sorted(position)})")
+        idx = torch.tensor([position[layer] for layer in layers], dtype=torch.long)
+        return AttentionWeights(
+            W_Q=self.W_Q[idx], W_K=self.W_K[idx], W_V=self.W_V[idx], W_O=self.W_O[idx],
+            W_E=self.W_E, W_U=self.W_U,
+            ln1_w=None if self.ln1_w is None else self.ln1_w[idx],
+            ln_final_w=self.ln_final_w, meta=self.meta, extras=self.extras,  # extras are per model, not per layer
+        )
+
+    def to(self, device: torch.device | str, dtype: torch.dtype) -> "AttentionWeights":
+        def cast(t: torch.Tensor | None) -> torch.Tensor | None:
+            return None if t is None else t.to(device=device, dtype=dtype)
+
+        return AttentionWeights(**{k: cast(getattr(self, k)) for k in WEIGHT_KEYS}, meta=self.meta,
+                                extras={k: cast(v) for k, v in self.extras.items()}, layer_ids=self.layer_ids)
+
+
+def extracted_weights(W_Q: torch.Tensor, W_K: torch.Tensor, W_V: torch.Tensor, W_O: torch.Tensor, W_E: torch.Tensor,
+                      W_U: torch.Tensor | None, ln1_w: torch.Tensor | None, ln_final_w: torch.Tensor | None, *,
+                      adapter: Any, hf_config: Any, cfg: Any, processing: str, **extra: Any) -> AttentionWeights:
+    """Freshly extracted weights with the metadata every extraction path records: the
+    TransformerLens adapter and HF architecture, the shapes, the norm, tied embeddings, the
+    processing and library versions, plus ``extra``."""
+    tied = W_U is not None and W_U.shape == W_E.T.shape and torch.equal(W_U, W_E.T)
+    meta = {
+        "architecture": type(adapter).__name__.removesuffix("ArchitectureAdapter"),
+        "hf_architecture": (getattr(hf_config, "architectures", None) or ["?"])[0],
+        "n_layers": W_Q.shape[0], "n_heads": W_Q.shape[1], "n_kv_heads": W_K.shape[1],
+        "d_model": W_Q.shape[2], "d_head": W_Q.shape[3], "d_vocab": W_E.shape[0],
+        "norm_type": str(getattr(cfg, "normalization_type", None)), "tied_embeddings": bool(tied),
+        "has_unembed": W_U is not None, "processing": processing, "versions": library_versions(), **extra,
+    }
+    return AttentionWeights(W_Q=W_Q, W_K=W_K, W_V=W_V, W_O=W_O, W_E=W_E, W_U=W_U, ln1_w=ln1_w,
+                            ln_final_w=ln_final_w, meta=meta)
+
+
+def save_weights(w: AttentionWeights, tensors_path: str | os.PathLike, meta_path: str | os.PathLike) -> None:
+    """Write the safetensors shard, then the metadata (with the shard's checksum), both atomically.
+
+    The metadata is written last, so a shard without metadata is an unfinished one.
+    """
+    w.validate()
+    tensors = {k: getattr(w, k).detach().contiguous().cpu() for k in WEIGHT_KEYS if getattr(w, k) is not None}
+    tensors.update({f"extra.{k}": v.detach().contiguous().cpu() for k, v in w.extras.items()})
+    with atomic_path(tensors_path, need=sum(t.numel() * t.element_size() for t in tensors.values())) as tmp:
+        write_safetensors(tensors, tmp)
+    meta = dict(w.meta)
+    meta["weights_sha256"] = file_sha256(tensors_path)
+    meta["weights_file"] = Path(tensors_path).name
+    with atomic_path(meta_path) as tmp:
+        Path(tmp).write_text(json.dumps(meta, indent=2, sort_keys=True))
+
+
+def load_meta(meta_path: str | os.PathLike) -> dict[str, Any]:
+    try:
+        return json.loads(Path(meta_path).read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise CorruptShardError(f"cannot read weight metadata {meta_path}: {e}") from e
+
+
+_ST_DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
+              torch.int64: "I64", torch.int32: "I32", torch.uint8: "U8", torch.bool: "BOOL"}
+
+
+def write_safetensors(tensors: dict[str, torch.Tensor], path: str | os.PathLike) -> None:
+    """A safetensors file written tensor by tensor from the tensors' own memory.
+
+    ``safetensors.torch.save_file`` first copies every tensor into bytes, a second copy of the
+    whole shard in memory (at Llama-2-70B shapes: 4.4 GB more at the extract rule's peak). The
+    format is simple: 8 bytes of little-endian header length, the JSON header (tensors in order,
+    ``data_offsets`` relative to the data), padded with spaces to 8 bytes, then the bytes."""
+    header: dict[str, Any] = {}
+    offset = 0
+    for k, t in tensors.items():
+        if t.dtype not in _ST_DTYPES or not t.is_contiguous():
+            raise ValueError(f"cannot write tensor {k!r} ({t.dtype}, contiguous={t.is_contiguous()})")
+        n = t.numel() * t.element_size()
+        header[k] = {"dtype": _ST_DTYPES[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + n]}
+        offset += n
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)
+    with open(path, "wb") as f:
+        f.write(len(raw).to_bytes(8, "little"))
+        f.write(raw)
+        for t in tensors.values():
+            if t.numel():
+                f.write(memoryview(t.reshape(-1).view(torch.uint8).numpy()))  # the tensor's bytes, no copy
+
+
+PER_LAYER_KEYS = ("W_Q", "W_K", "W_V", "W_O", "ln1_w")  # first dimension: layer
+_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
+
+
+def _header(tensors_path: str | os.PathLike) -> tuple[dict[str, Any], int]:
+    """A safetensors file's header (name -> dtype, shape, data_offsets) and where its data starts:
+    8 bytes of little-endian header length, the JSON header, then the tensors' bytes."""
+    with open(tensors_path, "rb") as f:
+        n = int.from_bytes(f.read(8), "little")
+        return json.loads(f.read(n)), 8 + n
+
+
+def shard_n_layers(tensors_path: str | os.PathLike) -> int:
+    """The number of layers of a weight shard, read from its header alone."""
+    return _header(tensors_path)[0]["W_Q"]["shape"][0]
+
+
+def _read_layers(f: BinaryIO, header: dict[str, Any], start: int, name: str, layers: list[int]) -> torch.Tensor:
+    """Some layers of a per-layer tensor of the open shard ``f`` (``header`` and data ``start``
+    from ``_header``), read into a fresh tensor with plain reads: each layer is one contiguous
+    byte range, and no page of the other layers (nor a memory map of the file, which would count
+    twice in the job's resident memory) is touched."""
+    info = header[name]
+    shape, dtype = info["shape"], _DTYPES[info["dtype"]]
+    out = torch.empty((len(layers), *shape[1:]), dtype=dtype)
+    per_layer = out[0].numel() * out.element_size()
+    for i, layer in enumerate(layers):
+        f.seek(start + info["data_offsets"][0] + layer * per_layer)
+        if f.readinto(memoryview(out[i].view(torch.uint8).numpy())) != per_layer:
+            raise CorruptShardError(f"weight shard {f.name}: {name} layer {layer} is truncated")
+    return out
+
+
+def load_weights(tensors_path: str | os.PathLike, meta_path: str | os.PathLike, verify: bool = True,
+                 layers: list[int] | None = None) -> AttentionWeights:
+    """Read a weight shard back; a truncated or altered file raises CorruptShardError naming it.
+
+    With ``layers``, only those layers' attention tensors are read (``_read_layers``): a
+    composition job at Llama-2-70B shapes holds the few layers its block touches (0.6 GB each in
+    float32) instead of all 80 (47 GiB). The per-model tensors (W_E, W_U, extras) are read whole."""
+    from safetensors import SafetensorError, safe_open
+
+    meta = load_meta(meta_path)
+    if verify:
+        digest = file_sha256(tensors_path)
+        if digest != meta.get("weights_sha256"):
+            raise CorruptShardError(
+                f"weight shard {tensors_path} is corrupt or truncated: sha256 {digest[:12]}... "
+                f"does not match {str(meta.get('weights_sha256'))[:12]}... recorded in {meta_path}; "
+                "delete it and rerun the extract rule"
+            )
+    try:
+        header, start = _header(tensors_path)
+        names = set(header) - {"__metadata__"}
+        missing = [k for k in ("W_Q", "W_K", "W_V", "W_O", "W_E") if k not in names]  # a shard always has W_E
+        if missing:
+            raise CorruptShardError(f"weight shard {tensors_path} lacks {missing}")
+        sliced = names & set(PER_LAYER_KEYS) if layers is not None else set()
+        with safe_open(str(tensors_path), framework="pt") as st, open(tensors_path, "rb") as f:
+            tensors = {k: _read_layers(f, header, start, k, layers) if k in sliced else st.get_tensor(k) for k in names}
+    except (SafetensorError, OSError, ValueError) as e:
+        raise CorruptShardError(f"cannot read weight shard {tensors_path}: {e}") from e
+    extras = {k.removeprefix("extra."): v for k, v in tensors.items() if k.startswith("extra.")}
+    w = AttentionWeights(**{k: tensors.get(k) for k in WEIGHT_KEYS}, meta=meta, extras=extras,
+                         layer_ids=None if layers is None else tuple(layers))
+    w.validate()
+    return w

@@ -1,0 +1,134 @@
+"""Configuration: validated against workflow/schemas/config.schema.yaml before any job runs.
+
+``validate_config`` says whether a config is well formed and fills in the schema's defaults, on
+a copy (the user's dict is left as written). What the pipeline does with it (models, checkpoints,
+layers, overrides) is resolved once from the validated copy, in ``compatlas.plan``, which checks each model
+(``compatlas.plan.model_checks``) once its checkpoints are known. This module knows the schema only:
+it imports no other part of compatlas.
+
+Errors name the config key and the problem in one line, e.g.
+``config error at models.toy.source.architecture: 'gpt3' is not one of ['gpt2', 'llama']``.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+SCHEMA_PATH = Path(__file__).resolve().parents[2] / "workflow" / "schemas" / "config.schema.yaml"
+
+
+class ConfigError(ValueError):
+    pass
+
+
+def _key(path) -> str:
+    return ".".join(str(p) for p in path) or "<top level>"
+
+
+def _fill_defaults(schema: dict, node: Any, root: dict) -> None:
+    """Set schema defaults in place (jsonschema validates but does not fill)."""
+    if not isinstance(node, dict):
+        return
+    for name, sub in schema.get("properties", {}).items():
+        if "$ref" in sub:  # a default beside the reference is this property's own
+            sub = {**_resolve(root, sub["$ref"]), **({"default": sub["default"]} if "default" in sub else {})}
+        if name not in node and "default" in sub:
+            node[name] = copy.deepcopy(sub["default"])
+        if name in node:
+            _fill_defaults(sub, node[name], root)
+    extra = schema.get("additionalProperties")
+    if isinstance(extra, dict):
+        sub = _resolve(root, extra["$ref"]) if "$ref" in extra else extra
+        for name, value in node.items():
+            if name not in schema.get("properties", {}):
+                _fill_defaults(sub, value, root)
+
+
+def _resolve(root: dict, ref: str) -> dict:
+    node: Any = root
+    for part in ref.lstrip("#/").split("/"):
+        node = node[part]
+    return node
+
+
+def _explain(error) -> str:
+    """One line for the most specific schema error (oneOf: the branch whose `kind` matches)."""
+    import jsonschema
+
+    if error.validator == "oneOf" and isinstance(error.instance, dict):
+        kind = error.instance.get("kind")
+        for sub in error.context or []:
+            branch = sub.schema_path[0] if sub.schema_path else None
+            if sub.validator == "const" and list(sub.path) == ["kind"]:
+                continue
+            kinds = [s.get("$ref", "").rsplit("/", 1)[-1] for s in error.schema["oneOf"]]
+            if branch is not None and kinds[branch] == kind:
+                return _explain(sub) if sub.context else _line(sub)
+        return (f"config error at {_key(error.absolute_path)}.kind: {kind!r} is not a source kind "
+                "(hub, local, gguf, build)" if kind else f"config error at {_key(error.absolute_path)}: source needs a 'kind'")
+    return _line(jsonschema.exceptions.best_match([error]))
+
+
+def _line(error) -> str:
+    msg = f"unknown key: {error.message}" if error.validator == "additionalProperties" else error.message
+    return f"config error at {_key(error.absolute_path)}: {msg}"
+
+
+def validate_config(config: Mapping[str, Any], schema_path: Path = SCHEMA_PATH) -> dict[str, Any]:
+    """The config with its schema defaults filled, as a new dict (``config`` is left as the user
+    wrote it); raise ConfigError with one clear line if it breaks the schema or a rule the schema
+    cannot state (a training run's spans, a run named like a model, nothing to score).
+
+    What needs the config resolved (checkpoint series, a model's layer count, checkpoint labels)
+    is checked while it is planned: ``compatlas.plan.build_plan`` validates, then plans."""
+    import jsonschema
+
+    schema = yaml.safe_load(schema_path.read_text())
+    validator = jsonschema.Draft202012Validator(schema)
+    # deepest error first; at equal depth an unknown key explains more than a missing one
+    errors = sorted(validator.iter_errors(config),
+                    key=lambda e: (len(list(e.absolute_path)), e.validator == "additionalProperties"))
+    if errors:
+        raise ConfigError(_explain(errors[-1]))
+    validated = copy.deepcopy(config)
+    _fill_defaults(schema, validated, schema)
+    for run, spec in validated["training"].items():
+        key = f"training.{run}"
+        if run in validated["models"]:
+            raise ConfigError(f"config error at {key}: a model of that name exists; training runs name models")
+        if spec["min_span"] > spec["max_span"] or 2 * spec["max_span"] > spec["seq_len"]:
+            raise ConfigError(f"config error at {key}: need min_span <= max_span <= seq_len / 2")
+    if not validated["models"] and not validated["training"]:
+        raise ConfigError("config error at models: no models (and no training runs) to score")
+    return validated
+
+
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """YAML keeps the last of two equal keys without a word (``metrics:`` twice plans only the
+    second); a config file loaded with this refuses them."""
+
+
+def _unique_mapping(loader: _UniqueKeyLoader, node: yaml.MappingNode, deep: bool = False) -> dict:
+    seen: dict[Any, int] = {}
+    for key_node, _ in node.value:
+        key = loader.construct_object(key_node, deep=deep)
+        line = key_node.start_mark.line + 1
+        if key in seen:
+            raise ConfigError(f"duplicate key '{key}' at line {line} (first at line {seen[key]}): YAML would keep "
+                              "only the last; remove one")
+        seen[key] = line
+    return loader.construct_mapping(node, deep=deep)
+
+
+_UniqueKeyLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _unique_mapping)
+
+
+def load_config_file(path: str | Path) -> Any:
+    """A config file's YAML, refusing duplicate keys (``ConfigError`` naming the key and its
+    line); ``yaml.YAMLError`` for YAML that does not parse."""
+    return yaml.load(Path(path).read_text(), Loader=_UniqueKeyLoader)  # noqa: S506 -- a SafeLoader

@@ -22,14 +22,14 @@ import polars as pl
 import torch
 import yaml
 
-from compatlas.composition.activation_space import activation_weights
-from compatlas.composition.scores import block_pairs, head_factors, layer_pair_scores
 from compatlas.behaviour.induction import boot_for_forward
-from compatlas.composition.moments import Moments, measure_moments
-from compatlas.plan import build_plan, thaw
-from compatlas.composition.text_sample import text_chunks
 from compatlas.behaviour.tokens import bos_token
+from compatlas.composition.activation_space import activation_weights
+from compatlas.composition.moments import Moments, measure_moments
+from compatlas.composition.scores import block_pairs, head_factors, layer_pair_scores
+from compatlas.composition.text_sample import text_chunks
 from compatlas.models.weights import load_weights
+from compatlas.plan import build_plan, thaw
 
 
 def ranks(x: np.ndarray) -> np.ndarray:

@@ -31,16 +31,21 @@ from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-import polars as pl  # noqa: E402
-import torch  # noqa: E402
-import yaml  # noqa: E402
+import polars as pl
+import torch
+import yaml
 
-from compatlas.plan.config import validate_config  # noqa: E402
-from compatlas.behaviour.induction import (  # noqa: E402
-    ablation_effects, clean_tokens, head_attention_scores, sample_tokens, token_directions, token_set,
+from compatlas.behaviour.induction import (
+    ablation_effects,
+    clean_tokens,
+    head_attention_scores,
+    sample_tokens,
+    token_directions,
+    token_set,
 )
-from compatlas.models.loading import boot  # noqa: E402
-from compatlas.runtime import resolve_device  # noqa: E402
+from compatlas.models.loading import boot
+from compatlas.plan.config import validate_config
+from compatlas.runtime import resolve_device
 
 REPO = Path(__file__).resolve().parent.parent
 log = logging.getLogger("bench_ablation")
@@ -87,8 +92,8 @@ def compare(model, settings: dict, sequences: int, mode: str, batch_size: int, s
 def separation(model, settings: dict, counts: list[int], mode: str, batch_size: int, threshold: float) -> list[dict]:
     """Exact ablation drops of induction heads vs the rest for the first S of max(counts)
     sequences, per S in counts (one ablation run: the per-sequence drops, prefixes of them)."""
-    from compatlas.runtime import stable_seed
     from compatlas.behaviour.induction import _cached_drops, _draw, _stats, head_z_means, induction_sequences, strengths
+    from compatlas.runtime import stable_seed
 
     with torch.no_grad():
         W_E = model.W_E.detach().float().cpu()

@@ -33,14 +33,14 @@ from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-import polars as pl  # noqa: E402
-import torch  # noqa: E402
-import yaml  # noqa: E402
+import polars as pl
+import torch
+import yaml
+from bench_ablation import spearman, train_run
 
-from bench_ablation import spearman, train_run  # noqa: E402 (benchmarks/ is the script's folder)
-from compatlas.plan.config import validate_config  # noqa: E402
-from compatlas.behaviour.induction import DTYPES, measure_behaviour, token_directions  # noqa: E402
-from compatlas.models.loading import boot  # noqa: E402
+from compatlas.behaviour.induction import DTYPES, measure_behaviour, token_directions
+from compatlas.models.loading import boot
+from compatlas.plan.config import validate_config
 
 REPO = Path(__file__).resolve().parent.parent
 log = logging.getLogger("bench_behaviour_device")

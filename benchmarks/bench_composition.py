@@ -124,7 +124,7 @@ class Timer:
         return time.perf_counter() - t0, out
 
 
-def time_spectrum_baseline(timer: "Timer", f, metric: str, comp: str, l1: int, l2: int, d_model: int,
+def time_spectrum_baseline(timer: Timer, f, metric: str, comp: str, l1: int, l2: int, d_model: int,
                            seed: int, repeats: int = 1) -> dict:
     """Time ``spectrum_baseline`` (n = N_BASELINE) for one layer pair, whichever API the kernel has:
 
@@ -227,7 +227,7 @@ def child_ours(cfg: dict, workdir: Path) -> dict:
     return res
 
 
-def machine_limit(w, timer: "Timer", repeats: int) -> dict:
+def machine_limit(w, timer: Timer, repeats: int) -> dict:
     """The kernel against the machine: each metric's Q+K+V (``head_factors`` once, then
     ``layer_pair_scores`` for every writer layer) against its floor measured in the same
     process, round by round (the rounds interleave, so a burst of load hits both sides):

@@ -29,10 +29,10 @@ import subprocess
 import sys
 
 import torch
-
 from bench_token_space import timed as median_time  # benchmarks/ is the script's folder
-from compatlas.composition.scores import head_factors, layer_pair_scores
+
 from compatlas.behaviour.induction import NearbyB, nearest_tokens
+from compatlas.composition.scores import head_factors, layer_pair_scores
 from compatlas.models.weights import AttentionWeights
 
 

@@ -31,19 +31,19 @@ from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-import polars as pl  # noqa: E402
-import torch  # noqa: E402
-import yaml  # noqa: E402
-from bench_ablation import train_run  # noqa: E402
+import polars as pl
+import torch
+import yaml
+from bench_ablation import train_run
 
-from compatlas.plan.config import validate_config  # noqa: E402
-from compatlas.plan import build_plan, thaw  # noqa: E402
-from compatlas.function.edge_attribution import induction_task  # noqa: E402
-from compatlas.function.edge_measure import attribute_edges  # noqa: E402
-from compatlas.behaviour.induction import measure_behaviour  # noqa: E402
-from compatlas.models.loading import boot  # noqa: E402
-from compatlas.runtime import resolve_device  # noqa: E402
-from compatlas.behaviour.tokens import clean_tokens, sample_tokens, token_directions, token_set  # noqa: E402
+from compatlas.behaviour.induction import measure_behaviour
+from compatlas.behaviour.tokens import clean_tokens, sample_tokens, token_directions, token_set
+from compatlas.function.edge_attribution import induction_task
+from compatlas.function.edge_measure import attribute_edges
+from compatlas.models.loading import boot
+from compatlas.plan import build_plan, thaw
+from compatlas.plan.config import validate_config
+from compatlas.runtime import resolve_device
 
 REPO = Path(__file__).resolve().parent.parent
 log = logging.getLogger("bench_edge_attribution")

@@ -26,14 +26,20 @@ from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-import torch  # noqa: E402
-import yaml  # noqa: E402
+import torch
+import yaml
 
-from compatlas.behaviour.induction import (  # noqa: E402
-    _draw, clean_tokens, induction_sequences, sample_tokens, strengths, token_directions, token_set,
+from compatlas.behaviour.induction import (
+    _draw,
+    clean_tokens,
+    induction_sequences,
+    sample_tokens,
+    strengths,
+    token_directions,
+    token_set,
 )
-from compatlas.models.loading import boot  # noqa: E402
-from compatlas.runtime import resolve_device, stable_seed  # noqa: E402
+from compatlas.models.loading import boot
+from compatlas.runtime import resolve_device, stable_seed
 
 REPO = Path(__file__).resolve().parent.parent
 

@@ -23,11 +23,11 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
-from synthetic_atlas import Spec, write_suite  # noqa: E402
+from synthetic_atlas import Spec, write_suite
 
-from compatlas.report import build_report  # noqa: E402
-from compatlas.report.page import js_bundle  # noqa: E402
-from compatlas.vocab import METRICS, SPACES  # noqa: E402
+from compatlas.report import build_report
+from compatlas.report.page import js_bundle
+from compatlas.vocab import METRICS, SPACES
 
 SHAPES = [("pythia-a", 6, 8), ("pythia-b", 12, 12), ("pythia-c", 16, 16), ("pythia-d", 24, 16)]
 

@@ -21,8 +21,8 @@ import torch
 from compatlas.composition.scores import layer_pairs
 from compatlas.composition.table import score_block
 from compatlas.composition.token_space import add_space_factors
-from compatlas.vocab import METRICS
 from compatlas.models.weights import AttentionWeights
+from compatlas.vocab import METRICS
 
 SHAPES = {  # layers, heads, kv heads, d_model, d_head, vocab
     "smollm2": (30, 9, 3, 576, 64, 49152),

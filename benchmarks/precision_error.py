@@ -31,8 +31,8 @@ import polars as pl  # noqa: E402
 from compatlas.composition.calibration import calibrate  # noqa: E402
 from compatlas.composition.scores import block_pairs, null_pairs  # noqa: E402
 from compatlas.composition.table import score_space  # noqa: E402
-from compatlas.vocab import NORMALISED_METRICS as METRICS  # noqa: E402 -- the three the figures were measured for
 from compatlas.models.weights import load_weights  # noqa: E402
+from compatlas.vocab import NORMALISED_METRICS as METRICS  # noqa: E402 -- the three the figures were measured for
 
 PRECISIONS = ("float32", "tf32", "bf16")
 FDR = 0.05

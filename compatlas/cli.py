@@ -124,7 +124,6 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
 
     if args.cmd == "query":
-        import polars as pl
 
         from compatlas.atlas import query
         from compatlas.atlas.files import AtlasChanged, last_good_path
@@ -185,8 +184,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.cmd == "validate":
         import yaml
 
-        from compatlas.plan.config import ConfigError, load_config_file
         from compatlas.plan import build_plan
+        from compatlas.plan.config import ConfigError, load_config_file
 
         try:
             config = load_config_file(args.config) or {}

@@ -1,14 +1,14 @@
 """Snakemake adapter: score one block of layer pairs, and its null pairs, into two Parquet shards."""
 import polars as pl
 
+from compatlas.composition.moments import load_moments
 from compatlas.composition.scores import block_pairs, null_pairs, touched_layers
 from compatlas.composition.table import score_block
 from compatlas.logs import exit_now, setup
-from compatlas.composition.moments import load_moments
+from compatlas.models.weights import load_weights, shard_n_layers
 from compatlas.plan import scored_layers
 from compatlas.storage import write_shard
 from compatlas.tables import provenance
-from compatlas.models.weights import load_weights, shard_n_layers
 
 log = setup(snakemake.log[0], snakemake.threads)
 wc, settings = snakemake.wildcards, snakemake.params.settings

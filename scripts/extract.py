@@ -6,10 +6,10 @@ from pathlib import Path
 if snakemake.params.entry["source"]["kind"] != "hub":
     os.environ["HF_HUB_OFFLINE"] = "1"
 
-from compatlas.models.loading import load_and_extract  # noqa: E402
-from compatlas.logs import exit_now, setup  # noqa: E402
-from compatlas.composition.token_space import add_space_factors  # noqa: E402
-from compatlas.models.weights import save_weights  # noqa: E402
+from compatlas.composition.token_space import add_space_factors
+from compatlas.logs import exit_now, setup
+from compatlas.models.loading import load_and_extract
+from compatlas.models.weights import save_weights
 
 log = setup(snakemake.log[0], snakemake.threads)
 w, _ = load_and_extract(snakemake.wildcards.model, snakemake.params.entry, snakemake.params.checkpoint,

@@ -5,9 +5,9 @@ from pathlib import Path
 if snakemake.params.entry["source"]["kind"] != "hub":
     os.environ["HF_HUB_OFFLINE"] = "1"
 
-from compatlas.behaviour.induction import boot_and_measure_behaviour  # noqa: E402
-from compatlas.logs import exit_now, setup  # noqa: E402
-from compatlas.storage import write_shard  # noqa: E402
+from compatlas.behaviour.induction import boot_and_measure_behaviour
+from compatlas.logs import exit_now, setup
+from compatlas.storage import write_shard
 
 log = setup(snakemake.log[0], snakemake.threads)
 wc = snakemake.wildcards

@@ -1,10 +1,10 @@
 """Snakemake adapter: the invariance audit of one model (x checkpoint)."""
 from compatlas.audits.invariance import audit, sample_layers
 from compatlas.logs import exit_now, setup
+from compatlas.models.weights import load_weights
 from compatlas.plan import scored_layers
 from compatlas.storage import write_shard
 from compatlas.tables import provenance
-from compatlas.models.weights import load_weights
 
 log = setup(snakemake.log[0], snakemake.threads)
 p, s = snakemake.params, snakemake.params.settings

@@ -1,6 +1,6 @@
 """Snakemake adapter: audit every metric in every space against the axioms."""
-from compatlas.logs import exit_now, setup
 from compatlas.audits.metric_audit import run_audit
+from compatlas.logs import exit_now, setup
 from compatlas.storage import write_shard
 from compatlas.tables import provenance
 

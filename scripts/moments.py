@@ -5,8 +5,8 @@ from pathlib import Path
 if snakemake.params.entry["source"]["kind"] != "hub":
     os.environ["HF_HUB_OFFLINE"] = "1"
 
-from compatlas.logs import exit_now, setup  # noqa: E402
-from compatlas.composition.moments import boot_and_measure_moments, save_moments  # noqa: E402
+from compatlas.composition.moments import boot_and_measure_moments, save_moments
+from compatlas.logs import exit_now, setup
 
 log = setup(snakemake.log[0], snakemake.threads)
 p = snakemake.params

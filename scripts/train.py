@@ -2,9 +2,9 @@
 from pathlib import Path
 
 from compatlas.logs import exit_now, setup
+from compatlas.models.training import train_segment
 from compatlas.storage import write_shard
 from compatlas.tables import provenance
-from compatlas.models.training import train_segment
 
 log = setup(snakemake.log[0])
 wc = snakemake.wildcards

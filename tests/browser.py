@@ -130,7 +130,7 @@ class Browser:
         while True:
             state = json.loads(self.call("Runtime.evaluate", {"expression": js, "returnByValue": True},
                                          session=s)["result"].get("value") or "{}")
-            if state.get("ok") and state["n"] == state["d"] + len(state["f"]) or time.monotonic() > deadline:
+            if (state.get("ok") and state["n"] == state["d"] + len(state["f"])) or time.monotonic() > deadline:
                 break
             self.drain(0.5)
         self.drain(1.0)

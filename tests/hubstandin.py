@@ -62,7 +62,7 @@ class StandInHub:
         return rev
 
     # ------------------------------------------------------------------ lifecycle
-    def start(self) -> "StandInHub":
+    def start(self) -> StandInHub:
         hub = self
 
         class Handler(_Handler):
@@ -94,7 +94,7 @@ class StandInHub:
         for t in self._threads:
             t.join(timeout=self.timeout)
 
-    def __enter__(self) -> "StandInHub":
+    def __enter__(self) -> StandInHub:
         return self.start()
 
     def __exit__(self, *exc) -> None:
@@ -346,11 +346,11 @@ def _extract_main(cases_path: str) -> None:
     import logging
     import sys
 
-    from compatlas.plan import build_plan, thaw
+    from compatlas.composition.token_space import add_space_factors
     from compatlas.models.loading import load_and_extract
     from compatlas.models.sources import ModelLoadError
-    from compatlas.composition.token_space import add_space_factors
     from compatlas.models.weights import save_weights
+    from compatlas.plan import build_plan, thaw
 
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(levelname)s %(name)s: %(message)s")
     spec = json.loads(Path(cases_path).read_text())

@@ -23,11 +23,16 @@ import polars as pl
 from compatlas.atlas import build_atlas
 from compatlas.storage import checksum_path, write_shard
 from compatlas.tables import (
-    CALIBRATION_SCHEMA, COMPOSITION_SCHEMA, EDGE_ATTRIBUTION_SCHEMA, HEAD_SCORES_SCHEMA, INDUCTION_TOKENS_SCHEMA, INVARIANCE_SCHEMA,
-    METRIC_AUDIT_SCHEMA, TRAINING_LOSS_SCHEMA,
+    CALIBRATION_SCHEMA,
+    COMPOSITION_SCHEMA,
+    EDGE_ATTRIBUTION_SCHEMA,
+    HEAD_SCORES_SCHEMA,
+    INDUCTION_TOKENS_SCHEMA,
+    INVARIANCE_SCHEMA,
+    METRIC_AUDIT_SCHEMA,
+    TRAINING_LOSS_SCHEMA,
 )
 from compatlas.vocab import COMPS, METRICS
-
 
 
 @dataclass

@@ -10,9 +10,9 @@ import torch
 from conftest import random_moments, random_weights
 from test_composition import _boot_bridge
 
+from compatlas.composition.moments import MOMENT_KEYS, Moments, load_moments, measure_moments, save_moments
 from compatlas.composition.table import score_block
 from compatlas.models.loading import extract
-from compatlas.composition.moments import MOMENT_KEYS, Moments, load_moments, measure_moments, save_moments
 
 F64 = torch.float64
 B, T = 6, 10  # sequences x tokens of the brute-force sample

@@ -9,8 +9,8 @@ from pathlib import Path
 import polars as pl
 
 from compatlas.atlas import build_atlas, query
-from compatlas.tables import COMPOSITION_SCHEMA
 from compatlas.storage import write_shard
+from compatlas.tables import COMPOSITION_SCHEMA
 
 
 def shard(path: Path, model: str, score: float) -> Path:

@@ -12,9 +12,9 @@ import pytest
 from scipy.stats import spearmanr
 
 from compatlas.atlas import MIN_CLASS, MIN_READERS, build_atlas, connect
+from compatlas.storage import write_shard
 from compatlas.tables import COMPOSITION_SCHEMA, HEAD_SCORES_SCHEMA, INDUCTION_TOKENS_SCHEMA
 from compatlas.vocab import COMPS
-from compatlas.storage import write_shard
 
 L, H = 4, 4  # 12 readers: enough for Spearman (atlas.MIN_READERS)
 

@@ -20,15 +20,21 @@ from conftest import random_moments
 from conftest import random_weights as shared_random_weights
 
 from compatlas.composition.calibration import (
-    KV_SHARED_RTOL, NULL_PAIRS, NullPairs, bh_q_values, calibrate, calibrate_shards, empirical_p_values,
-    hypothesis_unit, tail_survival,
+    KV_SHARED_RTOL,
+    NULL_PAIRS,
+    NullPairs,
+    bh_q_values,
+    calibrate,
+    calibrate_shards,
+    empirical_p_values,
+    hypothesis_unit,
+    tail_survival,
 )
 from compatlas.composition.scores import block_pairs, layer_pairs, null_pairs
 from compatlas.composition.table import score_block
+from compatlas.models.weights import AttentionWeights
 from compatlas.storage import write_shard
 from compatlas.vocab import COMPS, METRICS, NORMALISED_METRICS, SPACES
-from compatlas.models.weights import AttentionWeights
-
 
 
 def test_empirical_p_is_the_counting_formula():

@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 
 import polars as pl
-import pytest
 
 from compatlas import cli
 from compatlas.storage import write_shard

@@ -16,8 +16,8 @@ import torch
 from conftest import random_weights, tiny_hf_model
 
 from compatlas.composition.scores import gaussian_baseline, haar_overlap_blocks, head_factors, layer_pair_scores
-from compatlas.vocab import COMPS, METRICS
 from compatlas.models.weights import AttentionWeights
+from compatlas.vocab import COMPS, METRICS
 
 F64 = torch.float64
 TOL = 1e-10

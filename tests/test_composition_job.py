@@ -10,13 +10,19 @@ import pytest
 import torch
 from conftest import random_weights
 
+from compatlas.composition.precision import gemm_operand, round_tf32
 from compatlas.composition.scores import (
-    block_pairs, gaussian_baseline, haar_overlap_blocks, head_factors, layer_pair_scores, null_pairs, spectrum_baseline,
+    block_pairs,
+    gaussian_baseline,
+    haar_overlap_blocks,
+    head_factors,
+    layer_pair_scores,
+    null_pairs,
+    spectrum_baseline,
 )
 from compatlas.composition.table import score_block, score_space
-from compatlas.composition.precision import gemm_operand, round_tf32
-from compatlas.runtime import stable_seed
 from compatlas.composition.token_space import add_space_factors
+from compatlas.runtime import stable_seed
 from compatlas.vocab import COMPS, METRICS, NORMALISED_METRICS
 
 KEY = ["comp", "writer_layer", "writer_head", "reader_layer", "reader_head"]

@@ -19,9 +19,9 @@ import pytest
 import yaml
 from conftest import machine_slowdown
 
-from compatlas.plan.config import ConfigError, validate_config
-from compatlas.plan.checkpoints import schedule
 from compatlas.plan import CheckpointPlan, build_plan, freeze, scored_layers, thaw
+from compatlas.plan.checkpoints import schedule
+from compatlas.plan.config import ConfigError, validate_config
 
 REPO = Path(__file__).resolve().parent.parent
 

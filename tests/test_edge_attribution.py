@@ -9,19 +9,23 @@ the task by construction: it must come first by EAP and by exact patching."""
 
 from __future__ import annotations
 
-
 import polars as pl
 import pytest
 import torch
 from conftest import tiny_hf_model
 from test_induction import V, induction_model
 
+from compatlas.behaviour.sequences import TokenSet
 from compatlas.function.edge_attribution import (
-    InductionTask, attribution_scores, causal_edges, exact_sample, exact_scores, induction_task,
+    InductionTask,
+    attribution_scores,
+    causal_edges,
+    exact_sample,
+    exact_scores,
+    induction_task,
 )
 from compatlas.function.edge_measure import attribute_edges
 from compatlas.models.loading import boot
-from compatlas.behaviour.sequences import TokenSet
 from compatlas.models.small_models import word_tokenizer
 from compatlas.tables import EDGE_ATTRIBUTION_SCHEMA
 

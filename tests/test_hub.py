@@ -22,10 +22,9 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from safetensors.torch import load_file
-
 from conftest import machine_slowdown
 from hubstandin import StandInHub, served_state, tiny_repo
+from safetensors.torch import load_file
 
 REPO = Path(__file__).resolve().parent.parent
 STANDIN = Path(__file__).resolve().parent / "hubstandin.py"

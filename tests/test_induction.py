@@ -13,8 +13,18 @@ from conftest import tiny_hf_model
 
 from compatlas.behaviour.block_skip import Skip, block_list
 from compatlas.behaviour.induction import (
-    NearbyB, TokenSet, ablation_effects, clean_tokens, head_attention_scores, induction_sequences, induction_sweep,
-    logodds, measure_behaviour, nearest_tokens, sample_tokens, strengths,
+    NearbyB,
+    TokenSet,
+    ablation_effects,
+    clean_tokens,
+    head_attention_scores,
+    induction_sequences,
+    induction_sweep,
+    logodds,
+    measure_behaviour,
+    nearest_tokens,
+    sample_tokens,
+    strengths,
 )
 from compatlas.models.loading import boot
 from compatlas.models.small_models import word_tokenizer
@@ -319,8 +329,8 @@ def test_attribution_is_the_derivative_of_the_exact_drop(built):
     """Attribution patching is first order: its drop for a head is d(strength)/d(scale) when the
     head's z is scaled, taken by central finite differences on the same sequences (exact at
     first order: zeroing z is scale 1 -> 0). Covers the lower head's gradient through the upper one."""
-    from compatlas.runtime import stable_seed
     from compatlas.behaviour.induction import _draw
+    from compatlas.runtime import stable_seed
 
     S, eps = 6, 1e-2
     attr = ablation_effects(built, POOL, sequences=S, method="attribution", seed=2, batch_size=8)
@@ -380,8 +390,8 @@ def test_attribution_matches_finite_differences_on_llama_in_float64(tmp_path):
     """The same first-order identity on a random Llama (rotary, RMSNorm, grouped KV heads),
     run in float64 (Hugging Face still takes the attention softmax in float32: hence a step of
     1e-2, whose truncation error is O(step^2)): every head, to 1%."""
-    from compatlas.runtime import stable_seed
     from compatlas.behaviour.induction import _draw
+    from compatlas.runtime import stable_seed
 
     model, _ = boot({"source": {"kind": "build", "architecture": "llama", "n_layers": 3, "n_heads": 4, "n_kv_heads": 2,
                                 "d_head": 8, "d_vocab": 40, "seed": 0}}, None, tmp_path, dtype=torch.float64)

@@ -8,8 +8,8 @@ import math
 import numpy as np
 import pytest
 
-from compatlas.vocab import COMPS, SPACES, WEIGHT_SPACES
 from compatlas.audits.metric_audit import constructions, score
+from compatlas.vocab import COMPS, WEIGHT_SPACES
 
 
 @pytest.mark.parametrize("d", [4, 16, 64])

@@ -18,8 +18,8 @@ import yaml
 from compatlas.composition.scores import head_factors, layer_pair_scores
 from compatlas.models.loading import load_and_extract
 from compatlas.models.sources import gguf_file
-from compatlas.vocab import COMPS
 from compatlas.models.weights import AttentionWeights
+from compatlas.vocab import COMPS
 
 REPO = Path(__file__).resolve().parent.parent
 OPTIONAL = yaml.safe_load((REPO / "config" / "optional.yaml").read_text())["models"]

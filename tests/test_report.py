@@ -11,13 +11,13 @@ import duckdb
 import numpy as np
 import polars as pl
 import pytest
+from synthetic_atlas import Spec, as_older_atlas, write_suite
 
 from compatlas.atlas import connect as atlas_connect
 from compatlas.report import build_report
 from compatlas.report.heatmaps import heatmap_rows
 from compatlas.report.page import fmt, step
 from compatlas.vocab import METRICS
-from synthetic_atlas import Spec, as_older_atlas, write_suite
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 SUITE = [Spec("toy-a", 4, 4), Spec("org/run", 3, 3, steps=[0, 1, 4, 16, 64, 100, 200]), Spec("solo", 1, 2)]

@@ -18,10 +18,10 @@ import shutil
 from pathlib import Path
 
 import pytest
-
 from browser import check_report, chromium, function_problems, menu_problems
-from compatlas.report import build_report
 from synthetic_atlas import Spec, write_suite
+
+from compatlas.report import build_report
 
 
 def screenshots(tmp: Path, name: str) -> Path:

@@ -13,14 +13,13 @@ import duckdb
 import numpy as np
 import polars as pl
 import pytest
+from scipy import stats
+from synthetic_atlas import TRACKING, Spec, as_older_atlas, write_suite
 
 from compatlas.atlas import connect as atlas_connect
 from compatlas.report import build_report
-from scipy import stats
-
 from compatlas.report.function import CIRCUIT, OTHER, edge_points, model_function
 from compatlas.vocab import METRICS
-from synthetic_atlas import TRACKING, Spec, as_older_atlas, write_suite
 
 STEPS = [0, 4, 64, 200, 400]
 SUITE = [Spec("wide", 6, 4, edges=True), Spec("run", 3, 3, steps=STEPS, edges=True), Spec("plain", 4, 4),

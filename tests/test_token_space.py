@@ -9,8 +9,8 @@ from conftest import random_weights
 
 from compatlas.composition.table import score_block
 from compatlas.composition.token_space import embedding_basis, to_space
-from compatlas.vocab import COMPS, METRICS
 from compatlas.models.weights import AttentionWeights
+from compatlas.vocab import COMPS, METRICS
 
 L, H, HKV, D, DH, VOCAB = 3, 4, 2, 16, 4, 300
 

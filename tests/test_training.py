@@ -11,8 +11,9 @@ import torch
 import yaml
 
 from compatlas.behaviour import formation as fm
-from compatlas.plan.config import validate_config
 from compatlas.models.training import induction_batch, train_segment
+from compatlas.plan.config import validate_config
+
 
 def _demo_spec() -> dict:
     """The default demo run's training spec, defaults filled in."""

@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 from safetensors import safe_open
 
-from compatlas.composition.token_space import embedding_gram, factor_and_spectrum, normalised_embedding, _row_normaliser
+from compatlas.composition.token_space import _row_normaliser, embedding_gram, factor_and_spectrum, normalised_embedding
 from compatlas.models.weights import AttentionWeights, write_safetensors
 
 

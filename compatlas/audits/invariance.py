@@ -18,12 +18,12 @@ import polars as pl
 import torch
 
 from compatlas.composition.scores import HeadFactors, head_factors, layer_pair_scores, layer_pairs
+from compatlas.composition.token_space import to_space
+from compatlas.models.weights import AttentionWeights
 from compatlas.progress import Progress
 from compatlas.runtime import stable_seed
 from compatlas.tables import INVARIANCE_SCHEMA
-from compatlas.composition.token_space import to_space
 from compatlas.vocab import COMPS, TRANSFORMS, WEIGHT_SPACES, Metric, Space, Transform
-from compatlas.models.weights import AttentionWeights
 
 log = logging.getLogger(__name__)
 

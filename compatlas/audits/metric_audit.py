@@ -27,12 +27,12 @@ import numpy as np
 import polars as pl
 import torch
 
-from compatlas.composition.scores import head_factors, layer_pair_scores
 from compatlas.audits.invariance import apply_transform, model_scores, random_transform
-from compatlas.tables import METRIC_AUDIT_SCHEMA
+from compatlas.composition.scores import head_factors, layer_pair_scores
 from compatlas.composition.token_space import add_space_factors, to_space
-from compatlas.vocab import COMPS, NORMALISED_METRICS, TRANSFORMS, WEIGHT_SPACES, Comp, Metric, Space
 from compatlas.models.weights import AttentionWeights
+from compatlas.tables import METRIC_AUDIT_SCHEMA
+from compatlas.vocab import COMPS, NORMALISED_METRICS, TRANSFORMS, WEIGHT_SPACES, Comp, Metric, Space
 
 AXIOMS = ("axiom1_full", "axiom2_zero", "axiom3_monotone_smooth", "axiom4_invariant")
 TOL = 1e-6

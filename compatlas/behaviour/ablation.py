@@ -14,12 +14,21 @@ import polars as pl
 import torch
 
 from compatlas.behaviour.block_skip import arity_probe, block_list, skip_below
+from compatlas.behaviour.sequences import (
+    LOGITS_BUDGET,
+    Hook,
+    TokenSet,
+    _device,
+    _draw,
+    _stats,
+    effective_batch,
+    induction_sequences,
+    last_position_hooks,
+    logodds,
+    strengths,
+)
 from compatlas.progress import Progress
 from compatlas.runtime import stable_seed
-from compatlas.behaviour.sequences import (
-    LOGITS_BUDGET, Hook, TokenSet, _device, _draw, _stats, effective_batch, induction_sequences, last_position_hooks,
-    logodds, strengths,
-)
 from compatlas.tables import HEAD_SCORES_SCHEMA
 from compatlas.vocab import ABLATION_METHODS, ABLATION_MODES, AblationMethod, AblationMode
 

@@ -6,9 +6,9 @@ from __future__ import annotations
 import polars as pl
 import torch
 
+from compatlas.behaviour.sequences import TokenSet, _device, _draw, _stats, last_position_hooks
 from compatlas.progress import Progress
 from compatlas.runtime import stable_seed
-from compatlas.behaviour.sequences import TokenSet, _device, _draw, _stats, last_position_hooks
 from compatlas.tables import HEAD_SCORES_SCHEMA
 
 

@@ -34,20 +34,43 @@ import torch
 
 # Each concept has its module; the names the pipeline, tests and benchmarks import from here stay here.
 from compatlas.behaviour.ablation import (  # noqa: F401
-    _attribution_drops, _cached_drops, _full_drops, ablation_effects, head_z_means,
+    _attribution_drops,
+    _cached_drops,
+    _full_drops,
+    ablation_effects,
+    head_z_means,
 )
 from compatlas.behaviour.head_scores import head_attention_scores
-from compatlas.progress import Progress
-from compatlas.runtime import stable_seed
 from compatlas.behaviour.sequences import (  # noqa: F401
-    LAST_POSITION_HOOK, LOGITS_BUDGET, P_EPS, Hook, TokenSet, _device, _draw, _stats, effective_batch,
-    induction_sequences, last_position_hooks, logodds, strengths, target_logprobs,
+    LAST_POSITION_HOOK,
+    LOGITS_BUDGET,
+    P_EPS,
+    Hook,
+    TokenSet,
+    _device,
+    _draw,
+    _stats,
+    effective_batch,
+    induction_sequences,
+    last_position_hooks,
+    logodds,
+    strengths,
+    target_logprobs,
 )
-from compatlas.tables import HEAD_SCORES_SCHEMA, INDUCTION_TOKENS_SCHEMA
 from compatlas.behaviour.tokens import (  # noqa: F401
-    CONTROL_NAME, NearbyB, clean_tokens, control_tokens, duplicate_rows, nearest_tokens, sample_tokens, token_directions,
+    CONTROL_NAME,
+    NearbyB,
+    clean_tokens,
+    control_tokens,
+    duplicate_rows,
+    nearest_tokens,
+    sample_tokens,
+    token_directions,
     token_set,
 )
+from compatlas.progress import Progress
+from compatlas.runtime import stable_seed
+from compatlas.tables import HEAD_SCORES_SCHEMA, INDUCTION_TOKENS_SCHEMA
 from compatlas.vocab import ROLES
 
 log = logging.getLogger(__name__)
@@ -159,8 +182,8 @@ def boot_for_forward(model_id: str, entry: dict, checkpoint: dict | None, settin
     the job in the error for a model without an unembedding; ``context(n_ctx)`` says what the
     settings need of a context of ``n_ctx`` tokens, or None when it is enough."""
     from compatlas.models.loading import boot
-    from compatlas.runtime import resolve_device
     from compatlas.models.weights import load_meta
+    from compatlas.runtime import resolve_device
 
     meta = load_meta(meta_path)
     if not meta.get("has_unembed", True):

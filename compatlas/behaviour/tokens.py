@@ -10,8 +10,8 @@ import re
 
 import torch
 
-from compatlas.runtime import stable_seed
 from compatlas.behaviour.sequences import TokenSet
+from compatlas.runtime import stable_seed
 
 # Reserved/control names that are not text: <|...|>, [unused3], [UNK], <unused12>, <reserved_...>,
 # <extra_id_4>, <pad>, <unk>, <mask>, and SentencePiece's byte-fallback <0x0A>.

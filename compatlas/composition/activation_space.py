@@ -35,8 +35,8 @@ from typing import Literal
 import torch
 
 from compatlas.composition.moments import Moments
-from compatlas.vocab import Comp
 from compatlas.models.weights import AttentionWeights
+from compatlas.vocab import Comp
 
 WriterStatistics = Literal["output", "input"]
 """What a writer's moment is: its measured output ``E[z^T z]`` (its attention pattern in), or its

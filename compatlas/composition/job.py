@@ -31,15 +31,21 @@ from dataclasses import dataclass, field
 
 import torch
 
-from compatlas.composition.scores import (
-    HeadFactors, factor_family, gaussian_heads, haar_overlap_blocks, head_factors, normalised_score, pair_denominator,
-    spectrum_baseline,
-)
 from compatlas.composition.job_factors import JobFactors, Sandwich
 from compatlas.composition.precision import core_gemm, gemm_operand
+from compatlas.composition.scores import (
+    HeadFactors,
+    factor_family,
+    gaussian_heads,
+    haar_overlap_blocks,
+    head_factors,
+    normalised_score,
+    pair_denominator,
+    spectrum_baseline,
+)
+from compatlas.models.weights import AttentionWeights
 from compatlas.runtime import one_thread, stable_seed
 from compatlas.vocab import COMPS, Comp, Metric, ScoreDtype, Space
-from compatlas.models.weights import AttentionWeights
 
 CPU_TILE_BYTES = 32 * 2**20  # one GPT-2-small writer layer's products (28 MiB); stacking more was no faster on 2 cores
 GPU_TILE_SHARE = 0.15  # of the device's free memory, for one tile's products (its post products and their

@@ -23,8 +23,8 @@ from dataclasses import dataclass, field, fields
 import torch
 
 from compatlas.composition.scores import HeadFactors, factor_family, head_factors
-from compatlas.vocab import Metric
 from compatlas.models.weights import AttentionWeights
+from compatlas.vocab import Metric
 
 CHUNK_BYTES = 4 * 2**30  # the weights of the layers factored at once, times 8 (both families' factors beside them)
 

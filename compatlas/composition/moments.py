@@ -53,7 +53,7 @@ class Moments:
     attn_scale: float  # the logit is q . k / attn_scale
     meta: dict[str, Any] = field(default_factory=dict)
 
-    def layers(self, layers: list[int]) -> "Moments":
+    def layers(self, layers: list[int]) -> Moments:
         idx = torch.tensor(layers, dtype=torch.long)
         return Moments(**{k: getattr(self, k)[idx] for k in MOMENT_KEYS}, attn_scale=self.attn_scale, meta=self.meta)
 
@@ -160,9 +160,9 @@ def boot_and_measure_moments(model_id: str, entry: dict, checkpoint: dict | None
     """Boot one model (x checkpoint) as the induction job does and measure its moments over the
     sample ``settings`` (the model's ``activation`` section) names."""
     from compatlas.behaviour.induction import boot_for_forward
-    from compatlas.tables import provenance
-    from compatlas.composition.text_sample import induction_chunks, text_chunks
     from compatlas.behaviour.tokens import bos_token, clean_tokens, sample_tokens, token_directions
+    from compatlas.composition.text_sample import induction_chunks, text_chunks
+    from compatlas.tables import provenance
 
     t0 = time.perf_counter()
     length, chunks = settings["length"], settings["chunks"]

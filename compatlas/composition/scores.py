@@ -41,11 +41,10 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from compatlas.runtime import one_thread
 from compatlas.composition.small_linalg import on_host
-from compatlas.vocab import COMPS, METRICS, Comp, Metric
 from compatlas.models.weights import AttentionWeights
-
+from compatlas.runtime import one_thread
+from compatlas.vocab import COMPS, METRICS, Comp, Metric
 
 
 @dataclass

@@ -26,7 +26,7 @@ def on_host(fn: Callable[[torch.Tensor], torch.Tensor | tuple[torch.Tensor, ...]
     """``fn(x)`` for a batch x [..., k, k] (``fn`` batched over the leading axes), computed on the
     host when x is on a GPU and ``ON_HOST`` is set (or ``force``: the tests' way to take this path
     on the CPU); the results in x's device and dtype."""
-    if not (force or x.is_cuda and ON_HOST):
+    if not (force or (x.is_cuda and ON_HOST)):
         return fn(x)
     flat = x.detach().reshape(-1, *x.shape[-2:]).to("cpu", torch.float64)
     workers = max(1, min(os.cpu_count() or 1, flat.shape[0] // MIN_CHUNK))

@@ -18,15 +18,15 @@ import polars as pl
 import torch
 
 from compatlas.composition.activation_space import activation_weights
-from compatlas.composition.scores import touched_layers
 from compatlas.composition.job import JobClock, draw_nulls, score_tiles
 from compatlas.composition.job_factors import job_factors
 from compatlas.composition.precision import storage_dtype
+from compatlas.composition.scores import touched_layers
+from compatlas.composition.token_space import change_basis, space_basis
+from compatlas.models.weights import AttentionWeights
 from compatlas.runtime import resolve_device
 from compatlas.tables import COMPOSITION_SCHEMA
-from compatlas.composition.token_space import change_basis, space_basis
 from compatlas.vocab import COMPS, NORMALISED_METRICS, Metric, ScoreDtype, Space
-from compatlas.models.weights import AttentionWeights
 
 if TYPE_CHECKING:
     from compatlas.composition.moments import Moments

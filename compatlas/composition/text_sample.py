@@ -131,5 +131,5 @@ def induction_chunks(pool: torch.Tensor, chunks: int, length: int, bos: int | No
     t = torch.cat([first, first], dim=1)[:, :body]
     if bos is not None:
         t = torch.cat([torch.full((chunks, 1), bos, dtype=torch.long), t], dim=1)
-    return TokenChunks(t, {"kind": "induction", "seed": seed, "pool": int(len(pool)), "tokens": int(t.numel()),
+    return TokenChunks(t, {"kind": "induction", "seed": seed, "pool": len(pool), "tokens": int(t.numel()),
                            "chunks": chunks, "length": length, "unknown_token_share": 0.0})

@@ -21,8 +21,8 @@ from dataclasses import dataclass
 
 import torch
 
-from compatlas.vocab import TOKEN_SPACES, WEIGHT_SPACES, Space
 from compatlas.models.weights import AttentionWeights
+from compatlas.vocab import TOKEN_SPACES, WEIGHT_SPACES, Space
 
 DEFAULT_MAX_CONDITION = 1e6
 GRAM_MAX_CONDITION = 1e5  # above this, the factor comes from Householder QR (float64 accuracy)

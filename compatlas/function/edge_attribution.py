@@ -53,10 +53,10 @@ from dataclasses import dataclass
 import torch
 
 from compatlas.behaviour.block_skip import arity_probe, block_list, skip_below
+from compatlas.behaviour.sequences import TokenSet, _draw
 from compatlas.function.eap_attn import exact_attention_scores
 from compatlas.progress import Progress
 from compatlas.runtime import stable_seed
-from compatlas.behaviour.sequences import TokenSet, _draw
 from compatlas.vocab import COMPS, EDGE_METHODS, Comp, EdgeMethod
 
 log = logging.getLogger(__name__)

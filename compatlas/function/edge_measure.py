@@ -12,7 +12,15 @@ import polars as pl
 import torch
 
 from compatlas.function.edge_attribution import (
-    Edge, attribution_scores, attribution_work, causal_edges, exact_sample, exact_scores, induction_task, mean_stderr, n_kv_heads,
+    Edge,
+    attribution_scores,
+    attribution_work,
+    causal_edges,
+    exact_sample,
+    exact_scores,
+    induction_task,
+    mean_stderr,
+    n_kv_heads,
 )
 from compatlas.progress import Progress
 from compatlas.tables import EDGE_ATTRIBUTION_SCHEMA
@@ -98,8 +106,8 @@ def boot_and_attribute_edges(model_id: str, entry: dict, checkpoint: dict | None
     pool) and attribute its edges: the ``edge_attribution`` table and its shard's provenance.
     ``settings``: the model's ``induction`` section (``edge_attribution`` in it)."""
     from compatlas.behaviour.induction import boot_for_forward
-    from compatlas.tables import provenance
     from compatlas.behaviour.tokens import clean_tokens, sample_tokens, token_directions, token_set
+    from compatlas.tables import provenance
 
     t0 = time.perf_counter()
     edge = settings["edge_attribution"]

@@ -12,8 +12,8 @@ from pathlib import Path
 from typing import Any
 
 from compatlas.models.sources import ModelLoadError
-from compatlas.storage import dir_checksum
 from compatlas.models.streaming import StreamingUnsupported
+from compatlas.storage import dir_checksum
 
 log = logging.getLogger(__name__)
 

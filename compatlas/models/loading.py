@@ -32,9 +32,9 @@ import torch
 
 from compatlas.models.hub import hub_folder, hub_provenance, hub_revision
 from compatlas.models.sources import ModelLoadError, gguf_file, gguf_header, local_model_dir
+from compatlas.models.weights import AttentionWeights, extracted_weights
 from compatlas.storage import dir_checksum, file_sha256
 from compatlas.vocab import PROCESSINGS, SourceKind
-from compatlas.models.weights import AttentionWeights, extracted_weights
 
 log = logging.getLogger(__name__)
 

@@ -215,9 +215,9 @@ class Processing:
     gating reads the adapter and the config exactly as process_weights does."""
 
     def __init__(self, adapter, processing: str):
+        from transformer_lens.model_bridge.architecture_adapter import ArchitectureAdapter
         from transformer_lens.utilities.activation_functions import softcap_enabled
         from transformer_lens.utilities.architectures import POST_NORM_ARCHITECTURES
-        from transformer_lens.model_bridge.architecture_adapter import ArchitectureAdapter
 
         cfg = adapter.cfg
         self.on = processing == "compat"

@@ -102,7 +102,7 @@ class AttentionWeights:
         group = self.n_heads // self.n_kv_heads
         return self.W_K.repeat_interleave(group, dim=1), self.W_V.repeat_interleave(group, dim=1)
 
-    def layers(self, layers: list[int]) -> "AttentionWeights":
+    def layers(self, layers: list[int]) -> AttentionWeights:
         """The same model restricted to some layers (for composition on a layer range), given by
         the model's layer numbers; the result's per-layer tensors are in that order."""
         position = {layer: i for i, layer in enumerate(self.layer_ids or range(self.n_layers))}
@@ -117,7 +117,7 @@ class AttentionWeights:
             ln_final_w=self.ln_final_w, meta=self.meta, extras=self.extras,  # extras are per model, not per layer
         )
 
-    def to(self, device: torch.device | str, dtype: torch.dtype) -> "AttentionWeights":
+    def to(self, device: torch.device | str, dtype: torch.dtype) -> AttentionWeights:
         def cast(t: torch.Tensor | None) -> torch.Tensor | None:
             return None if t is None else t.to(device=device, dtype=dtype)
 

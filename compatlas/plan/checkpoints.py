@@ -25,7 +25,7 @@ def tokens_per_step(name: str) -> int | None:
     return next((n for prefix, n in TOKENS_PER_STEP.items() if name.startswith(prefix)), None)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def hub_series(name: str) -> tuple[tuple[int, ...], int | None] | None:
     """(published steps, tokens per step) of a hub family with a known schedule, else None.
     Offline: only families whose schedule transformer_lens ships (others would need the hub)."""

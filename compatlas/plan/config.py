@@ -131,4 +131,4 @@ _UniqueKeyLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG,
 def load_config_file(path: str | Path) -> Any:
     """A config file's YAML, refusing duplicate keys (``ConfigError`` naming the key and its
     line); ``yaml.YAMLError`` for YAML that does not parse."""
-    return yaml.load(Path(path).read_text(), Loader=_UniqueKeyLoader)  # noqa: S506 -- a SafeLoader
+    return yaml.load(Path(path).read_text(), Loader=_UniqueKeyLoader)

@@ -16,7 +16,6 @@ from typing import Any
 from compatlas.plan.checkpoints import checkpoint_label, hub_series
 from compatlas.plan.config import ConfigError
 
-
 # files that carry a tokenizer's vocabulary (tokenizer_config.json alone does not)
 TOKENIZER_FILES = ("tokenizer.json", "vocab.json", "vocab.txt", "tokenizer.model", "spiece.model",
                    "sentencepiece.bpe.model")

@@ -18,7 +18,8 @@ import duckdb
 import polars as pl
 
 from compatlas.atlas import connect as atlas_connect
-from compatlas.report import exclusions, function, overview, queries as q
+from compatlas.report import exclusions, function, overview
+from compatlas.report import queries as q
 from compatlas.report.audits import metric_audit_table
 from compatlas.report.findings import why_none
 from compatlas.report.model import ModelData, build_page, load

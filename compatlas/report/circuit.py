@@ -11,8 +11,8 @@ import altair as alt
 import numpy as np
 import polars as pl
 
-from compatlas.report.queries import EDGE_MAX, STRONGEST_PER_COMP
 from compatlas.report.page import COMP_COLOURS, CONTENT, order, wrap
+from compatlas.report.queries import EDGE_MAX, STRONGEST_PER_COMP
 from compatlas.vocab import COMPS, METRICS, SPACES
 
 PREV, IND, OTHER = "previous-token head", "induction head", "other head"

@@ -19,7 +19,8 @@ import numpy as np
 import polars as pl
 
 from compatlas.function import agreement as ag
-from compatlas.report import function_training, queries as q
+from compatlas.report import function_training
+from compatlas.report import queries as q
 from compatlas.report.function_training import cell_order
 from compatlas.report.page import Page, by_metric_space, fmt, note, order, table
 from compatlas.vocab import COMPS, EDGE_METHODS, WEIGHT_SPACES

@@ -13,7 +13,8 @@ import duckdb
 import polars as pl
 
 from compatlas.behaviour import formation as fm
-from compatlas.report import behaviour, blocks, circuit, findings, function, heatmaps, queries as q, training
+from compatlas.report import behaviour, blocks, circuit, findings, function, heatmaps, training
+from compatlas.report import queries as q
 from compatlas.report.audits import invariance_chart
 from compatlas.report.page import Page, esc, fmt, note, safe_name, step
 
@@ -140,7 +141,7 @@ def build_page(con: duckdb.DuckDBPyConnection, d: ModelData, out_dir: Path, q_cu
     cuts = d.cuts  # the head-score cuts ``load`` chose the lead with: the page's roles are the same
     page = Page(out_dir, d.page, f"compatlas: {d.model}", png, pool)
     s = d.stem
-    page.add(f"<nav><a href='index.html'>← all models</a> <a href='#circuit'>circuit</a> <a href='#heatmap'>heatmap</a>"
+    page.add("<nav><a href='index.html'>← all models</a> <a href='#circuit'>circuit</a> <a href='#heatmap'>heatmap</a>"
              + (" <a href='#training'>training</a>" if d.outcome else "")
              + (" <a href='#function'>function</a>" if q.has(con, "composition_vs_function", "method") else "")
              + " <a href='#behaviour'>induction behaviour</a> <a href='#audits'>audits</a></nav>",

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import html
 import json
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from importlib import metadata
 from typing import Any
 
@@ -207,7 +207,7 @@ def footer(config: dict[str, Any] | None, versions: list[str]) -> str:
     cfg = json.dumps({k: v for k, v in (config or {}).items() if k not in ("models", "training")}, default=str, indent=None)
     # a trained model is in both lists (its entry under models, its training run under training): named once
     models = ", ".join(dict.fromkeys([*(config or {}).get("models", {}), *(config or {}).get("training", {})]))
-    return ("<footer><p>Report drawn " + datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    return ("<footer><p>Report drawn " + datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC")
             + f". Libraries (report): {html.escape(', '.join(f'{k} {v}' for k, v in libs.items()))}."
             + f" Libraries (extraction): {html.escape(extraction)}.</p>"
             + (f"<p>Config (models: {html.escape(models)}):</p><pre>{html.escape(cfg)}</pre>" if config else

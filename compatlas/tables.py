@@ -138,3 +138,20 @@ def provenance(meta: Mapping[str, Any] | None, **facts: Any) -> dict[str, Any]:
     record["versions"] = library_versions()
     record.update(facts)
     return record
+
+
+def number(v: object) -> float:
+    """A polars aggregate (``Series.max()``, ``.item()``, a row's field) as a float. Polars types
+    these as any Python value; a missing one (an empty frame, a null) is an error here rather than
+    a NaN that travels on."""
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        raise TypeError(f"expected a number, got {v!r}")
+    return float(v)
+
+
+def integer(v: object) -> int:
+    """``number`` for a count or an index: an int (a float that is whole is accepted)."""
+    x = number(v)
+    if not x.is_integer():
+        raise TypeError(f"expected a whole number, got {v!r}")
+    return int(x)

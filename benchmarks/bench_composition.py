@@ -335,7 +335,7 @@ def child_reference(cfg: dict, workdir: Path) -> dict:
     from transformer_lens.utilities.matrix import composition_scores
 
     device, shape = cfg["device"], SHAPES[cfg["gpt2_shape"]]
-    L, H = shape["n_layers"], shape["n_heads"]
+    L = shape["n_layers"]
     w = make_weights(shape, L).to(device, torch.float32)
     W_K, W_V = w.expanded_kv()  # what TransformerBridge._expand_kv_heads does (a no-op for GPT-2)
     W_Q, W_O = w.W_Q, w.W_O
@@ -582,10 +582,12 @@ def report(results: dict) -> None:
         for name, side in (("ours", ours), ("reference", ref)):
             if side:
                 m = side["memory"]
-                print(f"    {name:<12}{fmt_mib(m['peak_rss_mib']):>11}{fmt_mib(m['baseline_maxrss_mib']):>11}{fmt_mib(m['increment_mib']):>11}")
+                print(f"    {name:<12}{fmt_mib(m['peak_rss_mib']):>11}{fmt_mib(m['baseline_maxrss_mib']):>11}"
+                      f"{fmt_mib(m['increment_mib']):>11}")
         if ours and ref:
             r = p1["ratios"]
-            print(f"\n    speedup (ref / ours, median)   {r['speedup']:8.1f}x   target >= {SPEEDUP_TARGET:.0f}x   {verdict(r['speedup_pass'])}")
+            print(f"\n    speedup (ref / ours, median)   {r['speedup']:8.1f}x   target >= {SPEEDUP_TARGET:.0f}x   "
+                  f"{verdict(r['speedup_pass'])}")
             print(f"    speedup (ref / ours, cold)     {r['speedup_cold']:8.1f}x")
             print(f"    memory (ours / ref peak RSS)   {r['memory_ratio']:8.4f}    target <= {MEMORY_TARGET}   {verdict(r['memory_pass'])}")
             print(f"    memory (increments ours / ref) {r['memory_increment_ratio']:8.4f}")

@@ -97,7 +97,8 @@ def write_model(folder: Path, s: dict, seed: int = 0) -> int:
         save_file(tensors, str(folder / fname), metadata={"format": "pt"})
         weight_map.update({k: fname for k in tensors})
         del tensors
-    (folder / "model.safetensors.index.json").write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=1))
+    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+    (folder / "model.safetensors.index.json").write_text(json.dumps(index, indent=1))
     return total
 
 

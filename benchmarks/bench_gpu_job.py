@@ -229,7 +229,7 @@ def measure_shape(key: str, dev: torch.device, repeats: int, dtypes: tuple[str, 
     parts["kernel float32"] = lambda: score_tiles(job_factors(w_dev, METRICS), METRICS, pairs, None, "float32", JobClock(dev))
     for dt in dtypes:
         parts[f"job {dt}"] = job(dt)
-    for name, fn in parts.items():  # warm-up: library initialisation, cuBLAS heuristics, allocator
+    for fn in parts.values():  # warm-up: library initialisation, cuBLAS heuristics, allocator
         fn()
     for dt in dtypes:
         facts[dt].clear()
@@ -406,7 +406,7 @@ def main(argv: list[str] | None = None) -> int:
         log(f"measuring {key} ...")
         try:
             results["shapes"][key] = measure_shape(key, dev, 1 if key in BIG else a.repeats, dtypes)
-        except Exception:  # one shape's failure (memory, a driver) must not lose the others' figures
+        except Exception:  # noqa: BLE001 - one shape's failure (memory, a driver) must not lose the others' figures
             traceback.print_exc()
             results.setdefault("failed", []).append(key)
         if dev.type == "cuda":

@@ -149,7 +149,7 @@ def main(argv: list[str] | None = None) -> int:
         except (RefusedStatement, AtlasChanged) as e:
             print(f"compatlas: {e}", file=sys.stderr)
             return 1
-        except Exception as e:
+        except Exception as e:  # noqa: BLE001 - any error of DuckDB's or the SQL's: one line, not a traceback
             print(f"compatlas: query failed: {error_line(e)}", file=sys.stderr)
             return 1
         finally:

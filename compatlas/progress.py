@@ -12,7 +12,7 @@ import time
 
 
 def _clock(seconds: float) -> str:
-    seconds = int(round(seconds))
+    seconds = int(round(seconds))  # noqa: RUF046 - a numpy float's round is a float
     h, rest = divmod(seconds, 3600)
     m, s = divmod(rest, 60)
     return f"{h}h{m:02d}m{s:02d}s" if h else f"{m}m{s:02d}s" if m else f"{s}s"

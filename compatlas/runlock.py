@@ -101,7 +101,7 @@ def acquire(results: str | os.PathLike, workdir: str | os.PathLike, stale_s: flo
                 raise RunLockError(
                     f"{results} is in use by another run (from {holder.get('workdir')} on {holder.get('host')}, "
                     f"pid {holder.get('pid')}, since {holder.get('started')}): wait for it to finish, or, if that "
-                    f"run is gone, delete {path}")
+                    f"run is gone, delete {path}") from None  # the lock file's existence is the message
             log.warning("taking over the lock of %s: %s (held by %s)", results, reason, holder)
             path.unlink(missing_ok=True)
             continue

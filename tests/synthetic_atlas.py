@@ -202,7 +202,8 @@ def write_suite(root: Path, specs: list[Spec], metrics=METRICS,
         last = cks[-1][0]
         if s.n_layers > 1:
             put("invariance", pl.DataFrame([{"model": s.name, "checkpoint": last, "processing": "none", "transform": t,
-                                             "metric": m, "space": sp, "comp": c, "spearman": 1.0 if sp != "residual" or t in ("permutation", "orthogonal") else 0.8,
+                                             "metric": m, "space": sp, "comp": c,
+                                             "spearman": 1.0 if sp != "residual" or t in ("permutation", "orthogonal") else 0.8,
                                              "max_abs_change": 1e-3, "top_k": 20, "top_k_overlap": 0.9, "top_k_kept": True,
                                              "log10_scale_range": 2.0}
                                             for t in ("permutation", "orthogonal", "diagonal", "gl") for m in metrics

@@ -121,7 +121,7 @@ def test_moments_round_trip_and_name_a_corrupt_file(gpt2, tmp_path):
     raw[-3] ^= 0xFF
     (tmp_path / "m.safetensors").write_bytes(bytes(raw))
     from compatlas.models.weights import CorruptShardError
-    with pytest.raises(CorruptShardError, match="m.safetensors"):
+    with pytest.raises(CorruptShardError, match=r"m\.safetensors"):
         load_moments(tmp_path / "m.safetensors", tmp_path / "m.json")
 
 

@@ -70,7 +70,7 @@ def atlas(tmp_path_factory):
 
 
 def test_reader_best_composition_takes_the_max_over_prev_token_heads(atlas):
-    con, heads, comp = atlas
+    con, _, comp = atlas
     prev = {(0, 1), (1, 2)}
     got = con.sql("SELECT layer, head, best_score FROM reader_best_composition WHERE comp = 'K' AND model = 'm'").pl()
     expect = {}
@@ -83,7 +83,7 @@ def test_reader_best_composition_takes_the_max_over_prev_token_heads(atlas):
 
 
 def test_spearman_and_auroc_match_independent_computations(atlas):
-    con, heads, _ = atlas
+    con, _, _ = atlas
     best = con.sql("SELECT * FROM reader_best_composition WHERE comp = 'Q' AND model = 'm' ORDER BY layer, head").pl()
     out = con.sql("SELECT * FROM composition_vs_behaviour WHERE comp = 'Q' AND model = 'm'").pl().row(0, named=True)
     score, ind, abl = best["best_score"].to_numpy(), best["induction_mean"].to_numpy(), best["ablation_drop"].to_numpy()

@@ -159,7 +159,8 @@ def test_random_models_are_calibrated_in_every_metric_space_and_comp():
     share one null the count is beta-binomial (conformal p-values), not binomial; pairs that
     share a head add a little more (measured over 60 models in 3 metric x space cells: variance
     1.23 to 1.34 times the beta-binomial's, mean 5.25 to 5.56 against 5.24 expected). Each of the
-    48 cells (4 metrics x 4 spaces x 3 comps; the activation space on random moments) sums 8 models and must lie within 4 of those standard deviations of the expectation.
+    48 cells (4 metrics x 4 spaces x 3 comps; the activation space on random moments) sums 8 models and must lie
+    within 4 of those standard deviations of the expectation.
     That band reaches 0 on the low side, so a needlessly conservative null is caught apart: no
     cell may be empty (P(k = 0) = P_model(0)^8, with P_model(0) about 0.03 for the beta-binomial:
     about 1e-12), and over all 48 cells the count must be at least half its expectation (the cells'

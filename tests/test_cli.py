@@ -130,7 +130,7 @@ def test_tables_round_floats_and_csv_keeps_every_digit(capsys, tmp_path):
         "score       | n", "------------+--", "0.218488    | 1", "1.23457e+06 | 2", "            | 3"]
     db = tmp_path / "atlas.duckdb"
     build_atlas(db, {}, [])
-    rc, out, _ = run(capsys, "query", "--db", str(db), "--format", "csv", "SELECT 0.21848803758621216::DOUBLE AS s")
+    _rc, out, _ = run(capsys, "query", "--db", str(db), "--format", "csv", "SELECT 0.21848803758621216::DOUBLE AS s")
     assert out.splitlines() == ["s", "0.21848803758621216"]
 
 
@@ -220,8 +220,8 @@ def test_every_answer_says_its_row_count_and_an_unknown_model(capsys, tmp_path):
 
     db = tmp_path / "atlas.duckdb"
     build_atlas(db, {}, [])
-    rc, out, err = run(capsys, "query", "--db", str(db), "SELECT * FROM composition WHERE model = 'smollm2'")
+    rc, _, err = run(capsys, "query", "--db", str(db), "SELECT * FROM composition WHERE model = 'smollm2'")
     assert rc == 0 and "compatlas: note: model 'smollm2' is not in this atlas; it has: none" in err
     assert err.strip().splitlines()[-1] == "compatlas: 0 rows"
-    rc, out, err = run(capsys, "query", "--db", str(db), "SELECT 1 AS a UNION ALL SELECT 2")
+    rc, _out, err = run(capsys, "query", "--db", str(db), "SELECT 1 AS a UNION ALL SELECT 2")
     assert rc == 0 and err.strip().splitlines() == ["compatlas: 2 rows"]

@@ -196,7 +196,7 @@ def test_a_read_write_holder_across_a_rebuild_changes_nothing_read(capsys, tmp_p
     holder.stdin.flush()
     assert holder.wait(60) == 0  # its clean close checkpoints into the replaced file
     assert numbers(db) == clean
-    rc, _, err = run_cli(capsys, "query", "--db", str(db), "SELECT count(*) FROM models")
+    rc, _, _ = run_cli(capsys, "query", "--db", str(db), "SELECT count(*) FROM models")
     assert rc == 0
     build_atlas(db, shards, metas)
     assert numbers(db) == clean and not wal_path(db).exists()
@@ -258,7 +258,6 @@ def test_sixty_byte_flips_in_the_score_column_are_each_caught_and_remade(tmp_pat
 
 def test_a_truncated_or_vanished_shard_degrades_its_model_and_names_the_file(capsys, tmp_path):
     db, shards, metas = make_atlas(tmp_path / "p")
-    clean = numbers(db)
     a_only = query(db, "SELECT count(*) AS n FROM composition WHERE model = 'a'")["n"][0]
     comp_b, heads_b = shards["composition"][1], shards["head_scores"][1]
     os.truncate(comp_b, 500)  # after the build: every connection checks what changed since

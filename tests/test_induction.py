@@ -84,7 +84,7 @@ def induction_model(folder, dtype=torch.float32, sharp: float = SHARP):
             Wq, Wk, Wv = (torch.zeros(D_MODEL, D_MODEL) for _ in range(3))
             Wo = torch.zeros(D_MODEL, D_MODEL)
             heads.append((block, Wq, Wk, Wv, Wo))
-        (b0, Q0, K0, V0, O0), (b1, Q1, K1, V1, O1) = heads
+        (_b0, Q0, K0, V0, O0), (_b1, Q1, K1, V1, O1) = heads
         for i in range(1, P):
             Q0[POS + i, i - 1] = s
         K0[POS:POS + P, :P] = torch.eye(P)
@@ -131,7 +131,8 @@ def test_logodds_by_hand():
     assert torch.allclose(logodds(p.log()), torch.tensor([0.0, math.log(9), -math.log(9), math.log(0.25)],
                                                          dtype=torch.float64), atol=1e-12)
     # strength: p(B) 0.8 after the sequence, 0.2 after the control -> log 4 - log 0.25 = log 16
-    assert (logodds(torch.tensor(0.8, dtype=torch.float64).log()) - logodds(torch.tensor(0.2, dtype=torch.float64).log())).item() == pytest.approx(math.log(16))
+    p8, p2 = torch.tensor(0.8, dtype=torch.float64), torch.tensor(0.2, dtype=torch.float64)
+    assert (logodds(p8.log()) - logodds(p2.log())).item() == pytest.approx(math.log(16))
     # extremes stay finite and monotone
     extreme = logodds(torch.tensor([-1e-30, -100.0], dtype=torch.float64))
     assert torch.isfinite(extreme).all() and extreme[0] > 30 and extreme[1] < -30

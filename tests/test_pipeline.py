@@ -56,8 +56,10 @@ def test_views_hold_every_score(pipeline_run: Path):
                     "tiny-trained": 3 * 9 * expected_rows(2, 2)}
     assert con.execute("SELECT count(*) FROM composition WHERE writer_layer >= reader_layer").fetchone()[0] == 0
     assert con.execute("SELECT min(score) >= 0 AND max(score) <= 1 + 1e-9 FROM composition").fetchone()[0]
-    assert con.execute("SELECT count(*) FROM composition WHERE baseline_spectrum_std IS NULL OR baseline_gaussian_mean IS NULL").fetchone()[0] == 0
-    models = con.execute("SELECT model, n_layers, n_heads, n_kv_heads, processing, norm_type FROM models WHERE checkpoint = 'final' ORDER BY model").fetchall()
+    assert con.execute("SELECT count(*) FROM composition WHERE baseline_spectrum_std IS NULL "
+                       "OR baseline_gaussian_mean IS NULL").fetchone()[0] == 0
+    models = con.execute("SELECT model, n_layers, n_heads, n_kv_heads, processing, norm_type FROM models "
+                         "WHERE checkpoint = 'final' ORDER BY model").fetchall()
     assert models == [("tiny-gpt2", 3, 2, 2, "compat", "LN"), ("tiny-llama", 3, 4, 2, "none", "RMS")]
     # a contract query (strongest K-compositions above their baseline) answered by the views equals
     # the same question put to the shards themselves, read with polars (not DuckDB)
@@ -303,7 +305,8 @@ def test_corrupt_weight_shard_is_named_and_nothing_downstream_written(pipeline_r
     shutil.copytree(pipeline_run, work)
     weights = work / "results" / "weights" / "tiny-llama" / "final" / "weights.safetensors"
     weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
-    shard = work / "results" / "composition" / "model=tiny-llama" / "checkpoint=final" / "metric=frobenius" / "space=residual" / "block=0.parquet"
+    shard = (work / "results" / "composition" / "model=tiny-llama" / "checkpoint=final" / "metric=frobenius" / "space=residual"
+             / "block=0.parquet")
     shard.unlink()
     proc = run_snakemake(work, tiny_config(), "--keep-going", check=False)
     assert proc.returncode != 0

@@ -11,7 +11,8 @@ gets about cores / load of one, so every limit below is multiplied by the slowdo
 max(1, load / cores). A
 Snakemake call is a hang when it prints nothing for `IDLE_S` (scaled) seconds: it is killed and
 the test fails saying so, while a slow run that keeps printing goes on up to its own limit. The
-module's budget (COMPATLAS_SLURM_BUDGET, default 600 s, scaled too) caps the whole. Where Slurm cannot be brought up (no root, no apt) the module fails and says why;
+module's budget (COMPATLAS_SLURM_BUDGET, default 600 s, scaled too) caps the whole. Where Slurm cannot be brought up
+(no root, no apt) the module fails and says why;
 COMPATLAS_SKIP_SLURM=1 turns it into a reported skip (see `pytest -ra`). One such cluster runs
 on a machine at a time: while another test run's is up, the fixture waits for it (at most
 COMPATLAS_SLURM_WAIT, 420 s, outside the budget).

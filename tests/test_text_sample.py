@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -21,9 +22,7 @@ class Chars:
     unk_token_id = 63
 
     def __call__(self, text, add_special_tokens=False):
-        class Out:
-            input_ids = [ord(c) % 1000 for c in text]
-        return Out()
+        return SimpleNamespace(input_ids=[ord(c) % 1000 for c in text])
 
 
 def test_stdlib_text_is_prose_read_at_run_time_and_the_same_twice():

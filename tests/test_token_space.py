@@ -61,7 +61,8 @@ def test_token_space_equals_brute_force(metric):
     assert facts["embedding_dropped"] == 0
     for comp in COMPS:
         for l1, l2 in [(0, 1), (1, 2)]:
-            got = df.filter((df["comp"] == comp) & (df["writer_layer"] == l1) & (df["reader_layer"] == l2)).sort(["writer_head", "reader_head"])
+            got = (df.filter((df["comp"] == comp) & (df["writer_layer"] == l1) & (df["reader_layer"] == l2))
+                   .sort(["writer_head", "reader_head"]))
             want = brute_token_scores(w, metric, comp, l1, l2).flatten()
             close(torch.tensor(got["score"].to_numpy()), want, 1e-6)
 
@@ -172,7 +173,8 @@ def test_token_norm_equals_brute_force_on_normalised_rows(metric, norm):
     assert facts["embedding_dropped"] == (1 if norm == "LN" else 0)
     for comp in COMPS:
         for l1, l2 in [(0, 1), (1, 2)]:
-            got = df.filter((df["comp"] == comp) & (df["writer_layer"] == l1) & (df["reader_layer"] == l2)).sort(["writer_head", "reader_head"])
+            got = (df.filter((df["comp"] == comp) & (df["writer_layer"] == l1) & (df["reader_layer"] == l2))
+                   .sort(["writer_head", "reader_head"]))
             want = brute_token_scores(base, metric, comp, l1, l2, E=E).flatten()
             close(torch.tensor(got["score"].to_numpy()), want, 1e-6)
 

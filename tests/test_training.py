@@ -223,7 +223,7 @@ def test_training_outcome_from_the_views():
     con.executemany("INSERT INTO models VALUES ('run', ?, ?)", ckpts)
     ind = _sigmoid(STEPS, 500, 0.02, 0.9)
     rows = []
-    for (ck, step), v in zip(ckpts, ind):
+    for (ck, _), v in zip(ckpts, ind):
         rows += [("run", ck, 0, 0, 0.8, 0.01), ("run", ck, 0, 1, 0.1, 0.02),
                  ("run", ck, 1, 0, 0.0, 0.05), ("run", ck, 1, 1, 0.0, float(v))]
     con.execute("""CREATE TABLE head_scores (model VARCHAR, checkpoint VARCHAR, layer INTEGER, head INTEGER,

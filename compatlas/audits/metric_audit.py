@@ -85,12 +85,14 @@ def constructions(seed: int = 0) -> dict[str, dict[str, tuple]]:
     for d in (4, 16, 64):  # identity with identity (frobenius gives d^-1/2 here)
         eye = torch.eye(d, dtype=torch.float64)
         out["axiom1_full"][f"identity_d{d}"] = (eye, eye, eye, eye)
-    c, e, ones = torch.randn(D, 1, generator=g, dtype=torch.float64), torch.randn(1, D, generator=g, dtype=torch.float64), torch.ones(D, 1, dtype=torch.float64)
+    c, e = torch.randn(D, 1, generator=g, dtype=torch.float64), torch.randn(1, D, generator=g, dtype=torch.float64)
+    ones = torch.ones(D, 1, dtype=torch.float64)
     out["axiom1_full"]["rank1_const_rows_cols"] = (c, ones.T, ones, e)
     U = _orthonormal(D, 2 * K, g)
     U_in, U_out = U[:, :K], U[:, K:]
     rnd = lambda *s: torch.randn(*s, generator=g, dtype=torch.float64)  # noqa: E731
-    out["axiom1_full"]["writes_inside_read_space"] = (rnd(D, K), _well_conditioned(K, g) @ U_in.T, U_in @ _well_conditioned(K, g), rnd(K, D))
+    out["axiom1_full"]["writes_inside_read_space"] = (rnd(D, K), _well_conditioned(K, g) @ U_in.T,
+                                                      U_in @ _well_conditioned(K, g), rnd(K, D))
     out["axiom2_zero"]["orthogonal_spaces"] = (rnd(D, K), _well_conditioned(K, g) @ U_out.T, U_in @ _well_conditioned(K, g), rnd(K, D))
     M1, M2, A1, B2 = _well_conditioned(K, g), _well_conditioned(K, g), rnd(D, K), rnd(K, D)
     sweep = {}
@@ -133,7 +135,8 @@ def audit_metric(metric: Metric, space: Space, seed: int = 0) -> list[dict]:
         monotone, smooth = bool(steps.min() >= -TOL), bool(np.abs(steps).max() <= MAX_STEP)
         rows.append({"axiom": "axiom3_monotone_smooth", "construction": f"rotation_sweep_{c}",
                      "value": float(curve[-1] - curve[0]), "expected": None, "passed": monotone and smooth and curve[-1] > curve[0],
-                     "detail": f"from {curve[0]:.3g} (orthogonal) to {curve[-1]:.3g} (aligned); smallest step {steps.min():.3g}, largest {np.abs(steps).max():.3g}"})
+                     "detail": f"from {curve[0]:.3g} (orthogonal) to {curve[-1]:.3g} (aligned); smallest step "
+                               f"{steps.min():.3g}, largest {np.abs(steps).max():.3g}"})
     worst = invariance_check(metric, space, seed)
     rows.append({"axiom": "axiom4_invariant", "construction": "random_model_all_transform_classes", "value": worst,
                  "expected": 0.0, "passed": worst < 1e-8, "detail": f"max |change| over {', '.join(TRANSFORMS)}: {worst:.3g}"})

@@ -89,7 +89,7 @@ def plan_tiles(pairs: list[tuple[int, int]], bytes_per_head_pair: int, H: int, t
     join one tile while its products ([k H, nR H] head pairs of ``bytes_per_head_pair`` each) fit
     ``tile_bytes``; a writer whose readers alone do not fit gets several tiles."""
     readers_of: dict[int, list[int]] = defaultdict(list)
-    for i, (a, b) in enumerate(pairs):
+    for a, b in pairs:
         readers_of[a].append(b)
     per_layer = H * H * bytes_per_head_pair  # one writer layer x one reader layer
     groups: list[tuple[list[int], list[int]]] = []

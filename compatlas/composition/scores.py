@@ -116,7 +116,7 @@ _READS: dict[str, tuple[str, str]] = {"Q": ("Q", "K"), "K": ("K", "Q"), "V": ("V
 def reader_factors(w: AttentionWeights) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
     """(A, B^T) of each reader matrix R = A B, per comp: A of K and V per KV head (shared by
     its query heads), everything else per query head."""
-    W_K, W_V = w.expanded_kv()
+    W_K, _ = w.expanded_kv()
     W_Q, W_O = w.W_Q, w.W_O
     return {
         "Q": (W_Q, W_K),  # QK = W_Q W_K^T

@@ -18,6 +18,7 @@ The number dropped is recorded (0 = full rank).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from itertools import pairwise
 
 import torch
 
@@ -63,7 +64,7 @@ def embedding_gram(W_E: torch.Tensor, rows=None, chunk: int = GRAM_ROWS) -> torc
     G = torch.zeros(d, d, dtype=torch.float64, device=W_E.device)
     # G is symmetric: only its block rows right of the diagonal are multiplied (5/8 of it), then mirrored
     cuts = [d * k // GRAM_BLOCKS for k in range(GRAM_BLOCKS + 1)]
-    blocks = [(a, b) for a, b in zip(cuts, cuts[1:]) if b > a]
+    blocks = [(a, b) for a, b in pairwise(cuts) if b > a]
     for i in range(0, W_E.shape[0], chunk):
         X = W_E[i:i + chunk].double()
         X = rows(X) if rows is not None else X

@@ -345,5 +345,6 @@ def load_and_extract(model_id: str, entry: dict[str, Any], checkpoint: dict[str,
     w.meta.update(prov)
     w.meta.update(model=model_id, checkpoint=(checkpoint or {}).get("label", "final"),
                   checkpoint_step=(checkpoint or {}).get("step"), checkpoint_tokens=(checkpoint or {}).get("tokens"))
-    log.info("extracted %s: %s", model_id, json.dumps({k: w.meta[k] for k in ("n_layers", "n_heads", "n_kv_heads", "d_model", "d_head", "d_vocab")}))
+    shape = ("n_layers", "n_heads", "n_kv_heads", "d_model", "d_head", "d_vocab")
+    log.info("extracted %s: %s", model_id, json.dumps({k: w.meta[k] for k in shape}))
     return w, bridge

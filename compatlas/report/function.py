@@ -251,7 +251,8 @@ def scatter_chart(pts: pl.DataFrame, model: str, checkpoint: str, method: str, m
         x=x, y=y, color=colour, tooltip=tip)
     n_circ_txt = (f"{n_circ} from a previous-token head into an induction head, red" if n_circ else
                   "no head scores name a previous-token and an induction head, so no circuit edge is marked")
-    return alt.layer(*[c for c, n in ((others, pts.height - n_circ), (circ, n_circ)) if n]).properties(width=560, height=340, title=alt.TitleParams(
+    drawn = [c for c, n in ((others, pts.height - n_circ), (circ, n_circ)) if n]
+    return alt.layer(*drawn).properties(width=560, height=340, title=alt.TitleParams(
         f"{model} @ {checkpoint}: K-composition against function", anchor="start", fontSize=14, subtitleColor="#444",
         subtitle=[f"Each point a K edge ({pts.height:,}; {n_circ_txt}). "
                   f"Attribution by {method}; y on a symlog scale (linear below {constant:.2g})."]))
@@ -346,7 +347,7 @@ def overview_table(con: duckdb.DuckDBPyConnection, data: list[Any], fns: dict[st
     n = len(models)
     over = f"over {n} model{'s' if n != 1 else ''} ({', '.join(html.escape(m) for m in models)})"
     all_line, all_tied, all_best = verdict(list(range(len(cells))), f"Agrees best across models, {over}")
-    w_line, w_tied, w_best = verdict([i for i, c in enumerate(cells) if c[1] in WEIGHT_SPACES],
+    w_line, _, _ = verdict([i for i, c in enumerate(cells) if c[1] in WEIGHT_SPACES],
                                      "From the weights alone (" + ", ".join(WEIGHT_SPACES) + " spaces)")
     rows = []
     for i in np.argsort(-np.nan_to_num(point, nan=-1), kind="stable"):

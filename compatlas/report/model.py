@@ -76,7 +76,8 @@ def load(con: duckdb.DuckDBPyConnection, model: str, ckpts: pl.DataFrame, q_cut:
     info = mine.filter(pl.col("latest")).row(0, named=True)
     latest = info["checkpoint"]
     summary = q.calibration_summary(con, model, latest, q_cut)
-    combos = [] if summary.is_empty() else [tuple(r) for r in summary.select("metric", "space").unique().sort("metric", "space").iter_rows()]
+    combos = ([] if summary.is_empty() else
+              [tuple(r) for r in summary.select("metric", "space").unique().sort("metric", "space").iter_rows()])
     outcome = None
     stepped = mine.filter(pl.col("checkpoint_step").is_not_null())
     if stepped.height >= 2:
@@ -127,7 +128,7 @@ def _too_small(summary: pl.DataFrame, q_cut: float | None) -> str:
     m reach that floor."""
     if q_cut is None or summary.is_empty() or "n_null" not in summary.columns or summary["n_null"].null_count():
         return ""
-    n_null, pairs = int(summary["n_null"].max()), int(summary["pairs"].min())
+    n_null = int(summary["n_null"].max())
     if 1 / (n_null + 1) <= q_cut:
         return ""
     return (f" With {n_null} non-causal pairs the smallest possible p is 1/{n_null + 1} = {1 / (n_null + 1):.3g}, above"

@@ -92,7 +92,7 @@ def fmt(v: Any, digits: int = 3) -> str:
 
 
 def step(v: Any) -> str:
-    return "–" if not finite(v) else f"{int(round(v)):,}"
+    return "–" if not finite(v) else f"{int(round(v)):,}"  # noqa: RUF046 - a numpy float's round is a float
 
 
 def esc(v: Any) -> str:

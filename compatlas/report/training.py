@@ -50,7 +50,8 @@ def trajectory_chart(t: TrainingOutcome, strength: pl.DataFrame, model: str) -> 
     heads = t.heads
     ind = heads.filter((pl.col("layer") == il) & (pl.col("head") == ih))
     prev = heads.filter((pl.col("layer") == pl_) & (pl.col("head") == ph))
-    beh = pl.concat([ind.select("step", pl.lit(f"induction score of {head(il, ih)}").alias("series"), pl.col("induction_mean").alias("value")),
+    beh = pl.concat([ind.select("step", pl.lit(f"induction score of {head(il, ih)}").alias("series"),
+                                pl.col("induction_mean").alias("value")),
                      prev.select("step", pl.lit(f"previous-token score of {head(pl_, ph)}").alias("series"),
                                  pl.col("prev_token_mean").alias("value"))]).cast({"step": pl.Float64})
     top = float(heads["step"].max())

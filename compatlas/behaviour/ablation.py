@@ -39,13 +39,13 @@ log = logging.getLogger(__name__)
 def head_z_means(model, seqs: torch.Tensor, batch_size: int) -> list[torch.Tensor]:
     """Mean of each head's z (hook_z) over sequences and positions, per layer [H, d_head]."""
     L = model.cfg.n_layers
-    sums: list[torch.Tensor | None] = [None] * L
+    sums: dict[int, torch.Tensor] = {}  # layer -> sum so far
     count = 0
 
     def grab(layer: int):
         def hook(z, hook):
             s = z.double().sum((0, 1))
-            sums[layer] = s if sums[layer] is None else sums[layer] + s
+            sums[layer] = s if layer not in sums else sums[layer] + s
         return hook
 
     device = _device(model)
@@ -54,7 +54,7 @@ def head_z_means(model, seqs: torch.Tensor, batch_size: int) -> list[torch.Tenso
         model.run_with_hooks(batch, fwd_hooks=[(f"blocks.{layer}.attn.hook_z", grab(layer)) for layer in range(L)]
                              + last_position_hooks(model))
         count += batch.shape[0] * batch.shape[1]
-    return [s / count for s in sums]
+    return [sums[layer] / count for layer in range(L)]
 
 
 def _ablate_hook(layer: int, heads: torch.Tensor, means: list[torch.Tensor] | None) -> Hook:
@@ -120,7 +120,7 @@ def _cached_drops(model, seq, ctrl, target, clean, means, batch_size, progress) 
         for c0 in range(0, S, chunk):
             rows = slice(c0, min(c0 + chunk, S))
             batch = X[rows].to(device)
-            resid: list[torch.Tensor | None] = [None] * L
+            resid: dict[int, torch.Tensor] = {}  # layer -> the clean stream entering it (layers 1..)
 
             def keep(layer: int):
                 def hook(x, hook):
@@ -155,7 +155,7 @@ def _attribution_drops(model, seq, ctrl, target, means, batch_size, progress) ->
     for X, sign in ((seq, -1.0), (ctrl, 1.0)):
         for s0 in range(0, S, bs):
             rows = slice(s0, min(s0 + bs, S))
-            zs: list[torch.Tensor | None] = [None] * L
+            zs: dict[int, torch.Tensor] = {}  # layer -> its z, a leaf of the graph
 
             def leaf(layer: int):
                 def hook(z, hook):
@@ -170,7 +170,7 @@ def _attribution_drops(model, seq, ctrl, target, means, batch_size, progress) ->
                                                                               for layer in range(L)]
                                               + last_position_hooks(model))
                 lo = logodds(logits[:, -1].double().log_softmax(-1).gather(1, target[rows].to(logits.device)))
-                grads = torch.autograd.grad(lo.sum(), zs)  # rows are independent: per-row gradients
+                grads = torch.autograd.grad(lo.sum(), [zs[layer] for layer in range(L)])  # rows are independent: per-row gradients
             for layer in range(L):
                 z, g = zs[layer].detach().double(), grads[layer].double()
                 dz = -z if means is None else means[layer].to(z.device)[None, None] - z

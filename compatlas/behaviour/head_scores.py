@@ -28,7 +28,7 @@ def head_attention_scores(model, tokens: TokenSet, *, sequences: int, length: in
     if tokens.bos is not None:
         seqs, o = torch.cat([torch.full((sequences, 1), tokens.bos, dtype=seqs.dtype), seqs], 1), 1
     first, second = torch.arange(1, T) + o, torch.arange(T, 2 * T) + o
-    found: dict[str, list[torch.Tensor]] = {k: [[] for _ in range(cfg.n_layers)] for k in ("prev", "dup", "ind")}
+    found: dict[str, list[list[torch.Tensor]]] = {k: [[] for _ in range(cfg.n_layers)] for k in ("prev", "dup", "ind")}
 
     def grab(layer: int):
         def hook(pattern, hook):  # [batch, head, query, key]

@@ -82,19 +82,22 @@ def exact_attention_scores(model, tokens: torch.Tensor, delta: torch.Tensor, z: 
     per_pass = max(1, FORK_BUDGET // (n * T * H * d_model))  # the query fork is the widest
     for lr in range(1, L):
         writers = lr * H
+        z_grad = z_grads[lr]
+        assert z_grad is not None  # None only at layer 0, which has no writer below it
         for w0 in range(0, writers, per_pass):
             k = min(per_pass, writers - w0)
             d = delta[:, w0:w0 + k].transpose(0, 1).reshape(k * n, T, d_model)
             store: dict = {}
             hooks = [(f"blocks.{lr}.attn.{fork_hook}", _shift_every_head(d)),
                      (f"blocks.{lr}.attn.hook_z", _capture_and_stop(store))]
-            r = resid[lr].repeat(k, 1, 1) if resid[lr] is not None else None
+            entering = resid[lr]
+            r = entering.repeat(k, 1, 1) if entering is not None else None
             with skip_below(layers, lr, r, arity):
                 try:
                     model.run_with_hooks(tokens.repeat(k, 1), fwd_hooks=hooks)
                 except _Stop:
                     pass
-            change = (store["z"].float().view(k, n, T, H, -1) - z[lr].float()[None]) * z_grads[lr][None]
+            change = (store["z"].float().view(k, n, T, H, -1) - z[lr].float()[None]) * z_grad[None]
             per_head = change.sum((2, 4))  # [k, n, H]
             per_reader = per_head.view(k, n, width, group).sum(-1)
             w = torch.arange(w0, w0 + k)

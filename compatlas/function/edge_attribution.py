@@ -46,9 +46,10 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -150,7 +151,7 @@ def _metric(model, x: torch.Tensor, task: InductionTask, rows: slice, hooks: lis
     return lp.gather(-1, tgt.repeat(x.shape[0] // len(tgt), 1)[..., None])[..., 0].mean(-1)
 
 
-def _keep(store: dict, key) -> callable:
+def _keep(store: dict, key) -> Callable[[torch.Tensor, Any], torch.Tensor]:
     def hook(x, hook):
         store[key] = x
         return x
@@ -162,7 +163,8 @@ def _pass(model, task: InductionTask, rows: slice, corrupt: bool
           ) -> tuple[list[torch.Tensor], torch.Tensor, torch.Tensor]:
     """hook_z of every layer, the residual entering layer 0 and M per sequence, on the
     corrupted (or clean) input."""
-    L, store = model.cfg.n_layers, {}
+    L = model.cfg.n_layers
+    store: dict[int | str, torch.Tensor] = {}  # layer -> hook_z, "in" -> the residual entering layer 0
     hooks = [(f"blocks.{layer}.attn.hook_z", _keep(store, layer)) for layer in range(L)] + [(RESID_IN, _keep(store, "in"))]
     m = _metric(model, (task.corrupt if corrupt else task.clean)[rows].to(_device(model)), task, rows, hooks)
     return [store[layer].detach() for layer in range(L)], store["in"].detach(), m
@@ -188,7 +190,7 @@ class CleanPass:
     grads: dict[Comp, list[torch.Tensor]]
     z: list[torch.Tensor]
     m: torch.Tensor
-    z_grads: list[torch.Tensor] | None = None
+    z_grads: list[torch.Tensor | None] | None = None
     resid: list[torch.Tensor | None] | None = None
     arity: int = 0
 
@@ -197,7 +199,8 @@ def _gradients(model, task: InductionTask, rows: slice, resid_in: torch.Tensor |
                ) -> CleanPass:
     """The clean pass (``CleanPass``) on the clean tokens, with the residual entering layer 0
     replaced by ``resid_in`` if given."""
-    L, store = model.cfg.n_layers, {}
+    L = model.cfg.n_layers
+    store: dict[tuple[str, int], torch.Tensor] = {}  # (hook, layer) -> the tensor there
 
     def leaf(x, hook):
         return (x if resid_in is None else resid_in).detach().clone().requires_grad_(True)
@@ -242,15 +245,19 @@ def attribution_scores(model, task: InductionTask, method: EdgeMethod = "eap", s
                 grads, z_clean = clean.grads, clean.z
             else:
                 z_clean, in_clean, _ = _pass(model, task, rows, corrupt=False)
-                grads = None
+                total: dict[Comp, list[torch.Tensor]] | None = None
                 for k in range(steps):
                     alpha = (k + 0.5) / steps
-                    g = _gradients(model, task, rows, in_corrupt + alpha * (in_clean - in_corrupt)).grads
-                    grads = g if grads is None else {c: [a + b for a, b in zip(grads[c], g[c])] for c in COMPS}
-                grads = {c: [g / steps for g in grads[c]] for c in COMPS}
+                    step = _gradients(model, task, rows, in_corrupt + alpha * (in_clean - in_corrupt)).grads
+                    total = step if total is None else {c: [a + b for a, b in zip(total[c], step[c])] for c in COMPS}
+                if total is None:
+                    raise ValueError(f"eap_ig needs steps >= 1, got {steps}")
+                grads = {c: [g / steps for g in total[c]] for c in COMPS}
             delta = _writer_deltas(model, z_corrupt, z_clean)
             n = rows.stop - rows.start
             if method == "eap_attn":  # exact through the reader's attention, first order above it
+                # _gradients(reader_outputs=True) gave the clean pass its z gradients and streams
+                assert clean is not None and clean.z_grads is not None and clean.resid is not None
                 for c in COMPS:
                     out[c][rows] = exact_attention_scores(
                         model, task.clean[rows].to(_device(model)), delta, z_clean, clean.z_grads, clean.resid,
@@ -258,8 +265,8 @@ def attribution_scores(model, task: InductionTask, method: EdgeMethod = "eap", s
                         None if progress is None else progress.advance)
                 continue
             for layer in range(1, L):  # Q, K and V readers of the layer in one product: [B, l*H, T*d] @ [B, T*d, readers]
-                g = torch.cat([grads[c][layer - 1] for c in COMPS], 2).to(delta.device)
-                s = torch.bmm(delta[:, :layer * H], g.transpose(1, 2).flatten(2).transpose(1, 2))
+                reader_grads = torch.cat([grads[c][layer - 1] for c in COMPS], 2).to(delta.device)
+                s = torch.bmm(delta[:, :layer * H], reader_grads.transpose(1, 2).flatten(2).transpose(1, 2))
                 for c, part in zip(COMPS, s.split([width[c] for c in COMPS], 2)):
                     out[c][rows, :layer, :, layer] = part.reshape(n, layer, H, width[c]).double().cpu()
             if progress is not None:

@@ -27,7 +27,7 @@ from compatlas.tables import EDGE_ATTRIBUTION_SCHEMA
 from compatlas.vocab import COMPS, Comp
 
 log = logging.getLogger(__name__)
-def _grid(model, values: dict[Comp, torch.Tensor]) -> dict[str, list]:
+def _grid(model, values: dict[str, dict[Comp, torch.Tensor]]) -> dict[str, list]:
     """Columns of every causal edge per comp, K/V edges on each query head of their KV group,
     from comp -> [L, H, L, width] tensors (``values`` names the column of each)."""
     L, H = model.cfg.n_layers, model.cfg.n_heads

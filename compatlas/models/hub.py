@@ -134,6 +134,6 @@ def hub_folder(source: dict[str, Any], checkpoint: dict[str, Any] | None,
     # as loading.boot records a hub source; its commit and checksum are added by load_and_extract
     prov: dict[str, Any] = {"source_name": name, "source_revision": revision or "main"}
     for key in ("checkpoint_index", "checkpoint_value"):
-        if (checkpoint or {}).get(key) is not None:
-            prov[key] = checkpoint[key]
+        if (value := (checkpoint or {}).get(key)) is not None:
+            prov[key] = value
     return folder, prov

@@ -34,7 +34,7 @@ from compatlas.models.hub import hub_folder, hub_provenance, hub_revision
 from compatlas.models.sources import ModelLoadError, gguf_file, gguf_header, local_model_dir
 from compatlas.models.weights import AttentionWeights, extracted_weights
 from compatlas.storage import dir_checksum, file_sha256
-from compatlas.vocab import PROCESSINGS, SourceKind
+from compatlas.vocab import PROCESSINGS, NormGains, SourceKind
 
 log = logging.getLogger(__name__)
 
@@ -57,9 +57,10 @@ def build_hf_model(source: dict[str, Any]):
 def error_chain(e: BaseException) -> list[BaseException]:
     """The exception and its causes, outermost first (``raise ... from`` or raised while handling)."""
     chain: list[BaseException] = []
-    while e is not None and e not in chain:
-        chain.append(e)
-        e = e.__cause__ or (None if e.__suppress_context__ else e.__context__)
+    cause: BaseException | None = e
+    while cause is not None and cause not in chain:
+        chain.append(cause)
+        cause = cause.__cause__ or (None if cause.__suppress_context__ else cause.__context__)
     return chain
 
 
@@ -142,7 +143,7 @@ def _gguf_folder(source: dict[str, Any], checkpoint: dict[str, Any] | None, work
         if source.get("architectures"):
             model.config.architectures = list(source["architectures"])
         # the weights are plain float32 now: saved as such, loaded back as an ordinary model
-        model.hf_quantizer = None
+        model.hf_quantizer = None  # type: ignore[assignment]  # torch types attributes set on a Module as Tensor | Module
         if hasattr(model.config, "quantization_config"):
             del model.config.quantization_config
         model.save_pretrained(folder)
@@ -181,8 +182,8 @@ def _boot_hub(entry: dict[str, Any], checkpoint: dict[str, Any] | None, workdir:
     bridge = TransformerBridge.boot_transformers(name, dtype=dtype, **place, revision=revision)
     prov = {"source_name": name, "source_revision": revision or "main"}
     for key in ("checkpoint_index", "checkpoint_value"):  # as the config asked for it
-        if (checkpoint or {}).get(key) is not None:
-            prov[key] = checkpoint[key]
+        if (value := (checkpoint or {}).get(key)) is not None:
+            prov[key] = value
     return bridge, prov
 
 
@@ -209,7 +210,7 @@ def _boot_folder(entry: dict[str, Any], checkpoint: dict[str, Any] | None, workd
         # class adds (BertForMaskedLM) is freshly initialised, its decoder tied to W_E, so drop
         # the components mapped outside the base model: extract then records no W_U
         prefix = f"{hf.base_model_prefix}."
-        for name, comp in list(bridge.adapter.component_mapping.items()):
+        for name, comp in list(bridge.adapter.get_component_mapping().items()):  # built by boot_transformers
             if comp.name and not comp.name.startswith(prefix) and name in bridge._modules:
                 delattr(bridge, name)
                 prov.setdefault("dropped_untrained", []).append(name)
@@ -244,7 +245,7 @@ def _norm_weight(module) -> torch.Tensor | None:
     return None if w is None else w.detach().float()
 
 
-def extract(bridge, processing: str, norm_gains: str = "fold") -> AttentionWeights:
+def extract(bridge, processing: str, norm_gains: NormGains = "fold") -> AttentionWeights:
     """Pull W_Q, W_K, W_V, W_O, W_E, W_U and the attention-input norm weights off a bridge (QK-norm
     and post-attention norm gains folded or not: ``compatlas.models.norm_gains``)."""
     from compatlas.models.norm_gains import describe, fold_layer, read_gains
@@ -282,8 +283,9 @@ def extract(bridge, processing: str, norm_gains: str = "fold") -> AttentionWeigh
         ln1 = None
         if processing == "none":
             ws = [_norm_weight(b.ln1) if hasattr(b, "ln1") else None for b in bridge.blocks]
-            if all(w is not None and w.shape == (cfg.d_model,) for w in ws):
-                ln1 = torch.stack(ws).cpu()
+            found = [w for w in ws if w is not None and w.shape == (cfg.d_model,)]
+            if len(found) == len(ws):  # every block has one
+                ln1 = torch.stack(found).cpu()
         ln_final = _norm_weight(bridge.ln_final) if processing == "none" and hasattr(bridge, "ln_final") else None
     return extracted_weights(W_Q, W_K, W_V, W_O, W_E, W_U, ln1, ln_final, adapter=bridge.adapter,
                              hf_config=bridge.original_model.config, cfg=cfg, processing=processing,

@@ -44,15 +44,15 @@ def small_hf_model(shape: ModelShape, seed: int, **hf_config: Any):
 
     torch.manual_seed(seed)
     if shape.architecture == "gpt2":
-        cfg = GPT2Config(n_layer=shape.n_layers, n_head=shape.n_heads, n_embd=shape.d_model, vocab_size=shape.d_vocab,
-                         n_positions=shape.n_ctx, n_inner=shape.d_mlp, **hf_config)
-        return GPT2LMHeadModel(cfg)
+        gpt2 = GPT2Config(n_layer=shape.n_layers, n_head=shape.n_heads, n_embd=shape.d_model, vocab_size=shape.d_vocab,
+                          n_positions=shape.n_ctx, n_inner=shape.d_mlp, **hf_config)
+        return GPT2LMHeadModel(gpt2)
     if shape.architecture == "llama":
-        cfg = LlamaConfig(num_hidden_layers=shape.n_layers, num_attention_heads=shape.n_heads,
-                          num_key_value_heads=shape.n_kv_heads or shape.n_heads, hidden_size=shape.d_model,
-                          head_dim=shape.d_head, intermediate_size=shape.d_mlp or 4 * shape.d_model,
-                          vocab_size=shape.d_vocab, max_position_embeddings=shape.n_ctx, **hf_config)
-        return LlamaForCausalLM(cfg)
+        llama = LlamaConfig(num_hidden_layers=shape.n_layers, num_attention_heads=shape.n_heads,
+                            num_key_value_heads=shape.n_kv_heads or shape.n_heads, hidden_size=shape.d_model,
+                            head_dim=shape.d_head, intermediate_size=shape.d_mlp or 4 * shape.d_model,
+                            vocab_size=shape.d_vocab, max_position_embeddings=shape.n_ctx, **hf_config)
+        return LlamaForCausalLM(llama)
     raise ValueError(f"unknown architecture {shape.architecture!r}; choose from {ARCHITECTURES}")
 
 

@@ -33,6 +33,7 @@ from pathlib import Path
 import torch
 
 from compatlas.models.weights import AttentionWeights, extracted_weights
+from compatlas.vocab import NormGains
 
 log = logging.getLogger(__name__)
 
@@ -110,7 +111,8 @@ def saved_as_base_model(hf_config) -> bool:
     ``lm_head`` yet are ``GPT2LMHeadModel``s whose head is W_E, tied (``tie_word_embeddings``)."""
     from transformers.models.auto.modeling_auto import MODEL_MAPPING_NAMES
 
-    base = MODEL_MAPPING_NAMES.get(getattr(hf_config, "model_type", None))
+    model_type = getattr(hf_config, "model_type", None)
+    base = None if model_type is None else MODEL_MAPPING_NAMES.get(model_type)
     return base is not None and base in (getattr(hf_config, "architectures", None) or [])
 
 
@@ -284,7 +286,7 @@ def _transposed_float32(t: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def stream_extract(folder: Path, processing: str, norm_gains: str = "fold") -> AttentionWeights:
+def stream_extract(folder: Path, processing: str, norm_gains: NormGains = "fold") -> AttentionWeights:
     """The atlas's tensors of the checkpoint in ``folder``, as ``loading.extract`` gives them
     (QK-norm and post-attention norm gains folded or not: ``compatlas.models.norm_gains``)."""
     from compatlas.models.norm_gains import describe, fold_layer, read_gains
@@ -325,7 +327,7 @@ def stream_extract(folder: Path, processing: str, norm_gains: str = "fold") -> A
     W_E = proc.embed(W_E)
 
     ln1_ws = [norm(f"blocks.{layer}.ln1.weight") for layer in range(L)]
-    W_Q = W_K = W_V = W_O = None
+    W: dict[str, torch.Tensor] = {}  # q, k, v, o: [L, ...] each
     present: dict[str, bool] = {}
     for layer in range(L):
         gains = read_gains(norm, layer)
@@ -333,18 +335,17 @@ def stream_extract(folder: Path, processing: str, norm_gains: str = "fold") -> A
         # the gains first: centring (compat) applies to what the layer writes, after its post-norm gain
         t = fold_layer(layer_attention(adapter, index, layer), gains, proc.offset, norm_gains)
         t = proc.attention(t, ln1_ws[layer])
-        if W_Q is None:  # allocated once the shapes are known, filled layer by layer (no stacking copy)
-            W_Q = torch.empty((L, *t["q"].shape))
-            W_K = torch.empty((L, *t["k"].shape))
-            W_V = torch.empty((L, *t["v"].shape))
-            W_O = torch.empty((L, *t["o"].shape))
-        W_Q[layer], W_K[layer], W_V[layer], W_O[layer] = t["q"], t["k"], t["v"], t["o"]
+        if not W:  # allocated once the shapes are known, filled layer by layer (no stacking copy)
+            W = {k: torch.empty((L, *t[k].shape)) for k in ATTN}
+        for k in ATTN:
+            W[k][layer] = t[k]
         del t
     ln1 = None
-    if processing == "none" and all(w is not None and w.shape == (cfg.d_model,) for w in ln1_ws):
-        ln1 = torch.stack(ln1_ws)
+    found = [w for w in ln1_ws if w is not None and w.shape == (cfg.d_model,)]
+    if processing == "none" and len(found) == len(ln1_ws):  # every layer has one
+        ln1 = torch.stack(found)
     ln_final = ln_final_w if processing == "none" else None
-    w = extracted_weights(W_Q, W_K, W_V, W_O, W_E, W_U, ln1, ln_final, adapter=adapter, hf_config=hf_config, cfg=cfg,
+    w = extracted_weights(W["q"], W["k"], W["v"], W["o"], W_E, W_U, ln1, ln_final, adapter=adapter, hf_config=hf_config, cfg=cfg,
                           processing=processing, extraction="streaming", norm_gains=describe(present, norm_gains))
     w.validate()
     return w

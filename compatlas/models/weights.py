@@ -14,11 +14,12 @@ Shapes follow TransformerLens (row vectors):
 
 from __future__ import annotations
 
+import io
 import json
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any
 
 import torch
 
@@ -118,10 +119,15 @@ class AttentionWeights:
         )
 
     def to(self, device: torch.device | str, dtype: torch.dtype) -> AttentionWeights:
-        def cast(t: torch.Tensor | None) -> torch.Tensor | None:
-            return None if t is None else t.to(device=device, dtype=dtype)
+        def cast(t: torch.Tensor) -> torch.Tensor:
+            return t.to(device=device, dtype=dtype)
 
-        return AttentionWeights(**{k: cast(getattr(self, k)) for k in WEIGHT_KEYS}, meta=self.meta,
+        def cast_optional(t: torch.Tensor | None) -> torch.Tensor | None:
+            return None if t is None else cast(t)
+
+        return AttentionWeights(W_Q=cast(self.W_Q), W_K=cast(self.W_K), W_V=cast(self.W_V), W_O=cast(self.W_O),
+                                W_E=cast_optional(self.W_E), W_U=cast_optional(self.W_U), ln1_w=cast_optional(self.ln1_w),
+                                ln_final_w=cast_optional(self.ln_final_w), meta=self.meta,
                                 extras={k: cast(v) for k, v in self.extras.items()}, layer_ids=self.layer_ids)
 
 
@@ -194,7 +200,7 @@ def write_safetensors(tensors: dict[str, torch.Tensor], path: str | os.PathLike)
         f.write(raw)
         for t in tensors.values():
             if t.numel():
-                f.write(memoryview(t.reshape(-1).view(torch.uint8).numpy()))  # the tensor's bytes, no copy
+                f.write(t.reshape(-1).view(torch.uint8).numpy().data)  # the tensor's bytes, no copy
 
 
 PER_LAYER_KEYS = ("W_Q", "W_K", "W_V", "W_O", "ln1_w")  # first dimension: layer
@@ -214,7 +220,7 @@ def shard_n_layers(tensors_path: str | os.PathLike) -> int:
     return _header(tensors_path)[0]["W_Q"]["shape"][0]
 
 
-def _read_layers(f: BinaryIO, header: dict[str, Any], start: int, name: str, layers: list[int]) -> torch.Tensor:
+def _read_layers(f: io.BufferedReader, header: dict[str, Any], start: int, name: str, layers: list[int]) -> torch.Tensor:
     """Some layers of a per-layer tensor of the open shard ``f`` (``header`` and data ``start``
     from ``_header``), read into a fresh tensor with plain reads: each layer is one contiguous
     byte range, and no page of the other layers (nor a memory map of the file, which would count
@@ -225,7 +231,7 @@ def _read_layers(f: BinaryIO, header: dict[str, Any], start: int, name: str, lay
     per_layer = out[0].numel() * out.element_size()
     for i, layer in enumerate(layers):
         f.seek(start + info["data_offsets"][0] + layer * per_layer)
-        if f.readinto(memoryview(out[i].view(torch.uint8).numpy())) != per_layer:
+        if f.readinto(out[i].view(torch.uint8).numpy().data) != per_layer:  # into the tensor's memory
             raise CorruptShardError(f"weight shard {f.name}: {name} layer {layer} is truncated")
     return out
 
@@ -254,13 +260,14 @@ def load_weights(tensors_path: str | os.PathLike, meta_path: str | os.PathLike, 
         missing = [k for k in ("W_Q", "W_K", "W_V", "W_O", "W_E") if k not in names]  # a shard always has W_E
         if missing:
             raise CorruptShardError(f"weight shard {tensors_path} lacks {missing}")
-        sliced = names & set(PER_LAYER_KEYS) if layers is not None else set()
         with safe_open(str(tensors_path), framework="pt") as st, open(tensors_path, "rb") as f:
-            tensors = {k: _read_layers(f, header, start, k, layers) if k in sliced else st.get_tensor(k) for k in names}
+            tensors = {k: _read_layers(f, header, start, k, layers) if layers is not None and k in PER_LAYER_KEYS
+                       else st.get_tensor(k) for k in names}
     except (SafetensorError, OSError, ValueError) as e:
         raise CorruptShardError(f"cannot read weight shard {tensors_path}: {e}") from e
     extras = {k.removeprefix("extra."): v for k, v in tensors.items() if k.startswith("extra.")}
-    w = AttentionWeights(**{k: tensors.get(k) for k in WEIGHT_KEYS}, meta=meta, extras=extras,
-                         layer_ids=None if layers is None else tuple(layers))
+    w = AttentionWeights(W_Q=tensors["W_Q"], W_K=tensors["W_K"], W_V=tensors["W_V"], W_O=tensors["W_O"], W_E=tensors["W_E"],
+                         W_U=tensors.get("W_U"), ln1_w=tensors.get("ln1_w"), ln_final_w=tensors.get("ln_final_w"),
+                         meta=meta, extras=extras, layer_ids=None if layers is None else tuple(layers))
     w.validate()
     return w

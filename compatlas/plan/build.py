@@ -124,7 +124,10 @@ class ModelPlan:
         embedding and unembedding); None for a loaded model, whose size is known once loaded."""
         if self.kind not in ("build", "trained"):
             return None
-        dims = self.training if self.kind == "trained" else self.source
+        dims = self.source
+        if self.kind == "trained":
+            assert self.training is not None  # build_plan gives every trained model its run
+            dims = self.training
         d_model = dims["n_heads"] * dims["d_head"]
         return dims["n_layers"] * 12 * d_model**2 + 2 * dims["d_vocab"] * d_model
 

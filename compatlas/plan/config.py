@@ -95,7 +95,7 @@ def validate_config(config: Mapping[str, Any], schema_path: Path = SCHEMA_PATH) 
                     key=lambda e: (len(list(e.absolute_path)), e.validator == "additionalProperties"))
     if errors:
         raise ConfigError(_explain(errors[-1]))
-    validated = copy.deepcopy(config)
+    validated = copy.deepcopy(dict(config))  # a dict: the defaults are filled in place
     _fill_defaults(schema, validated, schema)
     for run, spec in validated["training"].items():
         key = f"training.{run}"

@@ -223,9 +223,9 @@ def main(argv: list[str] | None = None) -> int:
         bad = bad_shards(shards)
         if args.adopt:  # results from before shards were sealed: trusted as they are (an explicit choice)
             unsealed = [p for p, err in bad.items() if err.startswith("no checksum")]
-            for p in unsealed:
-                seal(Path(p), p)
-                del bad[p]
+            for shard in unsealed:
+                seal(Path(shard), shard)
+                del bad[shard]
             print(f"{len(unsealed)} shards without a checksum adopted as they are", file=sys.stderr)
         # results/: the folder (or the first above it) holding an atlas; the pipeline looks there
         results = next((q for q in (folder.resolve(), *folder.resolve().parents)

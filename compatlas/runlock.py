@@ -80,8 +80,9 @@ def acquire(results: str | os.PathLike, workdir: str | os.PathLike, stale_s: flo
     results = Path(workdir, results).resolve()
     results.mkdir(parents=True, exist_ok=True)
     path = results / LOCK_NAME
+    token = f"{socket.gethostname()}:{os.getpid()}:{time.time()}"
     me = {"host": socket.gethostname(), "pid": os.getpid(), "workdir": str(Path(workdir).resolve()),
-          "started": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "token": f"{socket.gethostname()}:{os.getpid()}:{time.time()}"}
+          "started": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "token": token}
     for _ in range(3):
         try:
             fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)  # atomic, NFS included
@@ -107,7 +108,7 @@ def acquire(results: str | os.PathLike, workdir: str | os.PathLike, stale_s: flo
             continue
         with os.fdopen(fd, "w") as f:
             json.dump(me, f)
-        lock = RunLock(path, me["token"], heartbeat_s)
+        lock = RunLock(path, token, heartbeat_s)
         threading.Thread(target=lock._beat, daemon=True, name="compatlas-run-lock").start()
         return lock
     raise RunLockError(f"could not take the lock {path}: it keeps changing hands")

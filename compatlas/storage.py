@@ -21,7 +21,7 @@ import os
 import shutil
 import tempfile
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -150,18 +150,19 @@ def write_shard(df: pl.DataFrame, path: str | os.PathLike, provenance: dict[str,
 
 
 def write_shard_parts(parts: Iterable[pl.DataFrame], path: str | os.PathLike, provenance: dict[str, Any],
-                      schema: dict[str, pl.DataType]) -> int:
+                      schema: Mapping[str, pl.DataType | type[pl.DataType]]) -> int:
     """Write frames one row group at a time into one Parquet shard (atomically, with provenance),
     so a large table never sits in memory whole. Returns the number of rows."""
     import pyarrow.parquet as pq
 
     arrow_schema = pl.DataFrame(schema=schema).to_arrow().schema
     arrow_schema = arrow_schema.with_metadata({"compatlas": json.dumps(provenance, sort_keys=True)})
+    dtypes = pl.Schema(schema)  # what cast's signature takes (a dict of dtype classes is not, to the type checker)
     rows = 0
     with atomic_path(path) as tmp:
         with pq.ParquetWriter(tmp, arrow_schema, compression="zstd") as writer:
             for df in parts:
-                writer.write_table(df.select(list(schema)).cast(schema).to_arrow().cast(arrow_schema))
+                writer.write_table(df.select(list(schema)).cast(dtypes).to_arrow().cast(arrow_schema))
                 rows += df.height
         seal(tmp, path)
     return rows

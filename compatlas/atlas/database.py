@@ -29,6 +29,7 @@ import logging
 import os
 import re
 import shutil
+from collections.abc import Sequence
 from importlib import resources
 from pathlib import Path
 from typing import Any
@@ -87,7 +88,7 @@ def models_frame(meta_paths: list[str | os.PathLike]) -> pl.DataFrame:
     return pl.DataFrame(rows, schema=MODELS_SCHEMA)
 
 
-def _parquet_view(name: str, shards: list[str | os.PathLike], types: dict, root: Path | None = None,
+def _parquet_view(name: str, shards: Sequence[str | os.PathLike], types: dict, root: Path | None = None,
                   temp: bool = False, present: set[str] | None = None) -> str:
     """The view over ``shards``; ``present``: the columns some shard has (read from their footers
     when not given)."""
@@ -106,9 +107,11 @@ def _parquet_view(name: str, shards: list[str | os.PathLike], types: dict, root:
     # where no shard has it yet, it is typed NULL, not an error
     if present is None:
         absolute = ", ".join("'" + str(Path(s).resolve()).replace("'", "''") + "'" for s in shards)
-        present = {r[0] for r in duckdb.sql(f"SELECT DISTINCT name FROM parquet_schema([{absolute}])").fetchall()}
-    cols = [c if c in present else f"NULL::{_DUCK_TYPES[types[c]]} AS {c}" for c in columns]
-    return f"{create} {name} AS SELECT {', '.join(cols)} FROM read_parquet([{files}], union_by_name = true)"
+        footers = duckdb.sql(f"SELECT DISTINCT name FROM parquet_schema([{absolute}])")
+        assert footers is not None  # a SELECT always gives a relation (None is for statements without rows)
+        present = {r[0] for r in footers.fetchall()}
+    selected = [c if c in present else f"NULL::{_DUCK_TYPES[types[c]]} AS {c}" for c in columns]
+    return f"{create} {name} AS SELECT {', '.join(selected)} FROM read_parquet([{files}], union_by_name = true)"
 
 
 # The shards a build let into each view, with what it verified of them (path relative to the
@@ -149,7 +152,7 @@ def connect(db_path: str | os.PathLike, read_only: bool = True) -> duckdb.DuckDB
             Path(path).parent.rmdir()
     con.execute(f"SET file_search_path = '{str(folder.parent).replace(chr(39), chr(39) * 2)}'")
     if read_only:
-        if con.execute("SELECT count(*) FROM duckdb_tables() WHERE table_name = 'shard_files'").fetchone()[0]:
+        if con.execute("SELECT count(*) FROM duckdb_tables() WHERE table_name = 'shard_files'").fetchall()[0][0]:
             _verified_shard_views(con, folder)
         else:  # an atlas built before shard_files
             _pin_shard_paths(con, folder)

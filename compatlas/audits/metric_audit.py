@@ -73,7 +73,8 @@ def model_from_factors(A1, B1, A2, B2, comp: Comp, vocab: int = 64, seed: int = 
     return w
 
 
-def score(metric: Metric, space: Space, comp: Comp, factors) -> float:
+def score(metric: Metric, space: Space, comp: Comp,
+          factors: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]) -> float:
     ws, _ = to_space(model_from_factors(*factors, comp=comp), space)
     return float(layer_pair_scores(head_factors(ws, metric, (comp,)), 0, [1], comp)[0, 0, 0])
 

@@ -216,7 +216,7 @@ def calibrate(causal: pl.DataFrame, null: pl.DataFrame, stratify: NullStratify =
             pl.lit(unit).alias("test_unit"), (pl.col("reader_head") // kv_group).alias("reader_kv_head")))
     if not parts:
         return pl.DataFrame(schema=CALIBRATION_SCHEMA)
-    return pl.concat(parts).select(list(CALIBRATION_SCHEMA)).cast(CALIBRATION_SCHEMA)
+    return pl.concat(parts).select(list(CALIBRATION_SCHEMA)).cast(pl.Schema(CALIBRATION_SCHEMA))
 
 
 def calibrate_shards(causal: Sequence[str], null: Sequence[str], stratify: NullStratify = "none",

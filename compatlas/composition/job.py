@@ -128,7 +128,7 @@ class GemmOperands:
 
 
 def gemm_operands(f: HeadFactors, dtype: ScoreDtype) -> GemmOperands:
-    return GemmOperands(gemm_operand(f.emit, dtype), {c: gemm_operand(a, dtype) for c, a in f.absorb_cols.items()})
+    return GemmOperands(gemm_operand(f.gemm_emit(), dtype), {c: gemm_operand(a, dtype) for c, a in f.absorb_cols.items()})
 
 
 def tile_sq_norms(f: HeadFactors, ops: GemmOperands, comp: Comp, writers: list[int], readers: list[int],
@@ -166,7 +166,8 @@ def _heads(x: torch.Tensor, layers: list[int]) -> torch.Tensor:
     return x.reshape(x.shape[0] * x.shape[1], *x.shape[2:])
 
 
-def tile_spectra(f: HeadFactors, comp: Comp, writers: list[int], readers: list[int]) -> tuple[torch.Tensor, ...]:
+def tile_spectra(f: HeadFactors, comp: Comp, writers: list[int],
+                 readers: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(writer norms, writer spectra, reader norms, reader spectra) of a tile's heads, flattened."""
     return (_heads(f.writer_norm, writers), _heads(f.writer_sv, writers),
             _heads(f.reader_norm[comp], readers), _heads(f.reader_sv[comp], readers))
@@ -237,8 +238,9 @@ def score_tiles(jf: JobFactors, metrics: tuple[Metric, ...], pairs: list[tuple[i
                 sq, core = {}, None
                 for fam in ops:
                     sq[fam], core = tile_sq_norms(f[fam], ops[fam], c, t.writers, t.readers, dtype, keep=bool(jf.sand))
-                for fam, s in jf.sand.items():
-                    sq[fam] = sandwich_sq_norms(core, s, c, t.writers, t.readers)
+                for fam, sw in jf.sand.items():
+                    assert core is not None  # a sandwiched family has a base, whose GEMM above kept its product
+                    sq[fam] = sandwich_sq_norms(core, sw, c, t.writers, t.readers)
                 del core
             for fam, idx in families.items():
                 spectra = tile_spectra(f[fam], c, t.writers, t.readers)

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field, fields
+from typing import Any
 
 import torch
 
@@ -44,7 +45,8 @@ def sandwich(f: HeadFactors, base: HeadFactors) -> Sandwich:
     and ``absorb = U_A``: ``f``'s emit rows lie in W_O's row space and its absorb columns in A's
     column space, which U_O and U_A span (zero columns past a rank change nothing), so
     ``emit absorb = (emit U_O) (U_O^T U_A) (U_A^T absorb)`` exactly."""
-    L, H, dh, _ = f.emit.shape
+    emit = f.gemm_emit()
+    L, H, dh, _ = emit.shape
     right = {}
     for c in base.absorb:
         Hg = base.absorb[c].shape[1]
@@ -54,7 +56,7 @@ def sandwich(f: HeadFactors, base: HeadFactors) -> Sandwich:
         post = f.post.get(c)
         C = C.repeat_interleave(H // Hg, dim=1) @ post if post is not None else C.repeat_interleave(H // Hg, dim=1)
         right[c] = C.view(L, Hg, H // Hg, dh, dh).permute(0, 1, 3, 2, 4).reshape(L, Hg, dh, H // Hg * dh)
-    return Sandwich(f.emit @ base.emit.transpose(-2, -1), right)
+    return Sandwich(emit @ base.gemm_emit().transpose(-2, -1), right)
 
 
 
@@ -99,7 +101,7 @@ def _concat(parts: list, dim: int = 0):
 
 
 def _concat_factors(parts: list[HeadFactors]) -> HeadFactors:
-    out = {}
+    out: dict[str, Any] = {}
     for fl in fields(HeadFactors):
         vals = [getattr(p, fl.name) for p in parts]
         if fl.name == "absorb_cols":  # [d, L Hg dh]: layers side by side along the columns
@@ -116,7 +118,7 @@ def job_factors(w: AttentionWeights, metrics: tuple[Metric, ...],
     measured Gram matrices or None (``head_factors``' ``grams``): the job's, moved to its device and
     into its space, so that the device never holds more than a chunk of weights."""
     families = list(dict.fromkeys(factor_family(m) for m in metrics))
-    base = "subspace" if "subspace" in families and len(families) > 1 else None
+    base: Metric | None = "subspace" if "subspace" in families and len(families) > 1 else None
     per_layer = sum(x[0].numel() * x.element_size() for x in (w.W_Q, w.W_K, w.W_V, w.W_O)) * 8
     step = max(1, CHUNK_BYTES // max(per_layer, 1))
     parts: dict[Metric, list[HeadFactors]] = {fam: [] for fam in families}
@@ -125,8 +127,9 @@ def job_factors(w: AttentionWeights, metrics: tuple[Metric, ...],
         wc = _layers(w, a, min(a + step, w.n_layers))
         wc, grams = prepare(wc) if prepare is not None else (wc, None)
         fc = {fam: head_factors(wc, fam, grams=grams) for fam in families}
-        for fam in sand_parts:
-            sand_parts[fam].append(sandwich(fc[fam], fc[base]))
+        if base is not None:  # else sand_parts is empty
+            for fam in sand_parts:
+                sand_parts[fam].append(sandwich(fc[fam], fc[base]))
         for fam, x in fc.items():
             parts[fam].append(_strip(x, keep_gemm=fam not in sand_parts))
         del fc, wc, grams

@@ -61,7 +61,7 @@ class HeadFactors:
     """
 
     metric: Metric
-    emit: torch.Tensor
+    emit: torch.Tensor | None  # None once a job has no GEMM to run on it (job_factors._strip)
     writer_norm: torch.Tensor
     writer_sv: torch.Tensor
     absorb: dict[str, torch.Tensor]
@@ -69,6 +69,12 @@ class HeadFactors:
     reader_sv: dict[str, torch.Tensor]
     post: dict[str, torch.Tensor | None] = field(default_factory=dict)
     absorb_cols: dict[str, torch.Tensor] = field(default_factory=dict)
+
+    def gemm_emit(self) -> torch.Tensor:
+        """``emit``, which only a family whose GEMM runs keeps (a sandwiched one's cores come from the base's)."""
+        if self.emit is None:
+            raise ValueError(f"these {self.metric} factors were stripped of emit: they run no GEMM of their own")
+        return self.emit
 
 
 def _r_factor(A: torch.Tensor) -> torch.Tensor:
@@ -150,7 +156,10 @@ def head_factors(w: AttentionWeights, metric: Metric, comps: tuple[Comp, ...] = 
         raise ValueError(f"unknown metric {metric!r}; choose from {METRICS}")
     grams = grams or {}
     W_Ot = w.W_O.transpose(-2, -1)  # [L, H, d_model, d_head]
-    absorb, r_norm, r_sv, post = {}, {}, {}, {}
+    absorb: dict[str, torch.Tensor] = {}
+    r_norm: dict[str, torch.Tensor] = {}
+    r_sv: dict[str, torch.Tensor] = {}
+    post: dict[str, torch.Tensor | None] = {}
     if metric == "subspace":
         with one_thread():
             U_O, keep_O = _orthonormal_basis(W_Ot)
@@ -179,7 +188,7 @@ def head_factors(w: AttentionWeights, metric: Metric, comps: tuple[Comp, ...] = 
         spectra: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
 
         def spectrum(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-            key = tuple(sorted((id(a), id(b))))
+            key = (min(id(a), id(b)), max(id(a), id(b)))  # either order: the K core is Q's transposed
             if key not in spectra:
                 with one_thread():
                     spectra[key] = _core_spectrum(full(a), full(b))
@@ -227,7 +236,7 @@ def normalised_score(metric: Metric, sq_norm: torch.Tensor, denom: torch.Tensor)
 
 def layer_pair_scores(f: HeadFactors, l1: int, readers: list[int], comp: Comp) -> torch.Tensor:
     """Scores [len(readers), H1, H2] of writer layer l1 into each reader layer, one GEMM."""
-    E = f.emit[l1]  # [H1, dh, d]
+    E = f.gemm_emit()[l1]  # [H1, dh, d]
     H1, dh, d = E.shape
     L, Hg = f.absorb[comp].shape[:2]
     nR = len(readers)

@@ -14,6 +14,7 @@ from __future__ import annotations
 import os
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from typing import cast
 
 import torch
 
@@ -40,6 +41,7 @@ def on_host(fn: Callable[[torch.Tensor], torch.Tensor | tuple[torch.Tensor, ...]
         torch.set_num_threads(threads)
     first = parts[0]
     if isinstance(first, torch.Tensor):
-        return torch.cat(parts).reshape(*x.shape[:-2], *first.shape[1:]).to(x.device, x.dtype)
+        return torch.cat(cast(list[torch.Tensor], parts)).reshape(  # fn returns one kind for every chunk
+            *x.shape[:-2], *first.shape[1:]).to(x.device, x.dtype)
     return tuple(torch.cat([p[i] for p in parts]).reshape(*x.shape[:-2], *first[i].shape[1:]).to(x.device, x.dtype)
                  for i in range(len(first)))

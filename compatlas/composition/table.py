@@ -22,7 +22,7 @@ from compatlas.composition.job import JobClock, draw_nulls, score_tiles
 from compatlas.composition.job_factors import job_factors
 from compatlas.composition.precision import storage_dtype
 from compatlas.composition.scores import touched_layers
-from compatlas.composition.token_space import change_basis, space_basis
+from compatlas.composition.token_space import EmbeddingBasis, change_basis, space_basis
 from compatlas.models.weights import AttentionWeights
 from compatlas.runtime import resolve_device
 from compatlas.tables import COMPOSITION_SCHEMA
@@ -55,11 +55,12 @@ def score_block(w: AttentionWeights, metric: Metric, space: Space, pairs: list[t
 def on_device(w: AttentionWeights, dev: torch.device, dt: torch.dtype) -> AttentionWeights:
     """The weights a job reads, moved once: per-layer tensors and W_E in ``dt``, the token-space
     factors kept in float64 (the basis change is sensitive to conditioning), W_U left behind."""
-    def cast(t: torch.Tensor | None) -> torch.Tensor | None:
-        return None if t is None else t.to(device=dev, dtype=dt)
+    def cast(t: torch.Tensor) -> torch.Tensor:
+        return t.to(device=dev, dtype=dt)
 
-    return AttentionWeights(W_Q=cast(w.W_Q), W_K=cast(w.W_K), W_V=cast(w.W_V), W_O=cast(w.W_O), W_E=cast(w.W_E),
-                            ln1_w=cast(w.ln1_w), meta=w.meta, extras={k: v.to(dev) for k, v in w.extras.items()},
+    return AttentionWeights(W_Q=cast(w.W_Q), W_K=cast(w.W_K), W_V=cast(w.W_V), W_O=cast(w.W_O),
+                            W_E=None if w.W_E is None else cast(w.W_E), ln1_w=None if w.ln1_w is None else cast(w.ln1_w),
+                            meta=w.meta, extras={k: v.to(dev) for k, v in w.extras.items()},
                             layer_ids=w.layer_ids)
 
 
@@ -120,6 +121,8 @@ def _space(w_t: AttentionWeights, space: Space, max_condition: float, moments: M
     """How a chunk of the job's layers becomes the weights the kernel factors (moved to the device
     and into the space: the device holds a chunk of weights at a time, never the job's), the
     space's facts and its d_model. The activation space's reader RMS of each chunk go to ``own``."""
+    facts: dict
+    basis: EmbeddingBasis | None
     if space == "activation":
         if moments is None:
             raise ValueError("the activation space needs the model's moments (the moments rule's output)")
@@ -184,5 +187,5 @@ def block_table(block: np.ndarray, gauss: np.ndarray, pairs: list[tuple[int, int
     }
     df = pl.DataFrame(data).with_columns(pl.Series("comp", COMPS).gather(per_block(c_i)),
                                          *(pl.lit(v).alias(name) for name, v in const.items()))
-    return df.select(list(COMPOSITION_SCHEMA)).cast(COMPOSITION_SCHEMA).with_columns(
+    return df.select(list(COMPOSITION_SCHEMA)).cast(pl.Schema(COMPOSITION_SCHEMA)).with_columns(
         pl.col("score_share", "baseline_gaussian_mean", "baseline_gaussian_std").fill_nan(None))

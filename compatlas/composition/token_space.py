@@ -39,6 +39,13 @@ class EmbeddingBasis:
     n_dropped: int
 
 
+def _vocabulary(w: AttentionWeights) -> torch.Tensor:
+    """w's W_E; weights already in a derived basis carry none, and have no token space of their own."""
+    if w.W_E is None:
+        raise ValueError("these weights carry no W_E (a derived basis): token space needs the model's own")
+    return w.W_E
+
+
 def _row_normaliser(w: AttentionWeights):
     """Rows of W_E (a float64 chunk of them) as the first attention norm would see them, its weight folded in."""
     centre = str(w.meta.get("norm_type", "RMS")).upper().startswith("LN")
@@ -54,7 +61,7 @@ def _row_normaliser(w: AttentionWeights):
 
 def normalised_embedding(w: AttentionWeights) -> torch.Tensor:
     """Rows of W_E as the first attention norm would see them, its weight folded in."""
-    return _row_normaliser(w)(w.W_E.double())
+    return _row_normaliser(w)(_vocabulary(w).double())
 
 
 def embedding_gram(W_E: torch.Tensor, rows=None, chunk: int = GRAM_ROWS) -> torch.Tensor:
@@ -109,7 +116,12 @@ def embedding_basis(W_E: torch.Tensor | None = None, max_condition: float = DEFA
                     factor: torch.Tensor | None = None) -> EmbeddingBasis:
     """R_E = S V^T and its inverse from W_E [d_vocab, d_model] (or from a factor R with
     W_E = Q R); never d_vocab x d_vocab."""
-    R0 = embedding_factor(W_E) if factor is None else factor.double()
+    if factor is not None:
+        R0 = factor.double()
+    elif W_E is not None:
+        R0 = embedding_factor(W_E)
+    else:
+        raise ValueError("embedding_basis needs W_E or its factor")
     _, S, Vh = torch.linalg.svd(R0)  # W = (Q0 U) S Vh
     condition = float(S[0] / S[-1]) if S[-1] > 0 else float("inf")
     keep = S >= S[0] / max_condition
@@ -136,12 +148,13 @@ def add_space_factors(w: AttentionWeights) -> None:
 
     A vocabulary smaller than d_model has no token space: recorded as None, and only the
     token-space jobs fail (with embedding_factor's message), not the extraction."""
-    if w.W_E.shape[0] < w.W_E.shape[1]:
+    W_E = _vocabulary(w)
+    if W_E.shape[0] < W_E.shape[1]:
         for space in TOKEN_SPACES:
             w.meta[f"{space}_condition"] = None
         return
     for space in TOKEN_SPACES:
-        R, S = factor_and_spectrum(w.W_E, None if space == "token" else _row_normaliser(w))
+        R, S = factor_and_spectrum(W_E, None if space == "token" else _row_normaliser(w))
         w.extras[f"R_{space}"] = R  # kept in float64: the basis change is sensitive to conditioning
         w.meta[f"{space}_condition"] = float(S[0] / S[-1]) if S[-1] > 0 else float("inf")
 
@@ -150,7 +163,7 @@ def space_factor(w: AttentionWeights, space: Space) -> torch.Tensor:
     """The factor R of the space's embedding (stored at extraction when available)."""
     if f"R_{space}" in w.extras:
         return w.extras[f"R_{space}"]
-    return embedding_factor(w.W_E if space == "token" else normalised_embedding(w))
+    return embedding_factor(_vocabulary(w) if space == "token" else normalised_embedding(w))
 
 
 def space_basis(w: AttentionWeights, space: Space,

@@ -9,6 +9,7 @@ import altair as alt
 import polars as pl
 
 from compatlas.report.page import note, order
+from compatlas.tables import number
 from compatlas.vocab import METRICS, SPACES, TRANSFORMS
 
 AXIOM_TEXT = {
@@ -25,7 +26,7 @@ def invariance_chart(inv: pl.DataFrame, model: str, checkpoint: str) -> alt.Face
         pl.col("spearman").min(), pl.col("max_abs_change").max().alias("change"),
         pl.col("top_k_overlap").min(), pl.col("top_k").first().alias("k"))
     k = int(agg["k"][0]) if agg["k"][0] is not None else 0
-    lo = min(0.0, float(agg["spearman"].min()))
+    lo = min(0.0, number(agg["spearman"].min()))
     n_m = agg["metric"].n_unique()
     return alt.Chart(agg).mark_bar().encode(
         x=alt.X("transform:N", sort=list(TRANSFORMS), title="change of residual basis x → x T",

@@ -10,6 +10,7 @@ import polars as pl
 
 from compatlas.atlas import MIN_CLASS, MIN_READERS  # below these counts the atlas's Spearman / AUROC are NULL
 from compatlas.report.page import by_metric_space, note, order, table
+from compatlas.tables import integer, number
 
 HEAD_SCORE_TEXT = {"prev_token_mean": "previous-token score", "duplicate_mean": "duplicate-token score",
                    "induction_mean": "induction score", "ablation_drop": "drop in induction strength when ablated"}
@@ -39,7 +40,7 @@ def powers_chart(toks: pl.DataFrame, model: str, checkpoint: str) -> alt.Chart:
             "A power: its mean over sequences with the token as A, B power: as B."]))
 
 
-def near_b_chart(toks: pl.DataFrame, model: str, checkpoint: str) -> alt.LayerChart:
+def near_b_chart(toks: pl.DataFrame, model: str, checkpoint: str) -> alt.FacetChart:
     """B against the nearby-B token B* and a random token R on the same sequences (result 2),
     mean over tokens with +-2 standard errors."""
     t = _fillers(toks).filter(pl.col("role") == "B")
@@ -66,8 +67,9 @@ def near_b_chart(toks: pl.DataFrame, model: str, checkpoint: str) -> alt.LayerCh
 
 def span(values: pl.Series) -> float:
     """The largest |value| (1 when there is none): half the width of a domain centred on 0."""
-    m = values.drop_nulls().abs().max() if values.len() else None
-    return float(m) if m is not None and m > 0 else 1.0
+    present = values.drop_nulls()
+    m = number(present.abs().max()) if present.len() else 0.0
+    return m if m > 0 else 1.0
 
 
 def head_scores_chart(heads: pl.DataFrame, model: str) -> alt.TopLevelMixin:
@@ -76,7 +78,7 @@ def head_scores_chart(heads: pl.DataFrame, model: str) -> alt.TopLevelMixin:
     cols = [c for c in HEAD_SCORE_TEXT if c in heads.columns and heads[c].is_not_null().any()]
     steps = sorted(heads["step"].unique().to_list()) if "step" in heads.columns else []
     h = heads.select("layer", "head", *(pl.col(c).round(3) for c in cols), *(["step"] if steps else []))
-    n_heads, n_layers = int(h["head"].max()) + 1, int(h["layer"].max()) + 1
+    n_heads, n_layers = integer(h["head"].max()) + 1, integer(h["layer"].max()) + 1
     cell = max(4, min(28, (1180 // max(len(cols), 1) - 90) // n_heads))
     params, filt = [], None
     if len(steps) > 1:

@@ -13,6 +13,7 @@ import polars as pl
 
 from compatlas.report.page import COMP_COLOURS, CONTENT, order, wrap
 from compatlas.report.queries import EDGE_MAX, STRONGEST_PER_COMP
+from compatlas.tables import integer, number
 from compatlas.vocab import COMPS, METRICS, SPACES
 
 PREV, IND, OTHER = "previous-token head", "induction head", "other head"
@@ -156,7 +157,7 @@ def circuit_chart(edges: pl.DataFrame, nodes: pl.DataFrame, model: str, checkpoi
     metric x space scored (``combos_scored``) with its number of discoveries, none left out for
     having none, and opens on ``lead``. A panel with no curve for the chosen metric x space says
     why (``empty_panels``; ``summary``: queries.calibration_summary, its discoveries per comp)."""
-    n_layers, n_heads = int(nodes["layer"].max()) + 1, int(nodes["head"].max()) + 1
+    n_layers, n_heads = integer(nodes["layer"].max()) + 1, integer(nodes["head"].max()) + 1
     e = edges.with_columns(combo=pl.col("metric") + " · " + pl.col("space"),
                            writer="L" + pl.col("writer_layer").cast(pl.Utf8) + ".H" + pl.col("writer_head").cast(pl.Utf8),
                            reader="L" + pl.col("reader_layer").cast(pl.Utf8) + ".H" + pl.col("reader_head").cast(pl.Utf8))
@@ -168,7 +169,7 @@ def circuit_chart(edges: pl.DataFrame, nodes: pl.DataFrame, model: str, checkpoi
     labels = [f"{c} ({'no discoveries' if not counts.get(c) or candidates else f'{counts[c]:,} discoveries'})"
               for c in combos]
     pick = alt.param(name="combo", value=default if default in combos else (combos[0] if combos else default),
-                     bind=alt.binding_select(options=combos or [default], labels=labels or None, name="metric · space: "))
+                     bind=alt.binding_select(options=combos or [default], labels=labels or alt.Undefined, name="metric · space: "))
     # every comp gets its panel, with or without curves: an empty one says why (``empty_panels``)
     comps = order([*e["comp"].unique().to_list(), *COMPS], COMPS)
     found = {} if summary is None or summary.is_empty() or "discoveries" not in summary.columns else {
@@ -190,8 +191,8 @@ def circuit_chart(edges: pl.DataFrame, nodes: pl.DataFrame, model: str, checkpoi
                  alt.Tooltip("prev_token:Q", title="previous-token score", format=".2f"),
                  alt.Tooltip("induction:Q", title="induction score", format=".2f")])
     pts = curves(e)
-    smax = float(e["score"].max()) if e.height else 1.0
-    smin = float(e["score"].min()) if e.height else 0.0
+    smax = number(e["score"].max()) if e.height else 1.0
+    smin = number(e["score"].min()) if e.height else 0.0
     panels = []
     for comp in comps:
         link = alt.Chart(pts.filter(pl.col("comp") == comp)).transform_filter("datum.combo == combo").mark_line(
@@ -224,7 +225,7 @@ def circuit_chart(edges: pl.DataFrame, nodes: pl.DataFrame, model: str, checkpoi
             x=alt.X("x:Q", scale=xs), y=alt.Y("y:Q", scale=ys), text="text:N")
         panels.append(alt.layer(link, points, back, words).properties(width=panel_w, height=height, title=alt.TitleParams(
             f"{comp}-composition", color=COMP_COLOURS.get(comp, "#333"), fontSize=13, anchor="middle")))
-    cap = int(e["n_total"].max()) if e.height else 0
+    cap = integer(e["n_total"].max()) if e.height else 0
     fdr = q_cut if q_cut is not None else "fdr"
     what = ([f"No pair is a discovery (q <= {fdr}): dashed curves are the {STRONGEST_PER_COMP} smallest-p pairs per "
              "metric · space and comp (a key/value head's drawn to each of its query heads), NOT a circuit."]

@@ -10,6 +10,7 @@ import polars as pl
 
 from compatlas.report import queries as q
 from compatlas.report.page import fmt, head, note, table
+from compatlas.tables import integer
 from compatlas.vocab import COMPS
 
 TOP_N = 10  # findings per comp
@@ -29,7 +30,7 @@ def why_none(summary: pl.DataFrame, q_cut: float | None) -> str | None:
         return None
     if q_cut is None or "n_null" not in summary.columns or summary["n_null"].is_null().all():
         return "not calibrated (no p-values in this atlas)"
-    n = int(summary["n_null"].max())
+    n = integer(summary["n_null"].max())
     if 1 / (n + 1) > q_cut:
         return (f"none possible: its null has {n:,} pairs, so the smallest p is 1/{n + 1:,} = {fmt(1 / (n + 1))}, "
                 f"above the false discovery rate {q_cut:g}")

@@ -23,6 +23,7 @@ from compatlas.report import function_training
 from compatlas.report import queries as q
 from compatlas.report.function_training import cell_order
 from compatlas.report.page import Page, by_metric_space, fmt, note, order, table
+from compatlas.tables import integer, number
 from compatlas.vocab import COMPS, EDGE_METHODS, WEIGHT_SPACES
 
 CIRCUIT, OTHER = "previous-token head → induction head", "other edge"
@@ -79,7 +80,7 @@ def comp_function(con: duckdb.DuckDBPyConnection, model: str, checkpoint: str, m
     keys = ["writer_layer", "writer_head", "reader_layer", "reader_unit"]
     edges = df.select(*keys, "attribution", "stderr", "n_sequences").unique(keys).sort(keys)
     cells = cell_order([tuple(r) for r in df.select("metric", "space").unique().iter_rows()])
-    n_seq = int(edges["n_sequences"].max() or 0)
+    n_seq = integer(edges["n_sequences"].max() or 0)
     gate = ag.measurability(edges["attribution"].to_numpy(), edges["stderr"].fill_null(0).to_numpy(), n_seq)
     out = CompFunction(comp, method, gate, cells)
     if gate.measurable:
@@ -112,7 +113,8 @@ def _iv(x: float | None, iv: tuple[float, float] | None) -> str:
 
 def gate_line(fns: dict[str, CompFunction]) -> str:
     """Per comp: measurable (with its counts) or why not; comps with the same reason share it."""
-    parts, why = [], {}
+    parts: list[str] = []
+    why: dict[str, list[str]] = {}
     for c in COMPS:
         if c in fns:
             g = fns[c].gate
@@ -131,10 +133,10 @@ def best_lines(fns: dict[str, CompFunction]) -> str:
     for c in COMPS:
         f = fns.get(c)
         r = f.ranking() if f is not None else None
-        if r is None:
+        if f is None or f.agreement is None or r is None:  # ranking() is None without an agreement: the first two tests narrow the types
             continue
         best, tied = r
-        a = f.agreement.auroc[f.cells.index(best)]  # type: ignore[union-attr]
+        a = f.agreement.auroc[f.cells.index(best)]
         what = f"<b>{_cell(best)}</b> (AUROC {_iv(a, f.interval(best, 'auroc'))})"
         if tied:
             names = ", ".join(_cell(t) for t in tied[:6]) + (f" and {len(tied) - 6} more" if len(tied) > 6 else "")
@@ -201,7 +203,7 @@ def exact_line(eve: pl.DataFrame) -> str:
         n_max = max(int(r["n_exact"] or 0) for r in g.values())
         parts.append(f"<b>{html.escape(method)}</b> against exact patching ({n_max} patched edges per comp at most): "
                      + "; ".join(bits))
-    few = int(eve["n_exact"].fill_null(0).min()) < MIN_RANKED
+    few = integer(eve["n_exact"].fill_null(0).min()) < MIN_RANKED
     return ". ".join(parts) + "." + (f" A Spearman and a top-k overlap are shown from {MIN_RANKED} patched edges and "
                                      "a k below their number: with fewer edges a perfect order arises by chance too "
                                      "often, and an overlap of all of them is 1 by construction." if few else "")
@@ -231,10 +233,10 @@ def edge_points(df: pl.DataFrame, prev: pl.DataFrame, ind: pl.DataFrame, grouped
         kind=pl.when("circuit").then(pl.lit(CIRCUIT)).otherwise(pl.lit(OTHER))).sort("kind", descending=True)
 
 
-def scatter_chart(pts: pl.DataFrame, model: str, checkpoint: str, method: str, metric: str, space: str) -> alt.LayerChart:
+def scatter_chart(pts: pl.DataFrame, model: str, checkpoint: str, method: str, metric: str, space: str) -> alt.LayerChart | alt.FacetChart:
     """Composition score (x) against |attribution| (y, symlog) of every K edge, the circuit's drawn over the rest."""
     positive = pts.filter(pl.col("fn") > 0)["fn"]
-    constant = float(positive.median()) if len(positive) else 1.0  # linear below the typical edge, logarithmic above
+    constant = number(positive.median()) if len(positive) else 1.0  # linear below the typical edge, logarithmic above
     y = alt.Y("fn:Q", title="|edge attribution| (log-prob of induced tokens)",
               scale=alt.Scale(type="symlog", constant=constant))
     x = alt.X("score:Q", title=f"K-composition score ({metric}, {space} space)", scale=alt.Scale(zero=False))
@@ -290,7 +292,8 @@ def section(page: Page, con: duckdb.DuckDBPyConnection, d: Any, cuts: tuple[floa
         df = q.edge_scatter(con, d.model, d.latest, methods["K"], *d.lead)
         if not df.is_empty():
             grouped = d.info.get("n_kv_heads") not in (None, d.info.get("n_heads"))
-            pts = edge_points(df, *d.roles(*cuts), grouped)
+            prev, ind = d.roles(*cuts)
+            pts = edge_points(df, prev, ind, grouped)
             page.figure(scatter_chart(pts, d.model, d.latest, methods["K"], *d.lead), f"{d.stem}__function_scatter")
     elif "K" in fns:
         page.add(note("No scatter of K-composition against function: K has no function to predict here."))
@@ -308,7 +311,8 @@ def overview_table(con: duckdb.DuckDBPyConnection, data: list[Any], fns: dict[st
     k = {d.model: fns[d.model]["K"] for d in data if "K" in fns.get(d.model, {})}
     if not k:
         return head_ + note("No model in this atlas has edge attribution.")
-    inn = {m: f for m, f in k.items() if f.agreement is not None}
+    agree = {m: a for m, f in k.items() if (a := f.agreement) is not None}  # the models' K agreements, where there is one
+    inn = {m: k[m] for m in agree}
     out = "".join(f"<li>{html.escape(m)}: {html.escape(f.gate.why or '')}</li>" for m, f in k.items() if m not in inn)
     left = (f"<p>Left out, no K function to predict:</p><ul class='note'>{out}</ul>" if out else "")
     intro = note("K-composition against edge attribution (each model page's method, last checkpoint): AUROC of the "
@@ -321,8 +325,8 @@ def overview_table(con: duckdb.DuckDBPyConnection, data: list[Any], fns: dict[st
 
     def stack(which: str, boot: bool) -> np.ndarray:
         rows = []
-        for f in inn.values():
-            a = f.agreement
+        for m, f in inn.items():
+            a = agree[m]
             src = (a.auroc_boot if boot else a.auroc) if which == "auroc" else (a.spearman_boot if boot else a.spearman)
             rows.append(src[[f.cells.index(c) for c in cells]])
         return np.nanmean(np.stack(rows), axis=0)
@@ -352,7 +356,7 @@ def overview_table(con: duckdb.DuckDBPyConnection, data: list[Any], fns: dict[st
     rows = []
     for i in np.argsort(-np.nan_to_num(point, nan=-1), kind="stable"):
         mark = ("best" if i == all_best and not all_tied else "tied" if i == all_best or i in all_tied else "")
-        per = [_iv(inn[m].agreement.auroc[inn[m].cells.index(cells[i])], inn[m].interval(cells[i], "auroc"))  # type: ignore[union-attr]
+        per = [_iv(agree[m].auroc[inn[m].cells.index(cells[i])], inn[m].interval(cells[i], "auroc"))
                for m in models]
         rows.append([cells[i][0], cells[i][1], _iv(point[i], (lo[i], hi[i])), _iv(rho[i], (rlo[i], rhi[i])), mark, *per])
     return (head_ + intro + all_line + w_line + left

@@ -16,6 +16,7 @@ import polars as pl
 from compatlas.report import queries as q
 from compatlas.report.page import Page, fmt, head, note, order
 from compatlas.report.training import log_axis, step_x
+from compatlas.tables import number
 from compatlas.vocab import EDGE_METHODS, METRICS, SPACES
 
 EXACT = "exact patching"
@@ -23,7 +24,7 @@ EXACT = "exact patching"
 
 def cell_order(cells: list[tuple[str, str]]) -> list[tuple[str, str]]:
     """Metric x space cells in the usual order (METRICS, then SPACES)."""
-    rank = {(m, s): i for i, (m, s) in enumerate((m, s) for m in METRICS for s in SPACES)}
+    rank: dict[tuple[str, str], int] = {(m, s): i for i, (m, s) in enumerate((m, s) for m in METRICS for s in SPACES)}
     return sorted(cells, key=lambda c: (rank.get(c, len(rank)), c))
 
 
@@ -63,7 +64,7 @@ def follow_cell(curves: pl.DataFrame, exact: pl.DataFrame) -> tuple[tuple[str, s
 def training_chart(fn: pl.DataFrame, comp_curve: pl.DataFrame, edge: str, rule: str, follow: str) -> alt.VConcatChart:
     """The edge's exact patching and every attribution method (each +-1 standard error) on one
     panel, its K-composition below, over one step axis. ``fn``: step, series, value, stderr."""
-    top = float(max(fn["step"].max(), comp_curve["step"].max() if comp_curve.height else 0))
+    top = max(number(fn["step"].max()), number(comp_curve["step"].max()) if comp_curve.height else 0.0)
     log = log_axis(pl.concat([fn["step"], comp_curve["step"]]) if comp_curve.height else fn["step"])
     f = fn.with_columns(lo=pl.col("value") - pl.col("stderr"), hi=pl.col("value") + pl.col("stderr")).cast({"step": pl.Float64})
     series = order(f["series"].unique(), (EXACT, *EDGE_METHODS))

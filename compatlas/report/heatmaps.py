@@ -12,6 +12,7 @@ import numpy as np
 import polars as pl
 
 from compatlas.report.page import by_metric_space, finite, order, table, wrap
+from compatlas.tables import integer, number
 from compatlas.vocab import COMPS
 
 HEATMAP_DATA = "heatmap"  # name of the heatmap's dataset in the spec's top-level "datasets"
@@ -58,7 +59,7 @@ def heatmap_rows(df: pl.DataFrame, H: int) -> list[dict[str, Any]]:
         r0, n = int(r[0]), int(r[-1] - r[0] + 1)
         gm = g["baseline_gaussian_mean"].mean() if "baseline_gaussian_mean" in g.columns else None
         # the Gaussian null depends only on the heads' shapes: one value per row (their mean)
-        row: dict[str, Any] = {"c": comp, "w": int(w), "r0": r0, "nn": nn, "gm": round(gm, 4) if finite(gm) else None}
+        row: dict[str, Any] = {"c": comp, "w": int(w), "r0": r0, "nn": nn, "gm": round(number(gm), 4) if finite(gm) else None}
         for key, col in (("s", "s"), ("m", "m"), ("z", "zz"), ("lp", "lpp"), ("lq", "lqq")):
             arr: list[Any] = [None] * n
             for ri, v in zip((r - r0).tolist(), g[col].to_list()):
@@ -82,8 +83,8 @@ def heatmap_chart(df: pl.DataFrame, model: str, checkpoint: str, metric: str, sp
     compose through keys). Colour: -log10 p where calibrated, else the z against the spectrum-kept
     null. The chart reads the named dataset HEATMAP_DATA (``heatmap_rows``)."""
     calibrated = df["q_value"].is_not_null().any()
-    w_lo, w_hi = int(df["writer_layer"].min()), int(df["writer_layer"].max()) + 1
-    r_lo, r_hi = int(df["reader_layer"].min()), int(df["reader_layer"].max()) + 1
+    w_lo, w_hi = integer(df["writer_layer"].min()), integer(df["writer_layer"].max()) + 1
+    r_lo, r_hi = integer(df["reader_layer"].min()), integer(df["reader_layer"].max()) + 1
     n_w, n_r = (w_hi - w_lo) * H, (r_hi - r_lo) * H
     side = max(PANEL_MIN, min(PANEL_MAX, CELL_PX * max(n_w, n_r)))
     width, height = max(120, round(side * n_r / max(n_w, n_r))), max(120, round(side * n_w / max(n_w, n_r)))
@@ -176,7 +177,7 @@ def calibration_table(summary: pl.DataFrame) -> str:
         return ""
     rows = []
     for metric, space, g, by in by_metric_space(summary):
-        rows.append([metric, space, int(g["pairs"].max()), *(by[c]["discoveries"] if c in by else None for c in COMPS),
+        rows.append([metric, space, integer(g["pairs"].max()), *(by[c]["discoveries"] if c in by else None for c in COMPS),
                      *(by[c]["mean_score"] if c in by else None for c in COMPS),
                      g["gaussian_null"].mean(), g["spectrum_null"].mean(), g["n_null"].max()])
     return table(["metric", "space", "head pairs per comp", "Q discoveries", "K discoveries", "V discoveries",

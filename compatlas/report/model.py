@@ -17,6 +17,7 @@ from compatlas.report import behaviour, blocks, circuit, findings, function, hea
 from compatlas.report import queries as q
 from compatlas.report.audits import invariance_chart
 from compatlas.report.page import Page, esc, fmt, note, safe_name, step
+from compatlas.tables import integer
 
 
 @dataclass
@@ -128,7 +129,7 @@ def _too_small(summary: pl.DataFrame, q_cut: float | None) -> str:
     m reach that floor."""
     if q_cut is None or summary.is_empty() or "n_null" not in summary.columns or summary["n_null"].null_count():
         return ""
-    n_null = int(summary["n_null"].max())
+    n_null = integer(summary["n_null"].max())
     if 1 / (n_null + 1) <= q_cut:
         return ""
     return (f" With {n_null} non-causal pairs the smallest possible p is 1/{n_null + 1} = {1 / (n_null + 1):.3g}, above"
@@ -160,12 +161,14 @@ def build_page(con: duckdb.DuckDBPyConnection, d: ModelData, out_dir: Path, q_cu
             page.add(note(f"<b>No discoveries</b>: {why}.{_too_small(d.summary, q_cut)} Drawn instead, and not to be "
                           "read as a circuit: the pairs with the smallest p."))
         nodes = circuit.node_frame(int(d.info["n_layers"]), int(d.info["n_heads"]), d.heads, *cuts)
+        assert d.lead is not None  # load chooses a lead whenever there are combos
         page.figure(circuit.circuit_chart(d.edges, nodes, d.model, d.latest, d.lead, q_cut, d.candidates, d.combos,
                                           d.summary), f"{s}__circuit")
         page.add(note(d.lead_sentence() + " The tables below follow the menu."))
         floor = findings.floor_summary(con, d.model, d.latest, findings.kv_group(d.info))
         page.add(findings.top_discoveries(d.edges, d.info, d.model, d.combos, d.lead, d.candidates, floor, q_cut))
     if d.combos:
+        assert d.lead is not None  # as above
         metric, space = d.lead
         L, H = int(d.info.get("n_layers") or 1), int(d.info.get("n_heads") or 1)
         big = blocks.use_blocks(L, H)
@@ -184,7 +187,7 @@ def build_page(con: duckdb.DuckDBPyConnection, d: ModelData, out_dir: Path, q_cu
                         datasets={blocks.BLOCK_DATA: blocks.block_rows(bl)})
         else:
             df = q.pairs(con, d.model, d.latest, metric, space)
-            H = int(max(H, df["writer_head"].max() + 1, df["reader_head"].max() + 1))
+            H = max(H, integer(df["writer_head"].max()) + 1, integer(df["reader_head"].max()) + 1)
             page.figure(heatmaps.heatmap_chart(df, d.model, d.latest, metric, space, H, q_cut), f"{s}__heatmap",
                         datasets={heatmaps.HEATMAP_DATA: heatmaps.heatmap_rows(df, H)}, png=df.height <= heatmaps.PNG_MAX_CELLS)
         page.add(heatmaps.calibration_table(d.summary))

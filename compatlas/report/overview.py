@@ -15,6 +15,7 @@ import polars as pl
 from compatlas.report.findings import why_none
 from compatlas.report.model import ModelData
 from compatlas.report.page import fmt, head, table
+from compatlas.tables import integer
 from compatlas.vocab import COMPS, METRICS, SPACES
 
 
@@ -104,7 +105,8 @@ def models_table(data: list[ModelData], cuts: tuple[float, float], q_cut: float 
         prev, ind = d.roles(*cuts)
         steps = d.checkpoints["checkpoint_step"].drop_nulls()
         ck = html.escape(d.latest) if d.checkpoints.height == 1 else (
-            f"{d.checkpoints.height} (steps {fmt(int(steps.min()))}–{fmt(int(steps.max()))})" if len(steps) else str(d.checkpoints.height))
+            f"{d.checkpoints.height} (steps {fmt(integer(steps.min()))}–{fmt(integer(steps.max()))})" if len(steps)
+            else str(d.checkpoints.height))
         src = html.escape(str(i.get("source_kind") or "–")) + (f"<br><small>{html.escape(str(i['source_name']))}</small>"
                                                                  if i.get("source_name") else "")
         rows.append([_link(d), html.escape(str(i.get("architecture") or "–")),
@@ -174,7 +176,7 @@ def depth_chart(profile: pl.DataFrame) -> alt.FacetChart:
         + ([f"No discoveries, not drawn: {', '.join(none)}."] if none else [])))
 
 
-def circuit_chart(recall: pl.DataFrame) -> alt.LayerChart:
+def circuit_chart(recall: pl.DataFrame) -> alt.LayerChart | alt.FacetChart:
     """Per model and metric x space: the share of induction heads with a K-composition discovery
     from a previous-token head."""
     base = alt.Chart(recall).encode(x=alt.X("combo:N", title=None, sort=[f"{m} · {s}" for m in METRICS for s in SPACES],

@@ -181,7 +181,7 @@ def js_bundle() -> str:
     path = cache / f"vega-bundle-{safe_name(metadata.version('vl-convert-python'))}-{safe_name(vl)}.js"
     if path.is_file():
         return path.read_text(encoding="utf-8")
-    js = vlc.javascript_bundle(vl_version=vl) if vl else vlc.javascript_bundle()
+    js = vlc.javascript_bundle(vl_version=vl) if vl else vlc.javascript_bundle()  # type: ignore[call-arg]  # the stub omits snippet's default (None)
     try:
         cache.mkdir(parents=True, exist_ok=True)
         with atomic_path(path) as tmp:

@@ -22,8 +22,10 @@ class PngPool:
 
     def submit(self, spec: str, path: Path) -> None:
         i = min(range(len(self.procs)), key=lambda k: self.sent[k])  # round robin
-        self.procs[i].stdin.write(f"{path}\t{spec}\n")
-        self.procs[i].stdin.flush()
+        stdin = self.procs[i].stdin
+        assert stdin is not None  # every worker is opened with stdin=PIPE
+        stdin.write(f"{path}\t{spec}\n")
+        stdin.flush()
         self.sent[i] += 1
         self.paths.append(path)
 

@@ -13,6 +13,7 @@ import polars as pl
 from compatlas.behaviour import formation as fm
 from compatlas.behaviour.formation import TrainingOutcome
 from compatlas.report.page import head, note, step, table
+from compatlas.tables import number
 from compatlas.vocab import COMPS, METRICS, NORMALISED_METRICS, SPACES
 
 PANEL_W = 1060
@@ -22,7 +23,7 @@ def log_axis(steps: pl.Series) -> bool:
     """A log step axis when the checkpoints are log-spaced early on (the first step after 0 under a
     twentieth of the last, as Pythia's 1, 2, 4, ...); evenly spaced ones read better linearly."""
     positive = steps.filter(steps > 0)
-    return positive.len() > 0 and float(positive.min()) < float(positive.max()) / 20
+    return positive.len() > 0 and number(positive.min()) < number(positive.max()) / 20
 
 
 def step_x(top: float, log: bool, title: str | None = "training step") -> alt.X:
@@ -36,7 +37,7 @@ def step_x(top: float, log: bool, title: str | None = "training step") -> alt.X:
                  axis=alt.Axis(title=title, values=ticks, format=",d", grid=True))
 
 
-def _rule(chart: alt.Chart, marker: float | None) -> alt.TopLevelMixin:
+def _rule(chart: alt.Chart, marker: float | None) -> alt.Chart | alt.LayerChart | alt.FacetChart:
     if marker is None:
         return chart
     rule = alt.Chart(pl.DataFrame({"step": [marker]})).mark_rule(color="black", strokeDash=[4, 3]).encode(x="step:Q")
@@ -46,6 +47,7 @@ def _rule(chart: alt.Chart, marker: float | None) -> alt.TopLevelMixin:
 def trajectory_chart(t: TrainingOutcome, strength: pl.DataFrame, model: str) -> alt.VConcatChart:
     """Loss; the eventual heads' scores and the mean induction strength; the pair's composition
     per comp (colour = metric, dash = space). All on the same step axis (``log_axis``)."""
+    assert t.pair is not None  # the model's page draws this only for a model with a pair to follow
     (il, ih), (pl_, ph) = t.pair
     heads = t.heads
     ind = heads.filter((pl.col("layer") == il) & (pl.col("head") == ih))
@@ -54,9 +56,9 @@ def trajectory_chart(t: TrainingOutcome, strength: pl.DataFrame, model: str) -> 
                                 pl.col("induction_mean").alias("value")),
                      prev.select("step", pl.lit(f"previous-token score of {head(pl_, ph)}").alias("series"),
                                  pl.col("prev_token_mean").alias("value"))]).cast({"step": pl.Float64})
-    top = float(heads["step"].max())
+    top = number(heads["step"].max())
     log = log_axis(heads["step"])
-    panels = []
+    panels: list[alt.Chart | alt.LayerChart | alt.FacetChart] = []
     magnitudes: list[str] = []
     if t.loss.height:
         w = max(1, t.loss.height // 300)  # bin to about 300 points
@@ -107,6 +109,7 @@ def trajectory_chart(t: TrainingOutcome, strength: pl.DataFrame, model: str) -> 
 
 
 def describe(t: TrainingOutcome) -> str:
+    assert t.pair is not None  # as trajectory_chart: only for a model with a pair
     (il, ih), (pl_, ph) = t.pair
     s = (f"Eventual induction head <b>{head(il, ih)}</b> (highest induction score at the last checkpoint), eventual "
          f"previous-token head <b>{head(pl_, ph)}</b> (highest previous-token score in an earlier layer). ")
@@ -124,7 +127,7 @@ def describe(t: TrainingOutcome) -> str:
 
 def by_comp(v: pl.DataFrame) -> dict[str, str]:
     """Curves named compactly, per comp: ``{"K": "frobenius (residual, token); svd_bound (residual)"}``."""
-    out = {}
+    out: dict[str, str] = {}
     for comp in [c for c in COMPS if c in set(v["comp"])]:
         g = v.filter(pl.col("comp") == comp)
         out[comp] = "; ".join(f"{m} ({', '.join(s for s in SPACES if s in set(g.filter(pl.col('metric') == m)['space']))})"

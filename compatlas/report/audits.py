@@ -24,7 +24,8 @@ def invariance_chart(inv: pl.DataFrame, model: str, checkpoint: str) -> alt.Face
     """Worst rank correlation (over Q/K/V) with the untransformed scores, per transform, metric, space."""
     agg = inv.group_by("transform", "metric", "space").agg(
         pl.col("spearman").min(), pl.col("max_abs_change").max().alias("change"),
-        pl.col("top_k_overlap").min(), pl.col("top_k").first().alias("k"))
+        pl.col("top_k_overlap").min(), pl.col("top_k").first().alias("k"),
+    ).sort("transform", "metric", "space")  # sorted: a page the same every build
     k = int(agg["k"][0]) if agg["k"][0] is not None else 0
     lo = min(0.0, number(agg["spearman"].min()))
     n_m = agg["metric"].n_unique()

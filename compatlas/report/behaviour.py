@@ -9,7 +9,7 @@ import altair as alt
 import polars as pl
 
 from compatlas.atlas import MIN_CLASS, MIN_READERS  # below these counts the atlas's Spearman / AUROC are NULL
-from compatlas.report.page import by_metric_space, note, order, table
+from compatlas.report.page import by_metric_space, correlation, note, order, table
 from compatlas.tables import integer, number
 
 HEAD_SCORE_TEXT = {"prev_token_mean": "previous-token score", "duplicate_mean": "duplicate-token score",
@@ -48,7 +48,7 @@ def near_b_chart(toks: pl.DataFrame, model: str, checkpoint: str) -> alt.FacetCh
                       for label, m, se in (("B", "mean", "stderr"), ("nearby B*", "near_b_mean", "near_b_stderr"),
                                            ("random R", "random_mean", "random_stderr"))])
     s = long.group_by("fillers", "target").agg(pl.col("mean").mean(), (pl.col("se").pow(2).sum().sqrt() / pl.len()).alias("se"),
-                                               pl.len().alias("tokens"))
+                                               pl.len().alias("tokens")).sort("fillers", "target")
     s = s.with_columns(lo=pl.col("mean") - 2 * pl.col("se"), hi=pl.col("mean") + 2 * pl.col("se"))
     targets = ["B", "nearby B*", "random R"]
     base = alt.Chart(s).encode(y=alt.Y("target:N", sort=targets, title=None))
@@ -115,7 +115,7 @@ def head_scores_chart(heads: pl.DataFrame, model: str) -> alt.TopLevelMixin:
 def _stats(r: dict) -> tuple:
     """AUROC and both Spearmans as the atlas gives them: NULL below MIN_CLASS heads of a class or
     MIN_READERS readers (composition_vs_behaviour)."""
-    return r["auroc"], r["spearman_induction"], r["spearman_ablation"]
+    return r["auroc"], correlation(r["spearman_induction"]), correlation(r["spearman_ablation"])
 
 
 PAYOFF_HEADER = ["metric", "space", "reader heads", "induction heads", "K discoveries", "K precision", "K recall",

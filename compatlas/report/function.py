@@ -22,7 +22,7 @@ from compatlas.function import agreement as ag
 from compatlas.report import function_training
 from compatlas.report import queries as q
 from compatlas.report.function_training import cell_order
-from compatlas.report.page import Page, by_metric_space, fmt, note, order, table
+from compatlas.report.page import Page, by_metric_space, correlation, fmt, note, order, table
 from compatlas.tables import integer, number
 from compatlas.vocab import COMPS, EDGE_METHODS, WEIGHT_SPACES
 
@@ -160,16 +160,11 @@ def agreement_table(cvf: pl.DataFrame, fns: dict[str, CompFunction]) -> str:
             mark = "" if rk is None else "best" if rk[0] == cell and not rk[1] else "tied" if rk[0] == cell or cell in rk[1] else ""
             rows.append([metric, space, comp, r["n_edges"], r["n_top"], _iv(r.get("auroc"), f.interval(cell, "auroc")),
                          _iv(r.get("spearman"), f.interval(cell, "spearman")), mark,
-                         _rounded(r.get("spearman_within_layer_pair")), _rounded(r.get("average_precision")),
+                         correlation(r.get("spearman_within_layer_pair")), correlation(r.get("average_precision")),
                          r["n_discoveries"], r["discovery_precision"], r["discovery_recall"]])
     return table(["metric", "space", "comp", "edges", "top", "AUROC [95% interval]", "Spearman [95% interval]", "rank",
                   "Spearman within a layer pair", "average precision", "discoveries", "precision", "recall"],
                  rows, cls="agree")
-
-
-def _rounded(v: Any) -> Any:
-    """A correlation of exactly 0 computed in floating point (4.4e-17) shown as 0."""
-    return 0.0 if isinstance(v, float) and abs(v) < 1e-12 else v
 
 
 def method_line(methods: dict[str, str]) -> str:
@@ -196,7 +191,7 @@ def exact_line(eve: pl.DataFrame) -> str:
             n, k = int(r["n_exact"] or 0), int(r.get("top_k") or 5)
             bit = f"{c} top edge {'agrees' if r.get('top_edge_agrees') else 'differs'}"
             if n >= MIN_RANKED:
-                bit += f", Spearman {fmt(_rounded(r['spearman']))}"
+                bit += f", Spearman {fmt(correlation(r['spearman']))}"
                 if k < n:
                     bit += f", top-{k} overlap {fmt(r['top_k_overlap'])}"
             bits.append(bit)
@@ -230,7 +225,7 @@ def edge_points(df: pl.DataFrame, prev: pl.DataFrame, ind: pl.DataFrame, grouped
         edge=pl.lit("L") + pl.col("writer_layer").cast(pl.Utf8) + "." + pl.lit("H") + pl.col("writer_head").cast(pl.Utf8)
         + pl.lit(" → ") + label,
         score="score", attribution="attribution", fn=pl.col("attribution").abs(), stderr="attribution_stderr",
-        kind=pl.when("circuit").then(pl.lit(CIRCUIT)).otherwise(pl.lit(OTHER))).sort("kind", descending=True)
+        kind=pl.when("circuit").then(pl.lit(CIRCUIT)).otherwise(pl.lit(OTHER))).sort(["kind", "edge"], descending=[True, False])
 
 
 def scatter_chart(pts: pl.DataFrame, model: str, checkpoint: str, method: str, metric: str, space: str) -> alt.LayerChart | alt.FacetChart:

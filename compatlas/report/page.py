@@ -91,6 +91,12 @@ def fmt(v: Any, digits: int = 3) -> str:
     return str(v)
 
 
+def correlation(v: Any) -> Any:
+    """A correlation of exactly 0 computed in floating point (4.4e-17, its sign and last digits
+    changing with DuckDB's parallel sums) shown as 0."""
+    return 0.0 if isinstance(v, float) and abs(v) < 1e-12 else v
+
+
 def step(v: Any) -> str:
     return "–" if not finite(v) else f"{int(round(v)):,}"  # noqa: RUF046 - a numpy float's round is a float
 

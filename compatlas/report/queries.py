@@ -227,7 +227,7 @@ def depth_profile(con: Con, model: str, checkpoint: str, metric: str, space: str
     return _pl(con, f"""SELECT comp, reader_layer, count(*) AS pairs,
                                count(DISTINCT {test_key(con)}) FILTER (WHERE q_value <= {float(q_cut)})::BIGINT AS n
                         FROM calibration WHERE model = ? AND checkpoint = ? AND metric = ? AND space = ?
-                        GROUP BY ALL ORDER BY reader_layer""", [model, checkpoint, metric, space])
+                        GROUP BY ALL ORDER BY comp, reader_layer""", [model, checkpoint, metric, space])
 
 
 def threshold(con: Con, pattern: str, default: float) -> float:

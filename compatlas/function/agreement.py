@@ -30,7 +30,6 @@ The edges are treated as a sample of the edges such a model has; they are not in
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import lru_cache
 
 import numpy as np
 from scipy import stats
@@ -70,19 +69,6 @@ def top_of_function(fn: np.ndarray, weights: np.ndarray | None = None) -> np.nda
     return top & (w > 0)
 
 
-def bh(p: np.ndarray) -> np.ndarray:
-    """Benjamini-Hochberg q-values."""
-    n = len(p)
-    if n == 0:
-        return p
-    order = np.argsort(p)
-    q = p[order] * n / np.arange(1, n + 1)
-    q = np.minimum.accumulate(q[::-1])[::-1]
-    out = np.empty(n)
-    out[order] = np.minimum(q, 1.0)
-    return out
-
-
 def signal_edges(attribution: np.ndarray, stderr: np.ndarray, n_sequences: int) -> int:
     """How many edges carry an attribution distinguishable from zero: a two-sided t-test of each
     mean over ``n_sequences`` sequences (its standard error given), Benjamini-Hochberg over the
@@ -94,7 +80,8 @@ def signal_edges(attribution: np.ndarray, stderr: np.ndarray, n_sequences: int) 
     with np.errstate(divide="ignore", invalid="ignore"):
         t = np.where(se > 0, a / se, np.where(a > 0, np.inf, 0.0))
     p = 2 * stats.t.sf(t, df=n_sequences - 1)
-    return int((bh(np.nan_to_num(p, nan=1.0)) <= SIGNAL_FDR).sum())
+    # Benjamini-Hochberg as compatlas.composition.calibration.bh_q_values computes it (scipy's)
+    return int((stats.false_discovery_control(np.nan_to_num(p, nan=1.0), method="bh") <= SIGNAL_FDR).sum())
 
 
 def measurability(attribution: np.ndarray, stderr: np.ndarray, n_sequences: int) -> Measurability:
@@ -136,19 +123,13 @@ class Agreement:
         return lo, hi
 
 
-@lru_cache(maxsize=1)
-def _fn_ranking_cached(key: bytes, n: int) -> tuple[np.ndarray, np.ndarray]:
-    fn = np.frombuffer(key, dtype=float, count=n)
+def _fn_ranking(fn: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """fn's ascending order and its tie groups (0, 1, ...) along that order."""
     order = np.argsort(fn, kind="stable")
     srt = fn[order]
-    new = np.ones(n, dtype=bool)
+    new = np.ones(len(fn), dtype=bool)
     new[1:] = srt[1:] != srt[:-1]
     return order, np.cumsum(new) - 1
-
-
-def _fn_ranking(fn: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """fn's ascending order and tie groups; the same fn across a bootstrap's replicates is sorted once."""
-    return _fn_ranking_cached(np.ascontiguousarray(fn, dtype=float).tobytes(), len(fn))
 
 
 def _midranks(w_sorted: np.ndarray, gflat: np.ndarray) -> np.ndarray:
@@ -181,9 +162,11 @@ class _Cells:
         valid = np.isfinite(srt)
         return cls(order, groups.ravel(), valid, bool(valid.all()))
 
-    def score(self, w: np.ndarray, fn: np.ndarray, top: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    def score(self, w: np.ndarray, fn: np.ndarray, top: np.ndarray,
+              fn_ranking: tuple[np.ndarray, np.ndarray] | None = None) -> tuple[np.ndarray, np.ndarray]:
         """AUROC and Spearman of every cell for one weighting ``w`` of the edges against ``fn``,
-        ``top`` the top of the function under that weighting (all in edge order)."""
+        ``top`` the top of the function under that weighting (all in edge order); ``fn_ranking``:
+        ``_fn_ranking(fn)``, passed by a caller that scores the same fn many times."""
         ws = w[self.order] if self.all_valid else w[self.order] * self.valid
         top_s = top[self.order]
         # AUROC: for each top edge, the weight of non-top edges scored below it, plus half of those tied
@@ -195,7 +178,7 @@ class _Cells:
             auroc = (pos * credit).sum(axis=1) / (pos.sum(axis=1) * neg.sum(axis=1))
         # Spearman: the weighted Pearson of the weighted mid-ranks of score and of fn
         r_s = _midranks(ws, self.gflat)
-        f_order, f_groups = _fn_ranking(fn)
+        f_order, f_groups = _fn_ranking(fn) if fn_ranking is None else fn_ranking
         if self.all_valid:  # every cell ranks fn over the same edges: once
             r_fn = np.empty(len(fn))
             r_fn[f_order] = _midranks(w[f_order][None, :], f_groups)[0]
@@ -227,12 +210,13 @@ def bootstrap(scores: np.ndarray, attribution: np.ndarray, n_boot: int = N_BOOT,
     c, n = scores.shape
     cells = _Cells.of(scores)
     fn = np.abs(a)
-    auroc, rho = cells.score(np.ones(n), fn, top_of_function(fn))
+    ranking = _fn_ranking(fn)  # fn is the same in every replicate: sorted once
+    auroc, rho = cells.score(np.ones(n), fn, top_of_function(fn), ranking)
     rng = np.random.default_rng(seed)
     a_boot, r_boot = np.empty((c, n_boot)), np.empty((c, n_boot))
     for b in range(n_boot):
         w = np.bincount(rng.integers(0, n, n), minlength=n).astype(float)
-        a_boot[:, b], r_boot[:, b] = cells.score(w, fn, top_of_function(fn, w))
+        a_boot[:, b], r_boot[:, b] = cells.score(w, fn, top_of_function(fn, w), ranking)
     return Agreement(auroc, rho, a_boot, r_boot)
 
 

@@ -264,11 +264,11 @@ def section(page: Page, con: duckdb.DuckDBPyConnection, d: Any, cuts: tuple[floa
     if not q.has(con, "composition_vs_function", "method", "auroc"):
         return
     page.add("<h2 id='function'>Composition against function</h2>")
-    methods = q.edge_methods(con, d.model, d.latest)
-    if methods is None:
+    fns = model_function(con, d.model, d.latest) if fns is None else fns
+    methods = {c: f.method for c, f in fns.items()}  # queries.edge_methods' choice, made once in model_function
+    if not methods:
         page.add(note("No edge attribution for this model (edge attribution disabled, or a one-layer model)."))
         return
-    fns = model_function(con, d.model, d.latest) if fns is None else fns
     cvf = q.function_agreement(con, d.model, d.latest, methods)
     measurable = [c for c in COMPS if c in fns and fns[c].gate.measurable]
     page.add(note(WHAT + " " + method_line(methods)), note(RULES), f"<p>{gate_line(fns)}</p>")

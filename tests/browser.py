@@ -15,6 +15,7 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 WIDTH, HEIGHT = 1280, 900
 LOCAL = ("file:", "data:", "blob:", "about:")
@@ -211,6 +212,19 @@ def check_report(report_dir: Path, shots: Path, widths: tuple[int, ...] = (WIDTH
     return problems
 
 
+def probe_pages(report_dir: Path, names: list[str], probe: str) -> dict[str, Any]:
+    """Each named page of a report opened in one Chromium, ``probe`` (a JavaScript expression)
+    evaluated once its figures are drawn: file name -> what it returned."""
+    binary = chromium()
+    if binary is None:
+        raise RuntimeError("Chromium is not installed: `apt-get install -y chromium`")
+    b = Browser(binary)
+    try:
+        return {name: b.visit(report_dir / name, probe=probe).probe for name in names}
+    finally:
+        b.close()
+
+
 # What the circuit's menu (a vega-embed <select name="combo">) opened on, which of the page's
 # per-metric x space parts (data-combo) show, and which show after picking each other option
 # (the select set and its 'change' dispatched, as a reader's pick does).
@@ -233,25 +247,18 @@ def menu_problems(report_dir: Path, expected: dict[str, str]) -> list[str]:
     """For each page named in ``expected`` (file name -> "metric · space"): the circuit's menu opens
     on that metric x space, the page shows that one's tables only, and after each pick in the menu
     the picked one's only."""
-    binary = chromium()
-    if binary is None:
-        raise RuntimeError("Chromium is not installed: `apt-get install -y chromium`")
     problems = []
-    b = Browser(binary)
-    try:
-        for name, want in expected.items():
-            m = b.visit(report_dir / name, probe=MENU_PROBE).probe
-            if m is None:
-                problems.append(f"{name}: no metric · space menu")
-                continue
-            if m["opened"] != want:
-                problems.append(f"{name}: the menu opens on {m['opened']!r}, not {want!r}")
-            if m["shown"] != [m["opened"]]:
-                problems.append(f"{name}: opened on {m['opened']!r}, the page shows the tables of {m['shown']}")
-            problems += [f"{name}: picked {p['to']!r}, the page shows the tables of {p['shown']}"
-                         for p in m["picks"] if p["shown"] != [p["to"]]]
-    finally:
-        b.close()
+    for name, m in probe_pages(report_dir, list(expected), MENU_PROBE).items():
+        want = expected[name]
+        if m is None:
+            problems.append(f"{name}: no metric · space menu")
+            continue
+        if m["opened"] != want:
+            problems.append(f"{name}: the menu opens on {m['opened']!r}, not {want!r}")
+        if m["shown"] != [m["opened"]]:
+            problems.append(f"{name}: opened on {m['opened']!r}, the page shows the tables of {m['shown']}")
+        problems += [f"{name}: picked {p['to']!r}, the page shows the tables of {p['shown']}"
+                     for p in m["picks"] if p["shown"] != [p["to"]]]
     return problems
 
 
@@ -274,23 +281,15 @@ def function_problems(report_dir: Path, expected: dict[str, bool]) -> list[str]:
     where it has, its agreement table shows every AUROC and Spearman with its interval and a
     sentence says which cell is best or which are tied; where it has not, the page says "No
     function to predict" and shows no agreement table."""
-    binary = chromium()
-    if binary is None:
-        raise RuntimeError("Chromium is not installed: `apt-get install -y chromium`")
     problems = []
-    b = Browser(binary)
-    try:
-        for name, has_function in expected.items():
-            f = b.visit(report_dir / name, probe=FUNCTION_PROBE).probe
-            if f is None:
-                problems.append(f"{name}: no function section")
-            elif has_function:
-                if not f["rows"] or min(f["rows"]) < 2:
-                    problems.append(f"{name}: agreement rows without their intervals: {f['rows']}")
-                if "best" not in f["text"] and "tied" not in f["text"]:
-                    problems.append(f"{name}: no sentence names the best or the tied cells")
-            elif f["rows"] or "No function to predict" not in f["text"]:
-                problems.append(f"{name}: no function to predict, yet {len(f['rows'])} agreement rows and no such sentence")
-    finally:
-        b.close()
+    for name, f in probe_pages(report_dir, list(expected), FUNCTION_PROBE).items():
+        if f is None:
+            problems.append(f"{name}: no function section")
+        elif expected[name]:
+            if not f["rows"] or min(f["rows"]) < 2:
+                problems.append(f"{name}: agreement rows without their intervals: {f['rows']}")
+            if "best" not in f["text"] and "tied" not in f["text"]:
+                problems.append(f"{name}: no sentence names the best or the tied cells")
+        elif f["rows"] or "No function to predict" not in f["text"]:
+            problems.append(f"{name}: no function to predict, yet {len(f['rows'])} agreement rows and no such sentence")
     return problems

@@ -241,12 +241,13 @@ def threshold(con: Con, pattern: str, default: float) -> float:
 
 
 def rows(con: Con, view: str, model: str, checkpoint: str | None = None) -> pl.DataFrame:
-    """All rows of a per-model view, for one checkpoint or (None) every one."""
+    """All rows of a per-model view, for one checkpoint or (None) every one, in the order of their
+    columns (ORDER BY ALL): a page drawn from them is the same every build."""
     if not has(con, view, "model"):
         return pl.DataFrame()
     if checkpoint is None:
-        return _pl(con, f"SELECT * FROM {view} WHERE model = ?", [model])
-    return _pl(con, f"SELECT * FROM {view} WHERE model = ? AND checkpoint = ?", [model, checkpoint])
+        return _pl(con, f"SELECT * FROM {view} WHERE model = ? ORDER BY ALL", [model])
+    return _pl(con, f"SELECT * FROM {view} WHERE model = ? AND checkpoint = ? ORDER BY ALL", [model, checkpoint])
 
 
 def head_scores_over_training(con: Con, model: str, steps: pl.DataFrame) -> pl.DataFrame:

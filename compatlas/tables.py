@@ -86,11 +86,14 @@ HEAD_SCORES_SCHEMA: Schema = {
 
 # The effect of every causal writer -> reader edge per comp on the induction task
 # (``edge_measure.attribute_edges``): one row per method x edge (K/V edges of a KV group on each
-# of its query heads, ``reader_kv_head``), ``exact`` where edge patching measured it.
+# of its query heads, ``reader_kv_head``), ``exact`` where edge patching measured it. The split
+# halves (means over the even and the odd sequences) and the per-edge t-test (p, and q over the
+# comp's edges) make the measurement's own noise queryable (docs/edge_attribution.md).
 EDGE_ATTRIBUTION_SCHEMA: Schema = {
     "model": pl.Utf8, "checkpoint": pl.Utf8, "comp": pl.Utf8, "writer_layer": pl.Int32, "writer_head": pl.Int32,
     "reader_layer": pl.Int32, "reader_head": pl.Int32, "reader_kv_head": pl.Int32, "method": pl.Utf8,
-    "score": pl.Float64, "score_stderr": pl.Float64, "exact": pl.Float64, "exact_stderr": pl.Float64,
+    "score": pl.Float64, "score_stderr": pl.Float64, "score_half_a": pl.Float64, "score_half_b": pl.Float64,
+    "p_value": pl.Float64, "q_value": pl.Float64, "exact": pl.Float64, "exact_stderr": pl.Float64,
     "n_sequences": pl.Int64,
 }
 

@@ -5,15 +5,20 @@ from pathlib import Path
 if snakemake.params.entry["source"]["kind"] != "hub":
     os.environ["HF_HUB_OFFLINE"] = "1"
 
+import polars as pl
+
 from compatlas.function.edge_measure import boot_and_attribute_edges
 from compatlas.logs import exit_now, setup
-from compatlas.storage import write_shard
+from compatlas.storage import check_shards, write_shard
 
 log = setup(snakemake.log[0], snakemake.threads)
 wc = snakemake.wildcards
+results = Path(snakemake.output[0]).parents[3]  # results/edge_attribution/model=.../checkpoint=.../edges.parquet
+check_shards(snakemake.input.composition, results)  # a bad one: named, set aside, remade next run
+composition = pl.read_parquet(snakemake.input.composition)
 edges, provenance = boot_and_attribute_edges(wc.model, snakemake.params.entry, snakemake.params.checkpoint,
                                              snakemake.params.settings, snakemake.input.meta,
-                                             Path(snakemake.params.workdir), snakemake.params.device)
+                                             Path(snakemake.params.workdir), snakemake.params.device, composition)
 write_shard(edges, snakemake.output[0], provenance | {"table": "edge_attribution"})
 log.info("wrote %d edge rows in %.1fs", edges.height, provenance["seconds"])
 exit_now()  # outputs written: skip the interpreter's teardown

@@ -33,7 +33,7 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 POOL = TokenSet(pool=torch.arange(V))
 SETTINGS = {"sequences": 12, "length": 10, "batch_size": 48, "methods": ["eap", "eap_ig"], "steps": 4,
-            "exact_top": 4, "exact_random": 4}  # 4 + 4 per comp covers every edge of a 2 x 2-head model
+            "exact_edges": 8, "exact_sequences": 12}  # 8 per comp covers every edge of a 2 x 2-head model
 
 
 def planted_model(folder, sharp: float = 0.2):
@@ -138,7 +138,7 @@ def test_eap_is_the_first_order_term_of_edge_patching(gqa):
 
 def test_gqa_rows_share_their_kv_heads_score(gqa):
     table, facts = attribute_edges(gqa, POOL, {**SETTINGS, "sequences": 4, "length": 6, "methods": ["eap"],
-                                               "exact_top": 1, "exact_random": 1}, seed=0)
+                                               "exact_edges": 2, "exact_sequences": 4}, seed=0)
     assert facts["edges"] == 96 and facts["exact_edges"] == 6
     # rows: every causal writer x reader query head per comp (K/V repeated on the group's 2 query heads)
     assert table.height == 3 * (4 * 4 + 8 * 4)
@@ -147,23 +147,52 @@ def test_gqa_rows_share_their_kv_heads_score(gqa):
     spread = kv.group_by("comp", "writer_layer", "writer_head", "reader_layer", "reader_kv_head").agg(
         pl.col("score").n_unique().alias("n"), pl.len().alias("rows"))
     assert (spread["n"] == 1).all() and (spread["rows"] == 2).all()
-    # the exact sample: per comp, the top edge by |EAP| and one more
+    # the exact sample: two edges per comp
     assert table.filter(pl.col("exact").is_not_null()).height == 2 * 1 + 2 * 2 * 2  # Q rows 1 each, K/V 2 each
 
 
-def test_exact_sample_takes_each_methods_top_and_a_seeded_draw():
-    eap = {c: torch.zeros(1, 2, 2, 2, 2, dtype=torch.float64) for c in "QKV"}
-    eap["K"][0, 0, 1, 1, 0] = -5.0
-    eap["K"][0, 0, 0, 1, 1] = 2.0
-    ig = {c: torch.zeros(1, 2, 2, 2, 2, dtype=torch.float64) for c in "QKV"}
-    ig["K"][0, 0, 0, 1, 0] = 3.0  # another method's top edge joins the sample
-    edges = [e for e in causal_edges_of(2, 2) if e.comp == "K"]
-    picked = exact_sample([eap], edges, top=2, random=1, seed=0)
-    assert [(e.writer_head, e.reader_index) for e in picked[:2]] == [(1, 0), (0, 1)]
-    assert len(picked) == 3 and picked == exact_sample([eap], edges, top=2, random=1, seed=0)
-    both = exact_sample([eap, ig], edges, top=1, random=0, seed=0)
-    assert [(e.writer_head, e.reader_index) for e in both] == [(1, 0), (0, 0)]
-    assert len(exact_sample([eap], edges, top=3, random=5, seed=0)) == 4  # all of them, once each
+def test_exact_sample_is_stratified_over_attribution_and_composition():
+    """Per comp, the sample covers every cell of |attribution| x composition (cut at their 50th and
+    90th percentiles) as evenly as the cells allow, not the top edges of either: an edge with no
+    attribution and no composition can be drawn, so patching can disagree with both."""
+    L, H = 6, 4  # 15 layer pairs x 4 x 4 = 240 causal edges per comp
+    edges = causal_edges_of(L, H)
+    gen = torch.Generator().manual_seed(1)
+    attribution = {c: torch.randn(L, H, L, H, generator=gen, dtype=torch.float64) for c in "QKV"}
+    composition = {c: torch.rand(L, H, L, H, generator=gen, dtype=torch.float64) for c in "QKV"}
+    picked = exact_sample(attribution, composition, edges, 36, seed=0)
+    assert picked == exact_sample(attribution, composition, edges, 36, seed=0)  # seeded
+    assert picked != exact_sample(attribution, composition, edges, 36, seed=1)
+    for c in "QKV":
+        mine = [e for e in edges if e.comp == c]
+        mine_picked = [e for e in picked if e.comp == c]
+        assert len(mine_picked) == 36 == len(set(mine_picked))
+
+        def cut(t, es):
+            v = torch.tensor([t[e.writer_layer, e.writer_head, e.reader_layer, e.reader_index].item() for e in es],
+                             dtype=torch.float64)
+            q = torch.quantile(torch.tensor([t[e.writer_layer, e.writer_head, e.reader_layer, e.reader_index].item()
+                                             for e in mine], dtype=torch.float64), torch.tensor([0.5, 0.9], dtype=torch.float64))
+            return (v > q[0]).long() + (v > q[1]).long()
+
+        cells = cut(attribution[c].abs(), mine_picked) * 3 + cut(composition[c], mine_picked)
+        counts = torch.bincount(cells, minlength=9)
+        # 9 cells of 240 edges: 4 each, but the top tenth of both holds only a handful (under 4 by
+        # chance here), and what it cannot give goes round the other cells: 4 or 5 each
+        available = torch.bincount(cut(attribution[c].abs(), mine) * 3 + cut(composition[c], mine), minlength=9)
+        assert (counts == torch.where(available < 4, available, counts)).all() and (counts >= 1).all(), counts
+        assert ((counts[available >= 5] >= 4) & (counts[available >= 5] <= 5)).all(), (counts, available)
+    # without a composition score: the three |attribution| strata, 12 each
+    alone = [e for e in exact_sample(attribution, None, edges, 36, seed=0) if e.comp == "K"]
+    mine = [e for e in edges if e.comp == "K"]
+    mag = torch.tensor([attribution["K"][e.writer_layer, e.writer_head, e.reader_layer, e.reader_index].abs().item()
+                        for e in mine], dtype=torch.float64)
+    q = torch.quantile(mag, torch.tensor([0.5, 0.9], dtype=torch.float64))
+    got = torch.tensor([attribution["K"][e.writer_layer, e.writer_head, e.reader_layer, e.reader_index].abs().item()
+                        for e in alone], dtype=torch.float64)
+    assert [int(((got > q[0]).long() + (got > q[1]).long() == k).sum()) for k in range(3)] == [12, 12, 12]
+    small = [e for e in causal_edges_of(2, 2)]
+    assert len(exact_sample({c: torch.zeros(2, 2, 2, 2) for c in "QKV"}, None, small, 36, seed=0)) == len(small)
 
 
 def causal_edges_of(L: int, H: int):

@@ -158,8 +158,13 @@ def test_edge_attribution_views(pipeline_run: Path):
                           reader_layer, reader_kv_head)""").fetchone()[0] == 1
     assert con.execute("SELECT DISTINCT method FROM edge_attribution ORDER BY 1").fetchall() == [("eap",), ("eap_attn",), ("eap_ig",)]
     assert con.execute("SELECT count(*) FROM eap_vs_exact WHERE method = 'eap'").fetchone()[0] == (2 + 3) * 3
-    assert con.execute("SELECT count(*) FROM composition_vs_function WHERE method = 'eap'").fetchone()[0] \
-        == 2 * 3 * 2 * 3 + 3 * 3 * 1 * 3
+    assert con.execute("SELECT count(*) FROM composition_vs_function WHERE method = 'eap' AND space <> 'oracle'"
+                       ).fetchone()[0] == 2 * 3 * 2 * 3 + 3 * 3 * 1 * 3
+    # two reference rows (scale and depth oracles) per model x checkpoint x comp, and it is a table
+    assert con.execute("""SELECT metric, count(*) FROM composition_vs_function WHERE method = 'eap' AND space = 'oracle'
+                          GROUP BY 1 ORDER BY 1""").fetchall() == [("oracle_depth", 5 * 3), ("oracle_scale", 5 * 3)]
+    assert con.execute("SELECT table_type FROM information_schema.tables WHERE table_name = 'composition_vs_function'"
+                       ).fetchone()[0] == "BASE TABLE"
     edges = con.execute("""SELECT writer_layer, writer_head, reader_layer, reader_kv_head, any_value(abs(score))
                            FROM edge_attribution WHERE model = 'tiny-llama' AND comp = 'K' AND method = 'eap' GROUP BY ALL
                            ORDER BY 1, 2, 3, 4""").fetchall()
@@ -183,6 +188,32 @@ def test_edge_attribution_views(pipeline_run: Path):
     assert got[:2] == (len(edges), top.sum()) and len(edges) == 3 * 4 * 2  # writer x reader KV head
     u = mannwhitneyu(score[top], score[~top]).statistic / (top.sum() * (~top).sum())
     assert got[2:] == pytest.approx((spearmanr(score, fn).statistic, u, ap), rel=1e-9)
+    _check_noise_aware(con, score, comp)
+
+
+def _check_noise_aware(con, score, comp: dict) -> None:
+    """The noise-aware columns of one cell (tiny-llama, K, frobenius x residual, EAP) and of its
+    oracle rows, recomputed from edge_attribution's split halves, standard errors and q-values."""
+    import numpy as np
+    from scipy.stats import spearmanr
+
+    rows = con.execute("""SELECT writer_layer, writer_head, reader_layer, reader_kv_head, any_value(score),
+                              any_value(score_stderr), any_value(score_half_a), any_value(score_half_b),
+                              any_value(q_value)
+                          FROM edge_attribution WHERE model = 'tiny-llama' AND comp = 'K' AND method = 'eap' GROUP BY ALL
+                          ORDER BY 1, 2, 3, 4""").fetchall()
+    mean, se, a, b, q = (np.array([r[k] for r in rows], dtype=float) for k in range(4, 9))
+    assert np.allclose(mean, (a + b) / 2)  # an even number of sequences: the two halves average to the mean
+    want = {"spearman_unbiased": spearmanr(score, a * b).statistic, "spearman_t": spearmanr(score, np.abs(mean) / se).statistic,
+            "noise_ceiling": spearmanr(np.abs(a), np.abs(b)).statistic, "n_significant": int((q <= 0.05).sum())}
+    got = con.execute(f"""SELECT {', '.join(want)} FROM composition_vs_function WHERE model = 'tiny-llama' AND comp = 'K'
+                          AND metric = 'frobenius' AND space = 'residual' AND method = 'eap'""").fetchone()
+    assert got == pytest.approx(tuple(want.values()), rel=1e-9)
+    depth = np.array([np.mean([abs(m) for r2, m in zip(rows, mean) if (r2[0], r2[2]) == (r[0], r[2])]) for r in rows])
+    oracle = dict(con.execute("""SELECT metric, spearman FROM composition_vs_function WHERE model = 'tiny-llama'
+                                 AND comp = 'K' AND space = 'oracle' AND method = 'eap'""").fetchall())
+    assert oracle == pytest.approx({"oracle_scale": spearmanr(se, np.abs(mean)).statistic,
+                                    "oracle_depth": spearmanr(depth, np.abs(mean)).statistic}, rel=1e-9)
 
 
 def test_training_run_is_a_checkpoint_series(pipeline_run: Path):

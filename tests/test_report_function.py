@@ -59,21 +59,31 @@ def test_model_page_shows_only_the_measurable_comp_with_intervals_and_names_the_
         assert re.search(rf"<b>{c}</b>: no function to predict: 0 of its \d+ edges carry an attribution", part), part[:3000]
     body = part.split("<tbody>")[1].split("</tbody>")[0]
     rows = re.findall(r"<tr>(.*?)</tr>", body)
-    assert len(rows) == len(METRICS) * 2 and all("<td>K</td>" in r for r in rows)  # metric x space, K only
-    assert all(len(re.findall(INTERVAL, r)) == 2 for r in rows)  # AUROC and Spearman, each with its interval
-    # the one cell whose K score follows the K function is the best, beyond the others' uncertainty
-    best = re.search(r"K: best <b>(\w+) × (\w+)</b> \(AUROC (" + INTERVAL + r")\), beyond the uncertainty", part)
+    # metric x space and the two oracles, K only
+    assert len(rows) == len(METRICS) * 2 + 2 and all("<td>K</td>" in r for r in rows)
+    assert sum("<td>oracle</td>" in r for r in rows) == 2
+    # noise-aware Spearman and AUROC, and against |attribution| AUROC and Spearman: each with its interval
+    assert all(len(re.findall(INTERVAL, r)) == 4 for r in rows)
+    # the one cell whose K score follows the K function is the best on the noise-aware statistic, beyond the
+    # others' uncertainty, and beats the scale oracle (the standard error is the same for every edge here)
+    best = re.search(r"K, noise ceiling [-0-9.]+ \([-0-9.]+ within a layer pair\): best <b>(\w+) × (\w+)</b> \((" + INTERVAL
+                     + r")\), beyond every other cell; .*?it beats the scale oracle", part)
     assert best and (best.group(1), best.group(2)) == TRACKING, part[:3000]
     # every point figure the bootstrap starts from is the view's (an independent SQL computation)
     con = atlas_connect(db)
     fns = model_function(con, "wide", "final")
+    k = fns["K"]
     view = {(m, s_, c): (a, r) for m, s_, c, a, r in con.execute(
         """SELECT metric, space, comp, auroc, spearman FROM composition_vs_function
-           WHERE model = 'wide' AND checkpoint = 'final' AND method = 'eap'""").fetchall()}
-    k = fns["K"]
+           WHERE model = 'wide' AND checkpoint = 'final' AND method = ?""", [k.method]).fetchall()}
     assert k.gate.measurable and not fns["Q"].gate.measurable and not fns["V"].gate.measurable
+    noise = {(m, s_, c): (a, r) for m, s_, c, a, r in con.execute(
+        """SELECT metric, space, comp, auroc_significant, spearman_unbiased FROM composition_vs_function
+           WHERE model = 'wide' AND checkpoint = 'final' AND method = ?""", [k.method]).fetchall()}
+    assert k.noise is not None and len(k.cells) == len(METRICS) * 2 + 2  # the oracles too
     for i, (m, s_) in enumerate(k.cells):
         assert (k.agreement.auroc[i], k.agreement.spearman[i]) == pytest.approx(view[(m, s_, "K")], abs=1e-12)
+        assert (k.noise.auroc[i], k.noise.spearman[i]) == pytest.approx(noise[(m, s_, "K")], abs=1e-12)
     # EAP against exact patching, one line per method with every comp
     line = re.search(r"<b>eap</b> against exact patching.*?\.</p>", part, flags=re.S).group(0)
     assert all(f"{c} top edge" in line and f"{c} top edge agrees, Spearman" in line for c in "QKV")
@@ -139,8 +149,9 @@ def test_overview_ranks_only_models_with_function_with_intervals(report):
     db, out = report
     part = section((out / "index.html").read_text(encoding="utf-8"))
     con = atlas_connect(db)
-    rows = con.execute("""SELECT metric, space, model, auroc FROM composition_vs_function JOIN checkpoints USING (model, checkpoint)
-                          WHERE latest AND method = 'eap' AND comp = 'K'""").fetchall()
+    rows = con.execute("""SELECT metric, space, model, spearman_unbiased FROM composition_vs_function
+                          JOIN checkpoints USING (model, checkpoint)
+                          WHERE latest AND method = 'eap' AND comp = 'K' AND space <> 'oracle'""").fetchall()
     assert {r[2] for r in rows} == {"wide", "run", "noise"}  # "plain" has no edge attribution
     # "noise" is left out, and says why
     assert re.search(r"<li>noise: 0 of its \d+ edges carry an attribution distinguishable from zero", part)
@@ -148,13 +159,14 @@ def test_overview_ranks_only_models_with_function_with_intervals(report):
     for m, s_, model, a in rows:
         if model != "noise":
             means.setdefault((m, s_), []).append(a)
-    got = re.search(r"Agrees best across models, over 2 models \((?:wide, run|run, wide)\): <b>(\w+) × (\w+)</b> \(mean AUROC ([0-9.]+) "
-                    r"\[([0-9.]+), ([0-9.]+)\]\), beyond the uncertainty", part)
+    got = re.search(r"Agrees best across models, over 2 models \((?:wide, run|run, wide)\): <b>(\w+) × (\w+)</b> \(mean Spearman "
+                    r"([0-9.]+) \[([0-9.]+), ([0-9.]+)\]\), beyond the uncertainty of every other cell; scale oracle "
+                    + INTERVAL + ", depth oracle " + INTERVAL + "; it beats the scale oracle", part)
     assert got and (got.group(1), got.group(2)) == TRACKING, part[:3000]
     assert float(got.group(3)) == pytest.approx(np.mean(means[TRACKING]), abs=5e-3)
     assert float(got.group(4)) <= float(got.group(3)) <= float(got.group(5))
     table_rows = re.findall(r"<tr>(.*?)</tr>", part.split("<tbody>")[1])
-    assert len(table_rows) == len(means) and all(len(re.findall(INTERVAL, r)) == 4 for r in table_rows)
+    assert len(table_rows) == len(means) + 2 and all(len(re.findall(INTERVAL, r)) == 4 for r in table_rows)
     plain = (out / "model-plain.html").read_text(encoding="utf-8")
     assert "No edge attribution for this model" in section(plain)
 
@@ -167,7 +179,7 @@ def test_an_atlas_without_edge_attribution_draws_its_pages_as_before(report, tmp
     shutil.copytree(db.parent, tmp_path, dirs_exist_ok=True)
     con = as_older_atlas(old)
     for v in ("eap_vs_exact", "composition_vs_function", "edge_attribution"):
-        con.execute(f"DROP VIEW {v}")
+        con.execute(f"DROP {'TABLE' if v == 'composition_vs_function' else 'VIEW'} {v}")  # the one materialised
     con.close()
     build_report(old, tmp_path / "old", png=False)
 

@@ -204,6 +204,14 @@ def edge_attribution_shards(wildcards):
             if m.induction["enabled"] and m.induction["edge_attribution"]["enabled"]]
 
 
+def edge_stratify_shards(wildcards):
+    """The composition shards (every block) whose scores exact patching's sample is stratified
+    over: the run's first metric in the model's first space (frobenius x residual by default)."""
+    m = PLAN.models[wildcards.model]
+    return expand(SHARD, model=wildcards.model, checkpoint=wildcards.checkpoint, metric=PLAN.metrics[0],
+                  space=m.spaces[0], block=range(m.blocks))
+
+
 def space_moments(wildcards):
     """A composition job in the activation space reads its model x checkpoint's moments; other
     spaces read none (named inputs: an empty dict)."""

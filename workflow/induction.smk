@@ -27,10 +27,12 @@ rule induction:
 
 
 # Function beside the weights: every causal writer -> reader edge per comp scored by its effect
-# on the induction task (the config's methods for all, exact edge patching for a sample), on the same boot.
+# on the induction task (the config's methods for all, exact edge patching for a sample stratified
+# over |attribution| and over one composition score), on the same boot.
 rule edge_attribution:
     input:
         meta=WEIGHTS_META,
+        composition=edge_stratify_shards,
     output:
         EDGE_ATTRIBUTION,
     params:

@@ -55,6 +55,7 @@ from pathlib import Path
 import numpy as np
 import polars as pl
 
+from compatlas.multiple_testing import bh_q_values
 from compatlas.tables import CALIBRATION_SCHEMA
 from compatlas.vocab import COMPS, METRICS, NULL_PAIRS, NULL_STRATIFY, Comp, Metric, NullPairs, NullStratify, TestUnit
 
@@ -132,18 +133,6 @@ def empirical_p_values(scores: np.ndarray, null: np.ndarray, tail: bool = True) 
         p[beyond] = np.minimum(p[beyond], _tail_p(scores[beyond], fit))
     p[~np.isfinite(scores)] = np.nan
     return p
-
-
-def bh_q_values(p: np.ndarray) -> np.ndarray:
-    """Benjamini-Hochberg adjusted p-values (q) over the finite entries of ``p``; NaN stays NaN."""
-    from scipy import stats
-
-    p = np.asarray(p, dtype=np.float64)
-    q = np.full_like(p, np.nan)
-    ok = np.isfinite(p)
-    if ok.any():
-        q[ok] = stats.false_discovery_control(p[ok], method="bh")
-    return q
 
 
 def _stratum(df: pl.DataFrame, stratify: NullStratify) -> pl.Series:

@@ -34,6 +34,8 @@ from dataclasses import dataclass
 import numpy as np
 from scipy import stats
 
+from compatlas.multiple_testing import bh_q_values
+
 MIN_EDGES = 20
 MIN_TOP = 3
 SIGNAL_FDR = 0.05
@@ -69,19 +71,26 @@ def top_of_function(fn: np.ndarray, weights: np.ndarray | None = None) -> np.nda
     return top & (w > 0)
 
 
-def signal_edges(attribution: np.ndarray, stderr: np.ndarray, n_sequences: int) -> int:
-    """How many edges carry an attribution distinguishable from zero: a two-sided t-test of each
-    mean over ``n_sequences`` sequences (its standard error given), Benjamini-Hochberg over the
-    edges at ``SIGNAL_FDR``. An edge with a zero standard error counts when its attribution is not
-    zero (its sequences all agree)."""
+def edge_p_values(attribution: np.ndarray, stderr: np.ndarray, n_sequences: int) -> np.ndarray:
+    """Two-sided t-test p-value of each edge's mean attribution against 0 over ``n_sequences``
+    sequences (its standard error given). An edge with a zero standard error gets p = 0 when its
+    attribution is not zero (its sequences all agree) and 1 when it is; NaN where there is no error
+    (fewer than 2 sequences)."""
+    a, se = np.abs(np.asarray(attribution, dtype=float)), np.asarray(stderr, dtype=float)
     if n_sequences < 2:
-        return 0
-    a, se = np.abs(attribution), np.asarray(stderr, dtype=float)
+        return np.full(a.shape, np.nan)
     with np.errstate(divide="ignore", invalid="ignore"):
         t = np.where(se > 0, a / se, np.where(a > 0, np.inf, 0.0))
-    p = 2 * stats.t.sf(t, df=n_sequences - 1)
-    # Benjamini-Hochberg as compatlas.composition.calibration.bh_q_values computes it (scipy's)
-    return int((stats.false_discovery_control(np.nan_to_num(p, nan=1.0), method="bh") <= SIGNAL_FDR).sum())
+    return np.asarray(2 * stats.t.sf(t, df=n_sequences - 1), dtype=float)
+
+
+def signal_edges(attribution: np.ndarray, stderr: np.ndarray, n_sequences: int) -> int:
+    """How many edges carry an attribution distinguishable from zero: ``edge_p_values``,
+    Benjamini-Hochberg over the edges at ``SIGNAL_FDR``."""
+    if n_sequences < 2:
+        return 0
+    p = np.nan_to_num(edge_p_values(attribution, stderr, n_sequences), nan=1.0)
+    return int((bh_q_values(p) <= SIGNAL_FDR).sum())
 
 
 def measurability(attribution: np.ndarray, stderr: np.ndarray, n_sequences: int) -> Measurability:
@@ -202,22 +211,39 @@ class _Cells:
         return auroc, rho
 
 
-def bootstrap(scores: np.ndarray, attribution: np.ndarray, n_boot: int = N_BOOT, seed: int = 0) -> Agreement:
-    """Point AUROC and Spearman of each row of ``scores`` (cells x edges; NaN: the cell has no
-    score for that edge) against |attribution|, and ``n_boot`` paired replicates (module docstring)."""
+def _replicates(scores: np.ndarray, fn: np.ndarray, positives, n_boot: int, seed: int) -> Agreement:
+    """Point AUROC (for ``positives(w)``, the positive edges under the weighting w) and Spearman
+    (against ``fn``) of every row of ``scores``, and ``n_boot`` paired replicates."""
     scores = np.atleast_2d(np.asarray(scores, dtype=float))
-    a = np.asarray(attribution, dtype=float)
     c, n = scores.shape
     cells = _Cells.of(scores)
-    fn = np.abs(a)
     ranking = _fn_ranking(fn)  # fn is the same in every replicate: sorted once
-    auroc, rho = cells.score(np.ones(n), fn, top_of_function(fn), ranking)
+    auroc, rho = cells.score(np.ones(n), fn, positives(np.ones(n)), ranking)
     rng = np.random.default_rng(seed)
     a_boot, r_boot = np.empty((c, n_boot)), np.empty((c, n_boot))
     for b in range(n_boot):
         w = np.bincount(rng.integers(0, n, n), minlength=n).astype(float)
-        a_boot[:, b], r_boot[:, b] = cells.score(w, fn, top_of_function(fn, w), ranking)
+        a_boot[:, b], r_boot[:, b] = cells.score(w, fn, positives(w), ranking)
     return Agreement(auroc, rho, a_boot, r_boot)
+
+
+def bootstrap(scores: np.ndarray, attribution: np.ndarray, n_boot: int = N_BOOT, seed: int = 0) -> Agreement:
+    """Point AUROC and Spearman of each row of ``scores`` (cells x edges; NaN: the cell has no
+    score for that edge) against |attribution|, and ``n_boot`` paired replicates (module docstring)."""
+    fn = np.abs(np.asarray(attribution, dtype=float))
+    return _replicates(scores, fn, lambda w: top_of_function(fn, w), n_boot, seed)
+
+
+def bootstrap_noise_aware(scores: np.ndarray, half_a: np.ndarray, half_b: np.ndarray, significant: np.ndarray,
+                          n_boot: int = N_BOOT, seed: int = 0) -> Agreement:
+    """As ``bootstrap``, on the statistics a noise scale cannot win (docs/edge_attribution.md):
+    Spearman against ``half_a * half_b``, the product of two independent halves' mean attributions
+    (unbiased for the squared function: no term grows with an edge's noise), and AUROC for the
+    ``significant`` edges (attribution distinguishable from 0 after Benjamini-Hochberg), each
+    edge carrying its own flag into the replicates."""
+    fn = np.asarray(half_a, dtype=float) * np.asarray(half_b, dtype=float)
+    sig = np.asarray(significant, dtype=bool)
+    return _replicates(scores, fn, lambda w: sig & (w > 0), n_boot, seed)
 
 
 def best_and_ties(point: np.ndarray, boot: np.ndarray, level: float = LEVEL) -> tuple[int, list[int]]:

@@ -81,6 +81,10 @@ class InductionTask:
     positions: torch.Tensor
     targets: torch.Tensor
 
+    def first(self, n: int) -> InductionTask:
+        """The task on its first ``n`` sequences (all of them where there are fewer)."""
+        return InductionTask(self.clean[:n], self.corrupt[:n], self.positions, self.targets[:n])
+
 
 @dataclass(frozen=True)
 class Edge:
@@ -344,25 +348,54 @@ def exact_scores(model, task: InductionTask, edges: Sequence[Edge], batch_size: 
     return out
 
 
-def exact_sample(scores: Sequence[dict[Comp, torch.Tensor]], edges: Sequence[Edge], top: int, random: int,
-                 seed: int) -> list[Edge]:
-    """The edges exact patching measures: per comp, the ``top`` by |mean score| of each method's
-    ``scores`` (their union) and ``random`` more drawn (seeded) from the rest; every edge where
-    that is all of them."""
+def exact_sample(attribution: dict[Comp, torch.Tensor], composition: dict[Comp, torch.Tensor] | None,
+                 edges: Sequence[Edge], per_comp: int, seed: int) -> list[Edge]:
+    """The edges exact patching measures, per comp: a sample stratified over |attribution| and over a
+    composition score, so that patching can disagree with both (a sample of one method's top edges
+    agrees with that method by construction). ``attribution`` and ``composition``: comp ->
+    [L, H, L, width] (writer layer, writer head, reader layer, reader unit; NaN: no score, ranked
+    lowest); ``composition`` None stratifies over |attribution| alone. Each variable is cut at its
+    50th and 90th percentile (the bulk, the upper tail, the top tenth), giving up to 3 x 3 cells;
+    ``per_comp`` edges are spread over the non-empty cells as evenly as they allow and drawn at
+    random (seeded) inside each; every edge of a comp with no more than ``per_comp``."""
     chosen: list[Edge] = []
     for c in COMPS:
         mine = [e for e in edges if e.comp == c]
-        tops: list[int] = []
-        for per_comp in scores:
-            mean = per_comp[c].mean(0)
-            mag = torch.tensor([abs(mean[e.writer_layer, e.writer_head, e.reader_layer, e.reader_index].item())
-                                for e in mine])
-            tops += [i for i in torch.argsort(mag, descending=True, stable=True).tolist()[:top] if i not in tops]
-        rest = [i for i in range(len(mine)) if i not in tops]
+        if len(mine) <= per_comp:
+            chosen += mine
+            continue
+
+        def strata(t: torch.Tensor | None) -> torch.Tensor:
+            if t is None:
+                return torch.zeros(len(mine), dtype=torch.long)
+            v = torch.tensor([t[e.writer_layer, e.writer_head, e.reader_layer, e.reader_index].item() for e in mine],
+                             dtype=torch.float64)
+            v = torch.nan_to_num(v, nan=-math.inf)
+            cuts = torch.quantile(v[torch.isfinite(v)], torch.tensor([0.5, 0.9], dtype=torch.float64)) \
+                if torch.isfinite(v).any() else torch.zeros(2, dtype=torch.float64)
+            return torch.bucketize(v, cuts)  # how many cuts lie strictly below
+
+        cell = strata(attribution[c].abs()) * 3 + strata(None if composition is None else composition[c])
         gen = torch.Generator().manual_seed(stable_seed(seed, "exact_sample", c))
-        picked = [rest[i] for i in torch.randperm(len(rest), generator=gen)[:random].tolist()]
-        chosen += [mine[i] for i in tops + sorted(picked)]
+        members = {k: [i for i in torch.randperm(len(mine), generator=gen).tolist() if int(cell[i]) == k]
+                   for k in sorted(set(cell.tolist()))}
+        picked: list[int] = []
+        while len(picked) < per_comp:  # round robin over the cells: as even as their sizes allow
+            for k in members:
+                if members[k] and len(picked) < per_comp:
+                    picked.append(members[k].pop(0))
+        chosen += [mine[i] for i in sorted(picked)]
     return chosen
+
+
+def split_halves(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The means over the even and over the odd sequences (first axis): two independent estimates
+    of the same edge's function, whose product is unbiased for its square (the sequences are drawn
+    independently) and whose agreement is the measurement's own reliability (its noise ceiling)."""
+    if x.shape[0] < 2:
+        nan = torch.full(x.shape[1:], math.nan, dtype=x.dtype)
+        return nan, nan.clone()
+    return x[0::2].mean(0), x[1::2].mean(0)
 
 
 def mean_stderr(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -11,6 +11,7 @@ from collections.abc import Sequence
 import polars as pl
 import torch
 
+from compatlas.function.agreement import edge_p_values
 from compatlas.function.edge_attribution import (
     Edge,
     attribution_scores,
@@ -21,7 +22,9 @@ from compatlas.function.edge_attribution import (
     induction_task,
     mean_stderr,
     n_kv_heads,
+    split_halves,
 )
+from compatlas.multiple_testing import bh_q_values
 from compatlas.progress import Progress
 from compatlas.tables import EDGE_ATTRIBUTION_SCHEMA
 from compatlas.vocab import COMPS, Comp
@@ -47,10 +50,28 @@ def _grid(model, values: dict[str, dict[Comp, torch.Tensor]]) -> dict[str, list]
     return cols
 
 
+def _causal(model) -> torch.Tensor:
+    """[L, 1, L, 1] True where the writer layer is below the reader layer."""
+    L = model.cfg.n_layers
+    return (torch.arange(L)[:, None] < torch.arange(L)[None, :])[:, None, :, None]
+
+
+def edge_tests(model, mean: torch.Tensor, se: torch.Tensor, n_sequences: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per edge of one comp ([L, H, L, width]): the t-test p-value of its mean attribution against
+    0 and its Benjamini-Hochberg q over the comp's causal edges (each K/V edge once, into its KV
+    head: the unit that is patched, not each query head that reads it)."""
+    p = torch.from_numpy(edge_p_values(mean.numpy(), se.numpy(), n_sequences))
+    causal = _causal(model).expand_as(mean)
+    q = torch.full_like(p, math.nan)
+    q[causal] = torch.from_numpy(bh_q_values(p[causal].numpy()))
+    return p, q
+
+
 def edge_table(model, scores: dict[str, dict[Comp, torch.Tensor]], exact_edges: Sequence[Edge],
                exact: torch.Tensor) -> pl.DataFrame:
     """One row per method x causal edge (x query head of a KV group for K/V): the mean score over
-    sequences and its standard error, and the exact patching value where measured (else null)."""
+    sequences, its standard error, the means over the even and the odd sequences (split halves),
+    the t-test's p and q (``edge_tests``), and the exact patching value where measured (else null)."""
     L, H = model.cfg.n_layers, model.cfg.n_heads
     width = {"Q": H, "K": n_kv_heads(model), "V": n_kv_heads(model)}
     ex = {c: torch.full((L, H, L, width[c]), math.nan, dtype=torch.float64) for c in COMPS}
@@ -62,21 +83,55 @@ def edge_table(model, scores: dict[str, dict[Comp, torch.Tensor]], exact_edges: 
             ex_se[e.comp][e.writer_layer, e.writer_head, e.reader_layer, e.reader_index] = s
     frames = []
     for method, per_comp in scores.items():
-        stats = {c: mean_stderr(per_comp[c]) for c in COMPS}
-        cols = _grid(model, {"score": {c: stats[c][0] for c in COMPS}, "score_stderr": {c: stats[c][1] for c in COMPS},
-                             "exact": ex, "exact_stderr": ex_se})
+        n_seq = next(iter(per_comp.values())).shape[0]
+        cols_of: dict[str, dict[Comp, torch.Tensor]] = {k: {} for k in (
+            "score", "score_stderr", "score_half_a", "score_half_b", "p_value", "q_value")}
+        for c in COMPS:
+            mean, se = mean_stderr(per_comp[c])
+            half_a, half_b = split_halves(per_comp[c])
+            p, q = edge_tests(model, mean, se, n_seq)
+            for k, v in zip(cols_of, (mean, se, half_a, half_b, p, q)):
+                cols_of[k][c] = v
+        cols = _grid(model, {**cols_of, "exact": ex, "exact_stderr": ex_se})
         n = len(cols["comp"])
         cols["method"] = [method] * n
-        cols["n_sequences"] = [next(iter(per_comp.values())).shape[0]] * n
-        frames.append(pl.DataFrame(cols).with_columns(pl.col("exact", "exact_stderr").fill_nan(None)))
+        cols["n_sequences"] = [n_seq] * n
+        frames.append(pl.DataFrame(cols).with_columns(
+            pl.col("exact", "exact_stderr", "score_half_a", "score_half_b", "p_value", "q_value").fill_nan(None)))
     out = pl.concat(frames)
     return out.select([pl.col(k).cast(v) if k in out.columns else pl.lit(None, dtype=v).alias(k) for k, v in EDGE_ATTRIBUTION_SCHEMA.items()
                        if k not in ("model", "checkpoint")])
 
 
-def attribute_edges(model, tokens, settings: dict, seed: int = 0) -> tuple[pl.DataFrame, dict]:
+def composition_grid(model, composition: pl.DataFrame | None) -> dict[Comp, torch.Tensor] | None:
+    """A composition shard's scores (``COMPOSITION_SCHEMA`` rows of one metric x space) as comp ->
+    [L, H, L, width] per edge: a K/V edge's is the largest of its KV group's query heads' (as
+    ``composition_vs_function`` compares them); NaN where the shard has none."""
+    if composition is None:
+        return None
+    L, H = model.cfg.n_layers, model.cfg.n_heads
+    g = H // n_kv_heads(model)
+    units = composition.filter((pl.col("writer_layer") < L) & (pl.col("reader_layer") < L)).with_columns(
+        unit=pl.when(pl.col("comp") == "Q").then(pl.col("reader_head")).otherwise(pl.col("reader_head") // g),
+        score=pl.col("score").fill_nan(None)).group_by("comp", "writer_layer", "writer_head", "reader_layer", "unit"
+                                                       ).agg(pl.col("score").max())
+    out = {}
+    for c in COMPS:
+        t = torch.full((L, H, L, H if c == "Q" else H // g), math.nan, dtype=torch.float64)
+        rows = units.filter(pl.col("comp") == c)
+        idx = tuple(torch.tensor(rows[k].to_numpy(), dtype=torch.long)
+                    for k in ("writer_layer", "writer_head", "reader_layer", "unit"))
+        t[idx] = torch.tensor(rows["score"].fill_null(math.nan).to_numpy(), dtype=torch.float64)
+        out[c] = t
+    return out
+
+
+def attribute_edges(model, tokens, settings: dict, seed: int = 0,
+                    composition: pl.DataFrame | None = None) -> tuple[pl.DataFrame, dict]:
     """Every method of ``settings["methods"]`` for every causal edge, and exact patching of the
-    sample ``exact_sample`` draws from the first method's scores. ``tokens``: a TokenSet."""
+    sample ``exact_sample`` draws, stratified over the first method's |score| and over
+    ``composition`` (one metric x space's composition rows; None: |score| alone), on the first
+    ``exact_sequences`` sequences. ``tokens``: a TokenSet."""
     S, T, bs = settings["sequences"], settings["length"], settings["batch_size"]
     task = induction_task(tokens, S, T, seed)
     edges = causal_edges(model)
@@ -91,20 +146,30 @@ def attribute_edges(model, tokens, settings: dict, seed: int = 0) -> tuple[pl.Da
         seconds[method] = round(time.perf_counter() - tm, 3)
         log.info("%s: %d edges x %d sequences in %.1fs", method, len(edges), S, seconds[method])
     t1 = time.perf_counter()
-    sample = exact_sample(list(scores.values()), edges, settings["exact_top"], settings["exact_random"], seed)
-    exact = exact_scores(model, task, sample, bs, Progress(log, "exact edge patching", len(sample) * S, "edge x sequence"))
-    log.info("exact patching: %d edges x %d sequences in %.1fs", len(sample), S, time.perf_counter() - t1)
-    facts = {"edges": len(edges), "exact_edges": len(sample), "corruption": "every token but BOS resampled",
+    first = scores[settings["methods"][0]]
+    sample = exact_sample({c: first[c].mean(0) for c in COMPS}, composition_grid(model, composition), edges,
+                          settings["exact_edges"], seed)
+    sub = task.first(settings["exact_sequences"])
+    exact = exact_scores(model, sub, sample, bs,
+                         Progress(log, "exact edge patching", len(sample) * len(sub.clean), "edge x sequence"))
+    log.info("exact patching: %d edges x %d sequences in %.1fs", len(sample), len(sub.clean), time.perf_counter() - t1)
+    facts = {"edges": len(edges), "exact_edges": len(sample), "exact_sequences": len(sub.clean),
+             "exact_stratified_by": "|score| of " + settings["methods"][0]
+             + ("" if composition is None else " and composition " + "/".join(
+                 str(composition[k][0]) for k in ("metric", "space") if k in composition.columns and composition.height)),
+             "corruption": "every token but BOS resampled",
              "attribution_seconds": round(t1 - t0, 3), "method_seconds": seconds,
              "exact_seconds": round(time.perf_counter() - t1, 3)}
     return edge_table(model, scores, sample, exact), facts
 
 
 def boot_and_attribute_edges(model_id: str, entry: dict, checkpoint: dict | None, settings: dict, meta_path: str,
-                             workdir, device: str = "auto") -> tuple[pl.DataFrame, dict]:
+                             workdir, device: str = "auto", composition: pl.DataFrame | None = None
+                             ) -> tuple[pl.DataFrame, dict]:
     """Boot one model (x checkpoint) as the induction job does (same devices, dtypes and token
     pool) and attribute its edges: the ``edge_attribution`` table and its shard's provenance.
-    ``settings``: the model's ``induction`` section (``edge_attribution`` in it)."""
+    ``settings``: the model's ``induction`` section (``edge_attribution`` in it); ``composition``:
+    the composition rows exact patching's sample is stratified over (``attribute_edges``)."""
     from compatlas.behaviour.induction import boot_for_forward
     from compatlas.behaviour.tokens import clean_tokens, sample_tokens, token_directions, token_set
     from compatlas.tables import provenance
@@ -119,7 +184,7 @@ def boot_and_attribute_edges(model_id: str, entry: dict, checkpoint: dict | None
     clean, _ = clean_tokens(bridge.tokenizer, m.W_E, token_directions(m.W_E, m.W_U))
     tokens = token_set(bridge.tokenizer, sample_tokens(clean, settings["pool"], settings["seed"], "pool"),
                        settings["prepend_bos"])
-    table, facts = attribute_edges(bridge, tokens, edge, settings["seed"])
+    table, facts = attribute_edges(bridge, tokens, edge, settings["seed"], composition)
     label = meta.get("checkpoint", "final")
     table = table.with_columns(model=pl.lit(model_id), checkpoint=pl.lit(label)).select(list(EDGE_ATTRIBUTION_SCHEMA))
     record = provenance(meta, processing="none", weight_processing="none (forward passes on the loaded model)",

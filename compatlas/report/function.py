@@ -10,6 +10,7 @@ measurable. An atlas without edge attribution gets none of it and a line saying 
 from __future__ import annotations
 
 import html
+import warnings
 from dataclasses import dataclass
 from typing import Any
 
@@ -29,13 +30,20 @@ from compatlas.vocab import COMPS, EDGE_METHODS, WEIGHT_SPACES
 CIRCUIT, OTHER = "previous-token head → induction head", "other edge"
 MIN_RANKED = 8  # patched edges below which EAP's Spearman against exact patching is not shown
 WHAT = ("Each edge (writer head → a later reader's query, or its KV head's key or value) scored twice: by its "
-        "<b>composition</b> (weights only) and by <b>edge attribution</b> (the change in the log-probability of the "
-        "induced tokens when the edge alone carries its corrupted value; docs/edge_attribution.md). The <b>top of the "
-        "function</b>: the fewest edges holding half of a comp's total |attribution|. Per metric x space x comp: "
-        "Spearman of each score with |attribution| over all edges, and its mean within one (writer layer, reader "
-        "layer) pair (the heads of a layer pair told apart, depth's scale taken out); AUROC and average precision "
-        "of the score for the top set; precision and recall of the discoveries against the top set. The same for z "
-        "(spectrum-kept null) and for p (smaller first): in the view.")
+        "<b>composition</b> (from the weights in the residual and token spaces, on the model's own activation "
+        "statistics in the activation space) and by <b>edge attribution</b> (the change in the log-probability of the "
+        "induced tokens when the edge alone carries its corrupted value; docs/edge_attribution.md). "
+        "<b>Noise-aware</b> (what this page ranks by): the Spearman of each score with the product of two independent "
+        "halves' attributions (the means over the even and over the odd sequences: unbiased for the squared "
+        "function, with no term that grows with an edge's noise), and its AUROC for the edges whose attribution "
+        "differs from zero (t-test, Benjamini-Hochberg). Beside every score, two <b>oracles</b> that know nothing "
+        "of which edge does what: the edge's own sampling error (<i>scale</i>) and the mean |attribution| of its layer "
+        "pair (<i>depth</i>); a score predicts function only where it beats the scale oracle beyond the paired "
+        "interval. The <b>noise ceiling</b>: how far two halves of the sequences agree with each other. "
+        "<b>Against |attribution|</b> (the older figures, kept and labelled): Spearman with |attribution|, AUROC "
+        "for the top of the function (the fewest edges holding half of a comp's total |attribution|); with few "
+        "sequences an edge's |attribution| is mostly its noise, which grows with the size of its activations, so "
+        "these reward predicting noise scale (the scale oracle wins them).")
 RULES = (f"A comp has a function to predict when it has at least {ag.MIN_EDGES} edges (with fewer, a rank correlation "
          f"spreads by more than 0.23 by chance alone), at least {ag.MIN_TOP} edges whose attribution differs from zero "
          f"beyond its standard error (t-test over the sequences, Benjamini-Hochberg q <= {ag.SIGNAL_FDR:g}: a "
@@ -46,30 +54,61 @@ RULES = (f"A comp has a function to predict when it has at least {ag.MIN_EDGES} 
          "it does not beat are <b>tied</b> with it.")
 
 
+ORACLES = (("oracle_scale", "oracle"), ("oracle_depth", "oracle"))  # composition_vs_function's reference rows
+SCALE = ORACLES[0]
+
+
 @dataclass
 class CompFunction:
     """One comp of one model x checkpoint: the page's attribution method, whether its function is
-    measurable, and (where it is) the bootstrap of every metric x space against it."""
+    measurable, and (where it is) the paired bootstrap of every metric x space and of the two
+    oracles (``ORACLES``, the last two cells) against it: ``agreement`` against |attribution|,
+    ``noise`` on the noise-aware statistics (``agreement.bootstrap_noise_aware``)."""
 
     comp: str
     method: str
     gate: ag.Measurability
-    cells: list[tuple[str, str]]               # (metric, space), the rows of ``agreement``
+    cells: list[tuple[str, str]]               # (metric, space), the rows of ``agreement``; the oracles last
     agreement: ag.Agreement | None = None      # measurable comps only
+    noise: ag.Agreement | None = None          # measurable comps with split halves only
+    n_significant: int = 0
 
-    def interval(self, cell: tuple[str, str], which: str) -> tuple[float, float] | None:
-        if self.agreement is None or cell not in self.cells:
+    def interval(self, cell: tuple[str, str], which: str, noise: bool = False) -> tuple[float, float] | None:
+        a = self.noise if noise else self.agreement
+        if a is None or cell not in self.cells:
             return None
-        lo, hi = self.agreement.interval(which)
+        lo, hi = a.interval(which)
         i = self.cells.index(cell)
         return float(lo[i]), float(hi[i])
 
     def ranking(self) -> tuple[tuple[str, str], list[tuple[str, str]]] | None:
-        """(best cell by AUROC, the cells tied with it); None where not measurable."""
+        """(best composition cell by AUROC against |attribution|, the cells tied with it); None where
+        not measurable."""
         if self.agreement is None or not np.isfinite(self.agreement.auroc).any():
             return None
-        best, tied = ag.best_and_ties(self.agreement.auroc, self.agreement.auroc_boot)
-        return self.cells[best], [self.cells[i] for i in tied]
+        idx = [i for i, c in enumerate(self.cells) if c not in ORACLES]
+        best, tied = ag.best_and_ties(self.agreement.auroc[idx], self.agreement.auroc_boot[idx])
+        return self.cells[idx[best]], [self.cells[idx[i]] for i in tied]
+
+    def noise_ranking(self) -> tuple[tuple[str, str], list[tuple[str, str]]] | None:
+        """(best composition cell by Spearman with the unbiased function estimate, the cells tied
+        with it); None without the noise-aware bootstrap."""
+        if self.noise is None or not np.isfinite(self.noise.spearman).any():
+            return None
+        idx = [i for i, c in enumerate(self.cells) if c not in ORACLES]
+        best, tied = ag.best_and_ties(self.noise.spearman[idx], self.noise.spearman_boot[idx])
+        return self.cells[idx[best]], [self.cells[idx[i]] for i in tied]
+
+    def beats(self, cell: tuple[str, str], oracle: tuple[str, str] = SCALE, which: str = "spearman") -> bool | None:
+        """Whether ``cell`` beats ``oracle`` on a noise-aware statistic beyond the paired 95%
+        interval of their difference (its lower bound above 0); None without that bootstrap."""
+        if self.noise is None or cell not in self.cells or oracle not in self.cells:
+            return None
+        boot = self.noise.spearman_boot if which == "spearman" else self.noise.auroc_boot
+        # an oracle that does not vary (one noise scale for every edge) ranks nothing: it counts as 0
+        d = boot[self.cells.index(cell)] - np.nan_to_num(boot[self.cells.index(oracle)], nan=0.0)
+        d = d[np.isfinite(d)]
+        return bool(len(d)) and float(np.quantile(d, (1 - ag.LEVEL) / 2)) > 0
 
 
 def comp_function(con: duckdb.DuckDBPyConnection, model: str, checkpoint: str, method: str, comp: str) -> CompFunction | None:
@@ -78,18 +117,26 @@ def comp_function(con: duckdb.DuckDBPyConnection, model: str, checkpoint: str, m
     if df.is_empty():
         return None
     keys = ["writer_layer", "writer_head", "reader_layer", "reader_unit"]
-    edges = df.select(*keys, "attribution", "stderr", "n_sequences").unique(keys).sort(keys)
+    edges = df.select(*keys, "attribution", "stderr", "half_a", "half_b", "q_value", "n_sequences").unique(keys).sort(keys)
     cells = cell_order([tuple(r) for r in df.select("metric", "space").unique().iter_rows()])
     n_seq = integer(edges["n_sequences"].max() or 0)
     gate = ag.measurability(edges["attribution"].to_numpy(), edges["stderr"].fill_null(0).to_numpy(), n_seq)
-    out = CompFunction(comp, method, gate, cells)
+    out = CompFunction(comp, method, gate, cells + list(ORACLES))
     if gate.measurable:
-        scores = np.full((len(cells), edges.height), np.nan)
+        scores = np.full((len(out.cells), edges.height), np.nan)
         at = {c: i for i, c in enumerate(cells)}
         joined = edges.select(keys).with_row_index("e").join(df, on=keys)
         for (metric, space), g in joined.group_by("metric", "space"):
             scores[at[(metric, space)], g["e"].to_numpy()] = g["score"].to_numpy()
+        # the oracles, as composition_vs_function computes them: the edge's standard error; its layer pair's mean |attribution|
+        scores[-2] = edges["stderr"].to_numpy()
+        scores[-1] = edges.select(pl.col("attribution").abs().mean().over("writer_layer", "reader_layer")).to_series().to_numpy()
         out.agreement = ag.bootstrap(scores, edges["attribution"].to_numpy())
+        if edges["half_a"].null_count() == 0 and edges["half_b"].null_count() == 0:
+            significant = (edges["q_value"].fill_null(1.0) <= (q.fdr(con) or ag.SIGNAL_FDR)).to_numpy()
+            out.n_significant = int(significant.sum())
+            out.noise = ag.bootstrap_noise_aware(scores, edges["half_a"].to_numpy(), edges["half_b"].to_numpy(),
+                                                 significant)
     return out
 
 
@@ -127,29 +174,63 @@ def gate_line(fns: dict[str, CompFunction]) -> str:
     return "; ".join(parts) + "."
 
 
-def best_lines(fns: dict[str, CompFunction]) -> str:
-    """One sentence per measurable comp: the best cell by AUROC with its interval, or the tied cells."""
-    out = []
+def _names(cells: list[tuple[str, str]], most: int = 6) -> str:
+    return ", ".join(_cell(t) for t in cells[:most]) + (f" and {len(cells) - most} more" if len(cells) > most else "")
+
+
+def best_lines(fns: dict[str, CompFunction], cvf: pl.DataFrame) -> str:
+    """Per measurable comp: the noise ceiling; the best composition cell by Spearman with the
+    unbiased function estimate (or the tied cells) with its interval, the two oracles beside it,
+    and whether it beats the scale oracle beyond the paired interval; then, labelled, the older
+    ranking by AUROC against |attribution|."""
+    out, old = [], []
     for c in COMPS:
         f = fns.get(c)
-        r = f.ranking() if f is not None else None
-        if f is None or f.agreement is None or r is None:  # ranking() is None without an agreement: the first two tests narrow the types
+        if f is None or f.agreement is None:
             continue
-        best, tied = r
-        a = f.agreement.auroc[f.cells.index(best)]
-        what = f"<b>{_cell(best)}</b> (AUROC {_iv(a, f.interval(best, 'auroc'))})"
-        if tied:
-            names = ", ".join(_cell(t) for t in tied[:6]) + (f" and {len(tied) - 6} more" if len(tied) > 6 else "")
-            out.append(f"{c}: no single best; {what} is tied with {names}")
-        else:
-            out.append(f"{c}: best {what}, beyond the uncertainty of every other cell")
-    return ("<p>Agreement with function, by AUROC for the top of the function: " + "; ".join(out) + ".</p>") if out else ""
+        rows = cvf.filter(pl.col("comp") == c)
+        ceiling = rows["noise_ceiling"].drop_nulls() if "noise_ceiling" in rows.columns else pl.Series([])
+        within = (rows["noise_ceiling_within_layer_pair"].drop_nulls() if "noise_ceiling_within_layer_pair" in rows.columns
+                  else pl.Series([]))
+        ceil = (f", noise ceiling {fmt(number(ceiling[0]))}" + (f" ({fmt(number(within[0]))} within a layer pair)"
+                                                                if len(within) else "")) if len(ceiling) else ""
+        r = f.noise_ranking()
+        if f.noise is not None and r is not None:
+            best, tied = r
+            sp = f.noise.spearman
+            what = f"<b>{_cell(best)}</b> ({_iv(sp[f.cells.index(best)], f.interval(best, 'spearman', True))})"
+            orc = "; ".join(f"{name} oracle {_iv(sp[f.cells.index(o)], f.interval(o, 'spearman', True))}"
+                            for name, o in zip(("scale", "depth"), ORACLES))
+            beats = f.beats(best)
+            verdict = ("beats the scale oracle beyond the paired interval" if beats else
+                       "does <b>not</b> beat the scale oracle beyond the paired interval: no claim that it predicts "
+                       "function")
+            lead = f"{what}, tied with {_names(tied)}" if tied else f"{what}, beyond every other cell"
+            out.append(f"{c}{ceil}: best {lead}; {orc}; it {verdict}")
+        elif ceil:
+            out.append(f"{c}{ceil}: no split halves in this atlas, so no noise-aware figure")
+        rk = f.ranking()
+        if rk is not None:
+            best, tied = rk
+            a = f.agreement.auroc
+            what = f"{_cell(best)} (AUROC {_iv(a[f.cells.index(best)], f.interval(best, 'auroc'))})"
+            scale = f"scale oracle {_iv(a[f.cells.index(SCALE)], f.interval(SCALE, 'auroc'))}"
+            old.append(f"{c}: {what}" + (f", tied with {len(tied)} more" if tied else "") + f"; {scale}")
+    html_ = ""
+    if out:
+        html_ += ("<p>Agreement with function, noise-aware (Spearman with the unbiased function estimate, 95% "
+                  "interval): " + "; ".join(out) + ".</p>")
+    if old:
+        html_ += note("Against |attribution| (AUROC for the top of the function; rewards predicting noise scale, "
+                      "kept for comparison): " + "; ".join(old) + ".")
+    return html_
 
 
 def agreement_table(cvf: pl.DataFrame, fns: dict[str, CompFunction]) -> str:
-    """The view's figures of the measurable comps, AUROC and Spearman with their intervals, and
-    which cell is best or tied per comp (the z and p columns: in the view)."""
-    ranks = {c: f.ranking() for c, f in fns.items() if f.gate.measurable}
+    """The view's figures of the measurable comps: the noise-aware Spearman and AUROC with their
+    intervals and whether each beats the scale oracle, the oracles' own rows, then the figures
+    against |attribution| (the z and p columns: in the view)."""
+    ranks = {c: f.noise_ranking() for c, f in fns.items() if f.gate.measurable}
     rows = []
     for metric, space, _, by in by_metric_space(cvf):
         for comp in COMPS:
@@ -157,14 +238,21 @@ def agreement_table(cvf: pl.DataFrame, fns: dict[str, CompFunction]) -> str:
                 continue
             r, f, cell = by[comp], fns[comp], (metric, space)
             rk = ranks[comp]
-            mark = "" if rk is None else "best" if rk[0] == cell and not rk[1] else "tied" if rk[0] == cell or cell in rk[1] else ""
-            rows.append([metric, space, comp, r["n_edges"], r["n_top"], _iv(r.get("auroc"), f.interval(cell, "auroc")),
-                         _iv(r.get("spearman"), f.interval(cell, "spearman")), mark,
-                         correlation(r.get("spearman_within_layer_pair")), correlation(r.get("average_precision")),
-                         r["n_discoveries"], r["discovery_precision"], r["discovery_recall"]])
-    return table(["metric", "space", "comp", "edges", "top", "AUROC [95% interval]", "Spearman [95% interval]", "rank",
-                  "Spearman within a layer pair", "average precision", "discoveries", "precision", "recall"],
-                 rows, cls="agree")
+            oracle = cell in ORACLES
+            mark = ("oracle" if oracle else "" if rk is None else "best" if rk[0] == cell and not rk[1]
+                    else "tied" if rk[0] == cell or cell in rk[1] else "")
+            beat = f.beats(cell)
+            rows.append([metric, space, comp, r["n_edges"], r.get("n_significant"),
+                         _iv(r.get("spearman_unbiased"), f.interval(cell, "spearman", True)),
+                         _iv(r.get("auroc_significant"), f.interval(cell, "auroc", True)), mark,
+                         "" if oracle or beat is None else "yes" if beat else "no",
+                         correlation(r.get("spearman_unbiased_within_layer_pair")), correlation(r.get("spearman_t")),
+                         _iv(r.get("auroc"), f.interval(cell, "auroc")), _iv(r.get("spearman"), f.interval(cell, "spearman")),
+                         r["n_discoveries"]])
+    return table(["metric", "space", "comp", "edges", "significant", "Spearman, unbiased [95%]",
+                  "AUROC, significant edges [95%]", "rank", "beats scale oracle", "unbiased, within a layer pair",
+                  "Spearman with |t|", "AUROC, top of |attribution| [95%]", "Spearman with |attribution| [95%]",
+                  "discoveries"], rows, cls="agree")
 
 
 def method_line(methods: dict[str, str]) -> str:
@@ -191,13 +279,15 @@ def exact_line(eve: pl.DataFrame) -> str:
             n, k = int(r["n_exact"] or 0), int(r.get("top_k") or 5)
             bit = f"{c} top edge {'agrees' if r.get('top_edge_agrees') else 'differs'}"
             if n >= MIN_RANKED:
-                bit += f", Spearman {fmt(correlation(r['spearman']))}"
+                lo, hi = r.get("spearman_lo"), r.get("spearman_hi")
+                iv = (float(lo), float(hi)) if lo is not None and hi is not None else None
+                bit += f", Spearman {_iv(correlation(r['spearman']), iv)}"
                 if k < n:
                     bit += f", top-{k} overlap {fmt(r['top_k_overlap'])}"
             bits.append(bit)
         n_max = max(int(r["n_exact"] or 0) for r in g.values())
-        parts.append(f"<b>{html.escape(method)}</b> against exact patching ({n_max} patched edges per comp at most): "
-                     + "; ".join(bits))
+        parts.append(f"<b>{html.escape(method)}</b> against exact patching ({n_max} patched edges per comp at most, "
+                     "stratified over |attribution| and a composition score; 95% intervals: Fisher's z): " + "; ".join(bits))
     few = integer(eve["n_exact"].fill_null(0).min()) < MIN_RANKED
     return ". ".join(parts) + "." + (f" A Spearman and a top-k overlap are shown from {MIN_RANKED} patched edges and "
                                      "a k below their number: with fewer edges a perfect order arises by chance too "
@@ -278,7 +368,7 @@ def section(page: Page, con: duckdb.DuckDBPyConnection, d: Any, cuts: tuple[floa
         page.add(f"<p><b>No function to predict</b> in this model at {html.escape(d.latest)}: no agreement figure is "
                  f"shown, as none would mean anything. The view still holds them: {query}.</p>")
     else:
-        page.add(best_lines(fns), agreement_table(cvf, fns))
+        page.add(best_lines(fns, cvf), agreement_table(cvf, fns))
         if len(measurable) < len(fns):
             page.add(note("The comps without a function to predict are left out of the table; the view has them: "
                           f"{query}."))
@@ -297,63 +387,85 @@ def section(page: Page, con: duckdb.DuckDBPyConnection, d: Any, cuts: tuple[floa
 
 def overview_table(con: duckdb.DuckDBPyConnection, data: list[Any], fns: dict[str, dict[str, CompFunction]]) -> str:
     """Which metric x space's K-composition agrees best with function across the models whose K
-    function is measurable: mean AUROC (and Spearman) over them with a bootstrap interval (each
-    model's replicates averaged), best or tied, overall and among the weights-only spaces; the
-    models left out, and why."""
+    function is measurable, on the noise-aware statistic: the mean over them of the Spearman with
+    the unbiased function estimate, with a bootstrap interval (each model's replicates averaged),
+    best or tied, and whether it beats the scale oracle beyond the paired interval, the two
+    oracles' own rows beside; then, labelled, the mean AUROC against |attribution|; the models
+    left out, and why."""
     if not q.has(con, "composition_vs_function", "method", "auroc"):
         return ""
     head_ = "<h2 id='function'>Which metric x space agrees with function</h2>"
     k = {d.model: fns[d.model]["K"] for d in data if "K" in fns.get(d.model, {})}
     if not k:
         return head_ + note("No model in this atlas has edge attribution.")
-    agree = {m: a for m, f in k.items() if (a := f.agreement) is not None}  # the models' K agreements, where there is one
-    inn = {m: k[m] for m in agree}
-    out = "".join(f"<li>{html.escape(m)}: {html.escape(f.gate.why or '')}</li>" for m, f in k.items() if m not in inn)
+    inn = {m: f for m, f in k.items() if f.agreement is not None and f.noise is not None}
+    out = "".join(f"<li>{html.escape(m)}: {html.escape(f.gate.why or 'no split halves (an atlas built before them)')}</li>"
+                  for m, f in k.items() if m not in inn)
     left = (f"<p>Left out, no K function to predict:</p><ul class='note'>{out}</ul>" if out else "")
-    intro = note("K-composition against edge attribution (each model page's method, last checkpoint): AUROC of the "
-                 "composition score for the top of the function, averaged over the models with a K function to "
-                 "predict; a model's AUROC counts only where its function is measurable. " + RULES)
+    intro = note("K-composition against edge attribution (each model page's method, last checkpoint), averaged over the "
+                 "models with a K function to predict. Ranked by the Spearman with the unbiased function estimate (the "
+                 "product of two independent halves' attributions), beside two oracles that know nothing of which edge "
+                 "does what (the edge's own sampling error, the mean |attribution| of its layer pair): a cell predicts "
+                 "function only where it beats the scale oracle beyond the paired interval. " + RULES)
     if not inn:
         return head_ + intro + "<p><b>No model in this atlas has a K function to predict</b>: no ranking across models.</p>" + left
     models = list(inn)
-    cells = cell_order(list(set.intersection(*(set(f.cells) for f in inn.values()))))
+    cells = cell_order(list(set.intersection(*(set(f.cells) for f in inn.values())) - set(ORACLES))) + list(ORACLES)
 
-    def stack(which: str, boot: bool) -> np.ndarray:
+    def stack(a_of: str, which: str, boot: bool) -> np.ndarray:
         rows = []
-        for m, f in inn.items():
-            a = agree[m]
-            src = (a.auroc_boot if boot else a.auroc) if which == "auroc" else (a.spearman_boot if boot else a.spearman)
+        for f in inn.values():
+            a = getattr(f, a_of)
+            src = getattr(a, f"{which}_boot" if boot else which)
             rows.append(src[[f.cells.index(c) for c in cells]])
-        return np.nanmean(np.stack(rows), axis=0)
+        with warnings.catch_warnings():  # a cell NaN in every model (a constant oracle) stays NaN
+            warnings.simplefilter("ignore", RuntimeWarning)
+            return np.nanmean(np.stack(rows), axis=0)
 
-    point, boot = stack("auroc", False), stack("auroc", True)
-    rho, rho_boot = stack("spearman", False), stack("spearman", True)
-    lo, hi = np.nanquantile(boot, [0.025, 0.975], axis=1)
-    rlo, rhi = np.nanquantile(rho_boot, [0.025, 0.975], axis=1)
+    point, boot = stack("noise", "spearman", False), stack("noise", "spearman", True)
+    apoint, aboot = stack("agreement", "auroc", False), stack("agreement", "auroc", True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        lo, hi = np.nanquantile(boot, [0.025, 0.975], axis=1)
+        alo, ahi = np.nanquantile(aboot, [0.025, 0.975], axis=1)
+    scale = cells.index(SCALE)
+
+    def beats(i: int) -> bool:  # a constant scale oracle (NaN) ranks nothing: it counts as 0
+        d = boot[i] - np.nan_to_num(boot[scale], nan=0.0)
+        d = d[np.isfinite(d)]
+        return bool(len(d)) and float(np.quantile(d, (1 - ag.LEVEL) / 2)) > 0
 
     def verdict(idx: list[int], label: str) -> tuple[str, set[int], int | None]:
         if not idx:
             return "", set(), None
         b, tied = ag.best_and_ties(point[idx], boot[idx])
         best, tied_cells = idx[b], [idx[t] for t in tied]
-        what = f"<b>{_cell(cells[best])}</b> (mean AUROC {_iv(point[best], (lo[best], hi[best]))})"
+        what = f"<b>{_cell(cells[best])}</b> (mean Spearman {_iv(point[best], (lo[best], hi[best]))})"
+        claim = ("it beats the scale oracle beyond the paired interval" if beats(best) else
+                 "it does <b>not</b> beat the scale oracle beyond the paired interval: no claim that it predicts function")
+        orc = (f"scale oracle {_iv(point[scale], (lo[scale], hi[scale]))}, depth oracle "
+               f"{_iv(point[scale + 1], (lo[scale + 1], hi[scale + 1]))}")
         if tied_cells:
-            names = ", ".join(_cell(cells[t]) for t in tied_cells[:6]) + (f" and {len(tied_cells) - 6} more"
-                                                                         if len(tied_cells) > 6 else "")
-            return f"<p>{label}: no single best; {what} is tied with {names}.</p>", set(tied_cells), best
-        return f"<p>{label}: {what}, beyond the uncertainty of every other cell.</p>", set(), best
+            return (f"<p>{label}: no single best; {what} is tied with {_names([cells[t] for t in tied_cells])}; {orc}; "
+                    f"{claim}.</p>"), set(tied_cells), best
+        return f"<p>{label}: {what}, beyond the uncertainty of every other cell; {orc}; {claim}.</p>", set(), best
 
     n = len(models)
     over = f"over {n} model{'s' if n != 1 else ''} ({', '.join(html.escape(m) for m in models)})"
-    all_line, all_tied, all_best = verdict(list(range(len(cells))), f"Agrees best across models, {over}")
-    w_line, _, _ = verdict([i for i, c in enumerate(cells) if c[1] in WEIGHT_SPACES],
-                                     "From the weights alone (" + ", ".join(WEIGHT_SPACES) + " spaces)")
+    comp_idx = [i for i, c in enumerate(cells) if c not in ORACLES]
+    all_line, all_tied, all_best = verdict(comp_idx, f"Agrees best across models, {over}")
+    w_line, _, _ = verdict([i for i in comp_idx if cells[i][1] in WEIGHT_SPACES],
+                           "From the weights alone (" + ", ".join(WEIGHT_SPACES) + " spaces)")
     rows = []
-    for i in np.argsort(-np.nan_to_num(point, nan=-1), kind="stable"):
-        mark = ("best" if i == all_best and not all_tied else "tied" if i == all_best or i in all_tied else "")
-        per = [_iv(agree[m].auroc[inn[m].cells.index(cells[i])], inn[m].interval(cells[i], "auroc"))
-               for m in models]
-        rows.append([cells[i][0], cells[i][1], _iv(point[i], (lo[i], hi[i])), _iv(rho[i], (rlo[i], rhi[i])), mark, *per])
-    return (head_ + intro + all_line + w_line + left
-            + table(["metric", "space", "mean AUROC [95% interval]", "mean Spearman [95% interval]", "rank",
-                     *[f"AUROC {m}" for m in models]], rows))
+    for i in [*sorted(comp_idx, key=lambda i: -np.nan_to_num(point[i], nan=-2)), scale, scale + 1]:
+        oracle = cells[i] in ORACLES
+        mark = ("oracle" if oracle else "best" if i == all_best and not all_tied else
+                "tied" if i == all_best or i in all_tied else "")
+        per = [_iv(n_.spearman[inn[m].cells.index(cells[i])], inn[m].interval(cells[i], "spearman", True))
+               for m in models if (n_ := inn[m].noise) is not None]
+        rows.append([cells[i][0], cells[i][1], _iv(point[i], (lo[i], hi[i])), mark,
+                     "" if oracle else "yes" if beats(i) else "no", _iv(apoint[i], (alo[i], ahi[i])), *per])
+    one = note("One model: the mean is that model's figure.") if n == 1 else ""
+    return (head_ + intro + all_line + w_line + one + left
+            + table(["metric", "space", "mean Spearman, unbiased [95%]", "rank", "beats scale oracle",
+                     "mean AUROC, top of |attribution| [95%]", *[f"Spearman {m}" for m in models]], rows))

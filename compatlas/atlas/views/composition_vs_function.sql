@@ -1,23 +1,42 @@
--- Composition against function: does a weights-based score (and its z against the spectrum
--- null, and its p-value) pick out the edges that carry the induction task by edge attribution?
+-- Composition against function: does a composition score (and its z against the spectrum null,
+-- and its p-value) pick out the edges that carry the induction task by edge attribution?
+-- Materialised when the atlas is built (a table of this SELECT: every figure aggregates every edge).
 -- Per model x checkpoint x attribution method x metric x space x comp, over the causal edges:
 -- an edge is a writer head x reader query head (Q) or x reader KV head (K, V: the KV group's one
 -- input; its composition is the largest of its query heads' scores, the smallest p).
--- Function = |attribution score|. The top of the function: the smallest set of edges (of one
--- comp) holding half of that comp's total |attribution|; a handful of edges where the function is
--- concentrated, many where it is spread, with no threshold to tune.
+--
+-- Against |attribution| (the columns the atlas has had since edge attribution; they reward
+-- predicting noise scale: with few sequences an edge's |mean| is mostly its sampling spread, which
+-- grows with the size of its activations, as every magnitude does):
 -- Spearman = Pearson on average ranks; AUROC = Mann-Whitney U / (n_top n_rest) of the score for
--- the top set; average precision with the edges in descending score (ascending p, ties by score);
--- discovery precision / recall: of the edges with a discovery (q <= fdr in any query head) for
--- the top set. Edges with no z (a zero null spread) or no p are left out of that score's columns.
--- Within one layer pair: the mean over (writer layer, reader layer) of the Spearman of score and
--- function among that pair's edges (pairs of 3 edges or more, and both sides not constant), and
--- how many layer pairs it averages: whether a score tells apart the heads of one layer pair, once
--- the depth (scale) that separates layer pairs is taken out.
+-- the top of the function (the smallest set of edges of one comp holding half of its total
+-- |attribution|); average precision with the edges in descending score (ascending p, ties by
+-- score); discovery precision / recall: of the edges with a discovery (q <= fdr in any query head)
+-- for the top set. Edges with no z (a zero null spread) or no p are left out of that score's columns.
+-- Within one layer pair: the mean over (writer layer, reader layer) of the Spearman among that
+-- pair's edges (pairs of 3 edges or more, and both sides not constant), and how many it averages.
+--
+-- Noise-aware (docs/edge_attribution.md#noise-aware-agreement):
+-- spearman_unbiased: with half_a x half_b, the product of the means over the even and over the odd
+--   sequences: unbiased for the squared function (the halves are independent), with no term that
+--   grows with the noise; spearman_unbiased_within_layer_pair likewise within layer pairs.
+-- spearman_t: with |t| = |mean| / standard error (whether the edge carries the task consistently).
+-- auroc_significant, average_precision_significant: for the n_significant edges whose attribution
+--   differs from 0 (t-test, Benjamini-Hochberg q <= fdr over the comp's edges: q_value of the shard).
+-- noise_ceiling: the split-half Spearman of |half_a| with |half_b| (uncorrected): how far the
+--   measurement agrees with itself; noise_ceiling_within_layer_pair likewise.
+-- Reference rows (space 'oracle'), scored on the same edges, that a score must beat to claim function:
+--   metric 'oracle_scale': the edge's own standard error (its noise scale; knows nothing of its mean);
+--   metric 'oracle_depth': the mean |attribution| of the edge's layer pair (depth alone).
 CREATE VIEW composition_vs_function AS
 WITH edges AS (
     SELECT model, checkpoint, method, comp, writer_layer, writer_head, reader_layer,
-        CASE WHEN comp = 'Q' THEN reader_head ELSE reader_kv_head END AS reader_unit, any_value(abs(score)) AS fn
+        CASE WHEN comp = 'Q' THEN reader_head ELSE reader_kv_head END AS reader_unit,
+        any_value(abs(score)) AS fn, any_value(score_half_a * score_half_b) AS fn_unbiased,
+        any_value(CASE WHEN score_stderr > 0 THEN abs(score) / score_stderr
+                       WHEN score <> 0 THEN 'inf'::DOUBLE ELSE 0 END) AS t_abs,
+        any_value(coalesce(q_value <= {fdr}, false)) AS significant,
+        any_value(score_stderr) AS stderr, any_value(abs(score_half_a)) AS half_a, any_value(abs(score_half_b)) AS half_b
     FROM edge_attribution GROUP BY ALL),
 top AS (
     SELECT *, coalesce(sum(fn) OVER (PARTITION BY model, checkpoint, method, comp
@@ -35,21 +54,37 @@ comp_units AS (
         coalesce(bool_or(c.q_value <= {fdr}), false) AS discovered
     FROM composition_z c JOIN units u USING (model, checkpoint, comp, writer_layer, writer_head, reader_layer, reader_head)
     GROUP BY ALL),
+oracles AS (
+    SELECT model, checkpoint, 'oracle_scale' AS metric, 'oracle' AS space, comp, writer_layer, writer_head, reader_layer,
+        reader_unit, method, stderr AS score
+    FROM top
+    UNION ALL
+    SELECT model, checkpoint, 'oracle_depth', 'oracle', comp, writer_layer, writer_head, reader_layer, reader_unit, method,
+        avg(fn) OVER (PARTITION BY model, checkpoint, method, comp, writer_layer, reader_layer)
+    FROM top),
 joined AS (
-    SELECT *, z IS NULL AS no_z, p IS NULL AS no_p
-    FROM comp_units JOIN top USING (model, checkpoint, comp, writer_layer, writer_head, reader_layer, reader_unit)),
+    SELECT c.*, t.method, t.fn, t.fn_unbiased, t.t_abs, t.significant, t.is_top, c.z IS NULL AS no_z, c.p IS NULL AS no_p
+    FROM comp_units c JOIN top t USING (model, checkpoint, comp, writer_layer, writer_head, reader_layer, reader_unit)
+    UNION ALL
+    SELECT o.model, o.checkpoint, o.metric, o.space, o.comp, o.writer_layer, o.writer_head, o.reader_layer, o.reader_unit,
+        o.score, NULL, NULL, false, o.method, t.fn, t.fn_unbiased, t.t_abs, t.significant, t.is_top, true, true
+    FROM oracles o JOIN top t USING (model, checkpoint, method, comp, writer_layer, writer_head, reader_layer, reader_unit)),
 ranked AS (
     SELECT *,
-      rank() OVER (PARTITION BY model, checkpoint, method, metric, space, comp ORDER BY score)
-        + (count(*) OVER (PARTITION BY model, checkpoint, method, metric, space, comp, score) - 1) / 2.0 AS r_score,
-      rank() OVER (PARTITION BY model, checkpoint, method, metric, space, comp ORDER BY fn)
-        + (count(*) OVER (PARTITION BY model, checkpoint, method, metric, space, comp, fn) - 1) / 2.0 AS r_fn,
-      rank() OVER (PARTITION BY model, checkpoint, method, metric, space, comp, writer_layer, reader_layer ORDER BY score)
+      rank() OVER (c ORDER BY score) + (count(*) OVER (PARTITION BY model, checkpoint, method, metric, space, comp, score) - 1) / 2.0 AS r_score,
+      rank() OVER (c ORDER BY fn) + (count(*) OVER (PARTITION BY model, checkpoint, method, metric, space, comp, fn) - 1) / 2.0 AS r_fn,
+      rank() OVER (c ORDER BY fn_unbiased)
+        + (count(*) OVER (PARTITION BY model, checkpoint, method, metric, space, comp, fn_unbiased) - 1) / 2.0 AS r_fnu,
+      rank() OVER (c ORDER BY t_abs) + (count(*) OVER (PARTITION BY model, checkpoint, method, metric, space, comp, t_abs) - 1) / 2.0 AS r_t,
+      rank() OVER (lp ORDER BY score)
         + (count(*) OVER (PARTITION BY model, checkpoint, method, metric, space, comp, writer_layer, reader_layer, score) - 1)
           / 2.0 AS r_score_lp,
-      rank() OVER (PARTITION BY model, checkpoint, method, metric, space, comp, writer_layer, reader_layer ORDER BY fn)
+      rank() OVER (lp ORDER BY fn)
         + (count(*) OVER (PARTITION BY model, checkpoint, method, metric, space, comp, writer_layer, reader_layer, fn) - 1)
           / 2.0 AS r_fn_lp,
+      rank() OVER (lp ORDER BY fn_unbiased)
+        + (count(*) OVER (PARTITION BY model, checkpoint, method, metric, space, comp, writer_layer, reader_layer, fn_unbiased) - 1)
+          / 2.0 AS r_fnu_lp,
       rank() OVER (PARTITION BY model, checkpoint, method, metric, space, comp, no_z ORDER BY z)
         + (count(*) OVER (PARTITION BY model, checkpoint, method, metric, space, comp, no_z, z) - 1) / 2.0 AS r_z,
       rank() OVER (PARTITION BY model, checkpoint, method, metric, space, comp, no_z ORDER BY fn)
@@ -58,10 +93,10 @@ ranked AS (
         + (count(*) OVER (PARTITION BY model, checkpoint, method, metric, space, comp, no_p, p) - 1) / 2.0 AS r_p,
       rank() OVER (PARTITION BY model, checkpoint, method, metric, space, comp, no_p ORDER BY fn)
         + (count(*) OVER (PARTITION BY model, checkpoint, method, metric, space, comp, no_p, fn) - 1) / 2.0 AS r_fn_p,
-      count_if(is_top) OVER (PARTITION BY model, checkpoint, method, metric, space, comp
-                             ORDER BY score DESC, writer_layer, writer_head, reader_layer, reader_unit ROWS UNBOUNDED PRECEDING)
-        / row_number() OVER (PARTITION BY model, checkpoint, method, metric, space, comp
-                             ORDER BY score DESC, writer_layer, writer_head, reader_layer, reader_unit) AS prec_score,
+      count_if(is_top) OVER (c ORDER BY score DESC, writer_layer, writer_head, reader_layer, reader_unit ROWS UNBOUNDED PRECEDING)
+        / row_number() OVER (c ORDER BY score DESC, writer_layer, writer_head, reader_layer, reader_unit) AS prec_score,
+      count_if(significant) OVER (c ORDER BY score DESC, writer_layer, writer_head, reader_layer, reader_unit ROWS UNBOUNDED PRECEDING)
+        / row_number() OVER (c ORDER BY score DESC, writer_layer, writer_head, reader_layer, reader_unit) AS prec_significant,
       count_if(is_top) OVER (PARTITION BY model, checkpoint, method, metric, space, comp, no_z
                              ORDER BY z DESC, score DESC, writer_layer, writer_head, reader_layer, reader_unit ROWS UNBOUNDED PRECEDING)
         / row_number() OVER (PARTITION BY model, checkpoint, method, metric, space, comp, no_z
@@ -70,14 +105,40 @@ ranked AS (
                              ORDER BY p, score DESC, writer_layer, writer_head, reader_layer, reader_unit ROWS UNBOUNDED PRECEDING)
         / row_number() OVER (PARTITION BY model, checkpoint, method, metric, space, comp, no_p
                              ORDER BY p, score DESC, writer_layer, writer_head, reader_layer, reader_unit) AS prec_p
-    FROM joined),
+    FROM joined
+    WINDOW c AS (PARTITION BY model, checkpoint, method, metric, space, comp),
+           lp AS (PARTITION BY model, checkpoint, method, metric, space, comp, writer_layer, reader_layer)),
 within AS (
-    SELECT model, checkpoint, method, metric, space, comp, avg(rho) AS spearman_within_layer_pair,
-        count(rho) AS n_layer_pairs
+    SELECT model, checkpoint, method, metric, space, comp,
+        avg(rho) FILTER (WHERE NOT isnan(rho)) AS spearman_within_layer_pair,
+        count(rho) FILTER (WHERE NOT isnan(rho)) AS n_layer_pairs,
+        avg(rho_u) FILTER (WHERE NOT isnan(rho_u)) AS spearman_unbiased_within_layer_pair
     FROM (SELECT model, checkpoint, method, metric, space, comp, writer_layer, reader_layer,
-              CASE WHEN count(*) >= 3 THEN corr(r_score_lp, r_fn_lp) END AS rho
+              CASE WHEN count(*) >= 3 THEN corr(r_score_lp, r_fn_lp) END AS rho,
+              CASE WHEN count(*) >= 3 THEN corr(r_score_lp, r_fnu_lp) END AS rho_u
           FROM ranked GROUP BY ALL)
-    WHERE NOT isnan(rho)
+    GROUP BY ALL),
+-- the measurement's agreement with itself: one figure per model x checkpoint x method x comp
+halves AS (
+    SELECT *,
+      rank() OVER (c ORDER BY half_a) + (count(*) OVER (PARTITION BY model, checkpoint, method, comp, half_a) - 1) / 2.0 AS r_a,
+      rank() OVER (c ORDER BY half_b) + (count(*) OVER (PARTITION BY model, checkpoint, method, comp, half_b) - 1) / 2.0 AS r_b,
+      rank() OVER (lp ORDER BY half_a)
+        + (count(*) OVER (PARTITION BY model, checkpoint, method, comp, writer_layer, reader_layer, half_a) - 1) / 2.0 AS r_a_lp,
+      rank() OVER (lp ORDER BY half_b)
+        + (count(*) OVER (PARTITION BY model, checkpoint, method, comp, writer_layer, reader_layer, half_b) - 1) / 2.0 AS r_b_lp
+    FROM edges
+    WINDOW c AS (PARTITION BY model, checkpoint, method, comp),
+           lp AS (PARTITION BY model, checkpoint, method, comp, writer_layer, reader_layer)),
+ceiling AS (
+    SELECT model, checkpoint, method, comp, any_value(noise_ceiling) AS noise_ceiling,
+        avg(rho) FILTER (WHERE NOT isnan(rho)) AS noise_ceiling_within_layer_pair
+    FROM (SELECT model, checkpoint, method, comp, writer_layer, reader_layer,
+              corr(r_a, r_b) OVER (PARTITION BY model, checkpoint, method, comp) AS noise_ceiling,
+              CASE WHEN count(*) OVER (PARTITION BY model, checkpoint, method, comp, writer_layer, reader_layer) >= 3
+                   THEN corr(r_a_lp, r_b_lp) OVER (PARTITION BY model, checkpoint, method, comp, writer_layer, reader_layer)
+              END AS rho
+          FROM halves)  -- a row per edge: every layer pair of a comp has as many edges, so this is the mean over pairs
     GROUP BY ALL),
 overall AS (
 SELECT model, checkpoint, method, metric, space, comp,
@@ -86,6 +147,12 @@ SELECT model, checkpoint, method, metric, space, comp,
     (sum(r_score) FILTER (WHERE is_top) - count_if(is_top) * (count_if(is_top) + 1) / 2.0)
       / NULLIF(count_if(is_top) * count_if(NOT is_top), 0) AS auroc,
     sum(prec_score) FILTER (WHERE is_top) / NULLIF(count_if(is_top), 0) AS average_precision,
+    corr(r_score, r_fnu) AS spearman_unbiased,
+    corr(r_score, r_t) AS spearman_t,
+    count_if(significant)::BIGINT AS n_significant,
+    (sum(r_score) FILTER (WHERE significant) - count_if(significant) * (count_if(significant) + 1) / 2.0)
+      / NULLIF(count_if(significant) * count_if(NOT significant), 0) AS auroc_significant,
+    sum(prec_significant) FILTER (WHERE significant) / NULLIF(count_if(significant), 0) AS average_precision_significant,
     corr(r_z, r_fn_z) FILTER (WHERE NOT no_z) AS spearman_z,
     (sum(r_z) FILTER (WHERE is_top AND NOT no_z) - count_if(is_top AND NOT no_z) * (count_if(is_top AND NOT no_z) + 1) / 2.0)
       / NULLIF(count_if(is_top AND NOT no_z) * count_if(NOT is_top AND NOT no_z), 0) AS auroc_z,
@@ -99,5 +166,7 @@ SELECT model, checkpoint, method, metric, space, comp,
     count_if(discovered AND is_top) / NULLIF(count_if(is_top), 0) AS discovery_recall
 FROM ranked
 GROUP BY ALL)
-SELECT o.*, w.spearman_within_layer_pair, coalesce(w.n_layer_pairs, 0) AS n_layer_pairs
-FROM overall o LEFT JOIN within w USING (model, checkpoint, method, metric, space, comp);
+SELECT o.*, w.spearman_within_layer_pair, coalesce(w.n_layer_pairs, 0) AS n_layer_pairs,
+    w.spearman_unbiased_within_layer_pair, h.noise_ceiling, h.noise_ceiling_within_layer_pair
+FROM overall o LEFT JOIN within w USING (model, checkpoint, method, metric, space, comp)
+    LEFT JOIN ceiling h USING (model, checkpoint, method, comp);

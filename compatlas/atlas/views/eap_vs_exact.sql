@@ -1,6 +1,8 @@
 -- How well the attribution (a first-order estimate) holds, on the edges exact patching measured
--- (per comp the top by |score| and a random sample; edges as in composition_vs_function):
--- Pearson and Spearman of score with exact, the share of the top_k edges by |exact| that are also
+-- (per comp a sample stratified over |score| and over a composition score, so that the two can
+-- disagree; edges as in composition_vs_function): Pearson and Spearman of score with exact, the
+-- Spearman's 95% interval (spearman_lo, spearman_hi: Fisher's z with the Fieller-Hartley-Pearson
+-- variance 1.06 / (n - 3), from 5 edges), the share of the top_k edges by |exact| that are also
 -- among the top_k by |score| (top_k = 5, or all sampled edges if fewer), and whether the edge of
 -- largest |exact| is the one of largest |score| (over the sample).
 CREATE VIEW eap_vs_exact AS
@@ -18,7 +20,12 @@ ranked AS (
     FROM sampled
     WINDOW w AS (PARTITION BY model, checkpoint, method, comp))
 SELECT model, checkpoint, method, comp, count(*) AS n_exact, corr(score, exact) AS pearson,
-    corr(r_score, r_exact) AS spearman, any_value(top_k) AS top_k,
+    corr(r_score, r_exact) AS spearman,
+    CASE WHEN count(*) > 4 THEN tanh(atanh(greatest(least(corr(r_score, r_exact), 0.999999), -0.999999))
+                                     - 1.96 * sqrt(1.06 / (count(*) - 3))) END AS spearman_lo,
+    CASE WHEN count(*) > 4 THEN tanh(atanh(greatest(least(corr(r_score, r_exact), 0.999999), -0.999999))
+                                     + 1.96 * sqrt(1.06 / (count(*) - 3))) END AS spearman_hi,
+    any_value(top_k) AS top_k,
     count_if(k_score <= top_k AND k_exact <= top_k) / any_value(top_k) AS top_k_overlap,
     bool_or(k_score = 1 AND k_exact = 1) AS top_edge_agrees,
     arg_max(writer_layer || '.' || writer_head || ' -> ' || reader_layer || '.' || reader_unit, abs(exact)) AS top_exact_edge,

@@ -8,13 +8,22 @@ as JSON; the last good atlas answers while the atlas is missing, each warning sa
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 import tempfile
+import threading
+import time
 from pathlib import Path
 
+import duckdb
 import pytest
-from test_faults import make_atlas
+from conftest import machine_slowdown
+from test_faults import NUMBERS, make_atlas
 
 from compatlas import cli
+from compatlas.atlas import connect, query
+from compatlas.atlas.files import last_good_path
 from compatlas.atlas.query_guard import RefusedStatement, check_read_only
 
 LONG = "SELECT sum(hash(range)) AS s FROM range(100000000000)"  # hours of work: only a stop ends it
@@ -95,10 +104,79 @@ def test_statements_are_named_by_what_they_are_not_multi():
         check_read_only(sql)
 
 
+def test_sql_that_is_not_utf8_is_one_line(capsys, atlas):
+    latin1 = b"SELECT 'caf\xe9' AS x"
+    with pytest.raises(RefusedStatement, match=r"^the SQL is not UTF-8 text \(byte 0xe9 at offset 11\)"):
+        query(atlas, latin1)
+    assert query(atlas, "SELECT 'café' AS x".encode())["x"][0] == "café"  # UTF-8 bytes are fine
+    argv = latin1.decode("utf-8", "surrogateescape")  # what Python makes of a latin-1 argument
+    rc, out, err = run(capsys, "query", "--db", str(atlas), argv)
+    assert rc == 1 and out == "" and err.startswith("compatlas: the SQL is not UTF-8 text (byte 0xe9 at offset 11); "
+                                                     "save or pass it as UTF-8"), err
+    assert len(err.strip().splitlines()) == 1
+    code = "import sys\nfrom compatlas import cli\nsys.exit(cli.main(sys.argv[1:]))"
+    done = subprocess.run([sys.executable, "-c", code, "query", "--db", str(atlas), latin1], capture_output=True, timeout=300)
+    assert done.returncode == 1 and done.stderr.decode().startswith("compatlas: the SQL is not UTF-8 text"), done.stderr
+    assert len(done.stderr.splitlines()) == 1
+
+
 # ----------------------------------------------------------------------------- nothing written under results/
 
 SPILL = "SELECT count(*) AS n FROM (SELECT hash(range) % 2000000 AS g, count(*) FROM range(8000000) GROUP BY g)"
 SMALL = {"memory_limit": "50MB", "threads": "1"}  # so that SPILL spills (2 s)
+
+
+def test_a_query_larger_than_memory_spills_outside_results(tmp_path, private_tmp):
+    db, _, _ = make_atlas(tmp_path / "p")
+    results = db.parent
+    before = listing(results)
+    con = duckdb.connect(str(db), read_only=True, config=SMALL)  # DuckDB's default: atlas.duckdb.tmp/ beside it
+    n = con.sql(SPILL).fetchall()[0][0]
+    con.close()
+    assert listing(results) != before  # the control: this query spills, and by default under results/
+    before = listing(results)
+    seen: set[str] = set()
+    stop = threading.Event()
+
+    def watch() -> None:  # the spill files, while the query runs
+        while not stop.is_set():
+            seen.update(p.name for p in private_tmp.rglob("duckdb_temp*"))
+            time.sleep(0.005)
+
+    watcher = threading.Thread(target=watch)
+    watcher.start()
+    try:
+        assert query(db, SPILL, SMALL)["n"][0] == n
+    finally:
+        stop.set()
+        watcher.join()
+    assert seen, "the query did not spill"
+    assert listing(results) == before  # not a file made, changed or removed under results/
+    assert list(private_tmp.iterdir()) == []  # and its private folder removed
+    with pytest.raises(duckdb.Error):
+        query(db, "SELECT * FROM nowhere")
+    assert list(private_tmp.iterdir()) == []  # on an error too
+
+
+def test_a_killed_querys_spill_folder_is_removed_by_the_next_query(tmp_path, private_tmp):
+    db, _, _ = make_atlas(tmp_path / "p")
+    code = f"import sys\nfrom compatlas.atlas import query\nquery(sys.argv[1], {LONG!r})"
+    job = subprocess.Popen([sys.executable, "-c", code, str(db)], env=dict(os.environ, TMPDIR=str(private_tmp)))
+    try:
+        deadline = time.monotonic() + 60 * machine_slowdown()
+        while not list(private_tmp.glob(f"compatlas-spill-{job.pid}-*")) and time.monotonic() < deadline:
+            time.sleep(0.05)
+    finally:
+        job.kill()
+        job.wait()
+    left = list(private_tmp.glob(f"compatlas-spill-{job.pid}-*"))
+    assert len(left) == 1  # SIGKILL: nothing could remove it
+    live = private_tmp / f"compatlas-spill-{os.getpid()}-other"  # a running process's: never touched
+    live.mkdir()
+    unrelated = private_tmp / "compatlas-spill-notes"
+    unrelated.mkdir()
+    assert query(db, "SELECT 1 AS a")["a"][0] == 1
+    assert not left[0].exists() and live.exists() and unrelated.exists()
 
 
 # ----------------------------------------------------------------------------- stopping a query
@@ -106,4 +184,22 @@ SMALL = {"memory_limit": "50MB", "threads": "1"}  # so that SPILL spills (2 s)
 # ----------------------------------------------------------------------------- rows
 
 # ----------------------------------------------------------------------------- the atlas file
+
+def test_connect_answers_from_the_last_good_copy_while_the_atlas_is_missing(capsys, tmp_path, caplog):
+    db, _, _ = make_atlas(tmp_path / "p")
+    clean = query(db, NUMBERS).row(0)
+    db.unlink()  # as Snakemake leaves it while the atlas job runs, or after it failed
+    with caplog.at_level("WARNING", logger="compatlas"):
+        con = connect(db)
+        assert con.sql(NUMBERS).fetchall()[0] == clean
+        con.close()
+    said = [r.getMessage() for r in caplog.records]
+    assert said == [f"no {db} (a rebuild running or failed); answering from the last good atlas {last_good_path(db)}"]
+    rc, out, err = run(capsys, "query", "--db", str(db), "--format", "csv", NUMBERS)
+    assert rc == 0 and out.splitlines()[1] == ",".join(map(str, clean))
+    assert err.splitlines() == [f"compatlas: warning: {said[0]}", "compatlas: 1 row"]  # once
+    last_good_path(db).unlink()
+    with pytest.raises(FileNotFoundError, match=r"no atlas at .* run the pipeline first"):
+        connect(db)
+
 

@@ -7,8 +7,11 @@ as JSON; the last good atlas answers while the atlas is missing, each warning sa
 
 from __future__ import annotations
 
+import csv
+import io
 import json
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -25,6 +28,7 @@ from compatlas import cli
 from compatlas.atlas import connect, query
 from compatlas.atlas.files import last_good_path
 from compatlas.atlas.query_guard import RefusedStatement, check_read_only
+from compatlas.atlas.running import INTERRUPTED, TIMED_OUT
 
 LONG = "SELECT sum(hash(range)) AS s FROM range(100000000000)"  # hours of work: only a stop ends it
 
@@ -181,7 +185,98 @@ def test_a_killed_querys_spill_folder_is_removed_by_the_next_query(tmp_path, pri
 
 # ----------------------------------------------------------------------------- stopping a query
 
+def test_a_time_limit_stops_a_query_in_one_line(capsys, atlas):
+    start = time.monotonic()
+    rc, out, err = run(capsys, "query", "--db", str(atlas), "--timeout", "0.5", LONG)
+    took = time.monotonic() - start
+    assert rc == 124 and out == "" and err == "compatlas: query stopped by its time limit of 0.5 s (--timeout)\n", err
+    assert took < 0.5 + 5 * machine_slowdown(), took
+    with pytest.raises(SystemExit):
+        cli.main(["query", "--help"])
+    helped = " ".join(capsys.readouterr().out.split())
+    assert f"(exit status {TIMED_OUT}); Ctrl-C stops it at once (exit status {INTERRUPTED})" in helped
+    rc, out, _ = run(capsys, "query", "--db", str(atlas), "--timeout", "60", "SELECT 42 AS a")
+    assert rc == 0 and out.splitlines()[-1] == "42"  # and a query within it answers
+    rc, out, err = run(capsys, "query", "--db", str(atlas), "--timeout", "0.5", "--format", "csv",
+                       "SELECT range, hash(range) FROM range(100000000000)")
+    assert rc == 124 and out.startswith("range,") and err.startswith(
+        "compatlas: query stopped by its time limit of 0.5 s (--timeout); the "), err
+    assert err.strip().endswith("rows written before it are not the whole answer") and len(err.splitlines()) == 1
+
+
+def test_ctrl_c_stops_a_running_query_at_once(atlas, tmp_path):
+    """SIGINT to a real process: DuckDB's client holds the main thread while it runs, so before the
+    query ran in a worker thread a Ctrl-C waited for the query to end (over 20 s measured)."""
+    spills = tmp_path / "tmp"
+    spills.mkdir()
+    code = "import sys\nprint('ready', flush=True)\nfrom compatlas import cli\nsys.exit(cli.main(sys.argv[1:]))"
+    job = subprocess.Popen([sys.executable, "-c", code, "query", "--db", str(atlas), LONG], text=True,
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=dict(os.environ, TMPDIR=str(spills)))
+    try:
+        assert job.stdout is not None and job.stdout.readline() == "ready\n"
+        deadline = time.monotonic() + 60 * machine_slowdown()
+        while not list(spills.iterdir()) and time.monotonic() < deadline:  # connected: its spill folder is there
+            time.sleep(0.05)
+        time.sleep(1)  # the query running
+        start = time.monotonic()
+        job.send_signal(signal.SIGINT)
+        out, err = job.communicate(timeout=10 * machine_slowdown())
+        took = time.monotonic() - start
+    finally:
+        job.kill()
+        job.wait()
+    assert job.returncode == 130 and out == "" and err == "compatlas: query stopped by Ctrl-C\n", (job.returncode, err)
+    assert took < 3 * machine_slowdown(), took
+    assert list(spills.iterdir()) == []  # its spill folder removed on the way out
+
+
 # ----------------------------------------------------------------------------- rows
+
+def test_max_rows_computes_only_the_rows_it_shows(capsys, atlas):
+    huge = "SELECT range AS i FROM range(1000000000000)"  # 10^12 rows: hours, were they all computed
+    for fmt in ("table", "csv", "json"):
+        start = time.monotonic()
+        rc, out, err = run(capsys, "query", "--db", str(atlas), "--format", fmt, "--max-rows", "3", "--timeout", "120", huge)
+        assert rc == 0 and time.monotonic() - start < 10 * machine_slowdown(), (fmt, err)
+        assert err.strip() == "compatlas: 3 rows shown; the answer has more (--max-rows 3; 0: every row)"
+        if fmt == "table":
+            assert out.splitlines()[2:] == ["0", "1", "2", "(more than 3 rows; the first 3 shown: --max-rows)"]
+        elif fmt == "csv":
+            assert out.splitlines() == ["i", "0", "1", "2"]
+        else:
+            assert json.loads(out) == [{"i": 0}, {"i": 1}, {"i": 2}]
+
+
+def test_csv_and_json_stream_every_row_by_default(capsys, atlas):
+    rc, out, err = run(capsys, "query", "--db", str(atlas), "--format", "csv", "SELECT range AS i FROM range(150000)")
+    lines = out.splitlines()  # three batches of DuckDB's stream, one header
+    assert rc == 0 and lines[0] == "i" and lines[1:] == [str(i) for i in range(150000)] and err == "compatlas: 150000 rows\n"
+    rc, out, _ = run(capsys, "query", "--db", str(atlas), "--format", "json", "SELECT range AS i FROM range(150000)")
+    assert rc == 0 and [r["i"] for r in json.loads(out)] == list(range(150000))
+    rc, out, _ = run(capsys, "query", "--db", str(atlas), "--format", "json", "SELECT 1 AS a, 2 AS a WHERE false")
+    assert rc == 0 and out == "[]\n"
+    rc, out, _ = run(capsys, "query", "--db", str(atlas), "--format", "csv", "SELECT 1 AS a, 2 AS a")
+    assert rc == 0 and out.splitlines() == ["a,a_1", "1,2"]
+
+
+def test_csv_writes_nested_columns_as_json(capsys, atlas):
+    rc, out, err = run(capsys, "query", "--db", str(atlas), "--format", "csv",
+                       "SELECT model, test_reader_heads FROM composition_z ORDER BY ALL LIMIT 1")
+    assert rc == 0, err
+    row = next(csv.DictReader(io.StringIO(out)))
+    assert row["model"] == "a" and isinstance(json.loads(row["test_reader_heads"]), list)
+    rc, out, err = run(capsys, "query", "--db", str(atlas), "--format", "csv", "SHOW ALL TABLES")
+    tables = list(csv.DictReader(io.StringIO(out)))
+    assert rc == 0 and "score" in json.loads(next(t for t in tables if t["name"] == "composition")["column_names"]), err
+    sql = ("SELECT {'x': 1, 'y': [1, 2]} AS s, MAP {'k': 1} AS m, [[1], [2]] AS ll, [1, 2]::INTEGER[2] AS a, "
+           "'\\xC3\\x01a'::BLOB AS b, NULL::INTEGER[] AS n, [DATE '2020-01-02'] AS d")
+    rc, out, err = run(capsys, "query", "--db", str(atlas), "--format", "csv", sql)
+    assert rc == 0, err
+    assert next(csv.reader(io.StringIO(out.splitlines()[1]))) == [
+        '{"x": 1, "y": [1, 2]}', '{"k": 1}', "[[1], [2]]", "[1, 2]", "\\xC3\\x01a", "", '["2020-01-02"]']
+    rc, out, err = run(capsys, "query", "--db", str(atlas), "--format", "json", sql)
+    assert rc == 0 and json.loads(out)[0]["b"] == "\\xC3\\x01a" and json.loads(out)[0]["s"] == {"x": 1, "y": [1, 2]}, err
+
 
 # ----------------------------------------------------------------------------- the atlas file
 
@@ -203,3 +298,15 @@ def test_connect_answers_from_the_last_good_copy_while_the_atlas_is_missing(caps
         connect(db)
 
 
+def test_a_byte_flipped_in_the_atlas_is_said_once_with_its_likely_causes(capsys, tmp_path):
+    db, _, _ = make_atlas(tmp_path / "p")
+    clean = query(db, NUMBERS).row(0)
+    data = bytearray(db.read_bytes())
+    data[len(data) // 2] ^= 0x01  # rot on the disk, not a session
+    db.write_bytes(bytes(data))
+    rc, out, err = run(capsys, "query", "--db", str(db), "--format", "csv", NUMBERS)
+    assert rc == 0 and out.splitlines()[1] == ",".join(map(str, clean))
+    assert err.splitlines() == [
+        f"compatlas: warning: {db} was changed since it was built (its bytes no longer match the sha256 its build "
+        "wrote; a read-write session, a copy or an edit over it, or a disk error); answering from the last good atlas "
+        f"{last_good_path(db)} (the next snakemake run rebuilds it)", "compatlas: 1 row"]

@@ -128,12 +128,17 @@ def _alive(pid: int) -> bool:
 
 def remove_leftovers(root: str | os.PathLike | None = None) -> list[Path]:
     """Remove the private folders (``private_folder``) of processes that no longer run, in
-    ``root`` (the system's temporary folder by default); returns those removed."""
+    ``root`` (the system's temporary folder by default); returns those removed. A folder whose
+    pid a live process has taken since waits for that one to end."""
     removed = []
     folder = Path(root or tempfile.gettempdir())
     for p in folder.glob("compatlas-*-*-*"):
         m = PRIVATE.match(p.name)
-        if m and p.is_dir() and p.stat().st_uid == os.getuid() and not _alive(int(m.group(2))):
+        try:
+            ours = p.is_dir() and p.stat().st_uid == os.getuid()
+        except OSError:  # removed meanwhile, by another query doing the same
+            continue
+        if m and ours and not _alive(int(m.group(2))):
             shutil.rmtree(p, ignore_errors=True)
             removed.append(p)
     return removed

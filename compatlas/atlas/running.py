@@ -67,7 +67,7 @@ def interruptible(con: duckdb.DuckDBPyConnection, work: Callable[[threading.Even
         if timer is not None:
             timer.start()
         while worker.is_alive():
-            worker.join(0.05)  # a short wait, so that the SIGINT handler runs between two
+            worker.join(0.05)  # short waits: the SIGINT handler runs between two of them
     finally:
         if timer is not None:
             timer.cancel()

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import argparse
 import logging
+import shutil
 import sys
+import threading
 from pathlib import Path
 
 EXAMPLES = """examples:
@@ -47,7 +49,7 @@ QUERY_HELP = "tables and views:\n" + "\n".join(f"  {k:<26} {v}" for k, v in TABL
 DIGITS = 6  # significant digits of a float in a table (csv and json keep every digit)
 TABLE_HELP = ("table: aligned columns, floats to 6 significant digits; a row wider than the terminal prints "
               "as one block per row (psql's expanded mode). --width 0, or a pipe, always prints a table; "
-              "csv and json keep every digit")
+              "csv and json keep every digit, and csv writes a list, struct or map as its JSON")
 
 
 def _cell(v) -> str:
@@ -93,10 +95,132 @@ class _Warnings(logging.Handler):
     def __init__(self) -> None:
         super().__init__(logging.WARNING)
         self.lines: list[str] = []
+        self.said: set[str] = set()
 
     def emit(self, record: logging.LogRecord) -> None:
-        if (line := record.getMessage()) not in self.lines:
+        if (line := record.getMessage()) not in self.said:
+            self.said.add(line)
             self.lines.append(line)
+
+    def flush(self) -> None:
+        """Print the warnings kept since the last flush (each warning only ever once)."""
+        for line in self.lines:
+            print(f"compatlas: warning: {line}", file=sys.stderr)
+        self.lines.clear()
+
+
+def _count(text: str) -> int:
+    n = int(text)
+    if n < 0:
+        raise argparse.ArgumentTypeError(f"{text} is not a count of rows (0: every row)")
+    return n
+
+
+def _seconds(text: str) -> float:
+    t = float(text)
+    if not t > 0:
+        raise argparse.ArgumentTypeError(f"{text} is not a time in seconds above 0")
+    return t
+
+
+def _answer(con, sql: str, fmt: str, max_rows: int, width: int | None, progress: list[int],
+            stopping: threading.Event) -> tuple[int, bool]:
+    """Write ``sql``'s answer to stdout in ``fmt``: (rows written, whether ``max_rows`` (0: no
+    limit) cut some). A table is fetched whole, up to ``max_rows``, to align it; CSV and JSON
+    without a limit are written a batch at a time, counted in ``progress`` as they go."""
+    from compatlas.atlas.running import batches, first_rows, printable
+
+    if fmt == "table" or max_rows:
+        df, cut = first_rows(con, sql, max_rows) if max_rows else (con.sql(sql).pl(), False)
+        if fmt == "table":
+            print(render_table(df, width))
+            if cut:
+                print(f"(more than {max_rows} rows; the first {max_rows} shown: --max-rows)")
+        elif fmt == "csv":
+            printable(df, fmt).write_csv(sys.stdout)
+        else:
+            sys.stdout.write(printable(df, fmt).write_json() + "\n")
+        return df.height, cut
+    for df in batches(con, sql, stopping):
+        if fmt == "csv":
+            printable(df, fmt).write_csv(sys.stdout, include_header=not progress)
+        else:  # one JSON array, written a batch of its objects at a time
+            body = printable(df, fmt).write_json()[1:-1]
+            sys.stdout.write(("[" if not progress else "," if body and sum(progress) else "") + body)
+        progress.append(df.height)
+        sys.stdout.flush()
+    if fmt == "json":
+        sys.stdout.write("]\n")
+    return sum(progress), False
+
+
+def _query(args: argparse.Namespace) -> int:
+    """``compatlas query``: its answer on stdout, and on stderr what connecting found (once
+    each), the shards left out, notes on values the atlas cannot hold and the row count."""
+    from compatlas.atlas.database import query_connection
+    from compatlas.atlas.files import AtlasChanged, last_good_path
+    from compatlas.atlas.query_guard import RefusedStatement, check_read_only, sql_text
+    from compatlas.atlas.query_hints import row_count
+    from compatlas.atlas.running import INTERRUPTED, Stopped, interruptible
+
+    if not Path(args.db).exists() and not last_good_path(args.db).exists():
+        print(f"compatlas: no atlas at {Path(args.db).absolute()}; run the pipeline first, or name "
+              "the atlas with --db PATH/results/atlas.duckdb", file=sys.stderr)
+        return 2
+    width = args.width if args.width is not None else (
+        shutil.get_terminal_size((120, 24)).columns if sys.stdout.isatty() else 0)
+    max_rows = args.max_rows if args.max_rows is not None else (100 if args.format == "table" else 0)
+    said = _Warnings()  # what connecting found (a WAL, a changed or missing atlas, a changed shard)
+    logging.getLogger("compatlas").addHandler(said)
+    progress: list[int] = []  # rows of each batch written so far (csv, json)
+    try:
+        sql = sql_text(args.sql)
+        check_read_only(sql)
+        with query_connection(args.db) as con:
+            said.flush()
+            for line in _context(con, sql):
+                print(f"compatlas: {line}", file=sys.stderr)
+            n, cut = interruptible(con, lambda stopping: _answer(con, sql, args.format, max_rows, width or None,
+                                                                 progress, stopping), args.timeout)
+    except (RefusedStatement, AtlasChanged) as e:
+        print(f"compatlas: {e}", file=sys.stderr)
+        return 1
+    except Stopped as e:
+        part = f"; the {sum(progress)} rows written before it are not the whole answer" if progress else ""
+        print(f"compatlas: {e}{part}", file=sys.stderr)
+        return e.code
+    except KeyboardInterrupt:  # Ctrl-C before or after the query ran (while it runs: Stopped)
+        print("compatlas: query stopped by Ctrl-C", file=sys.stderr)
+        return INTERRUPTED
+    except Exception as e:  # noqa: BLE001 - any error of DuckDB's or the SQL's: one line, not a traceback
+        print(f"compatlas: query failed: {error_line(e)}", file=sys.stderr)
+        return 1
+    finally:
+        logging.getLogger("compatlas").removeHandler(said)
+        said.flush()
+    sys.stdout.flush()  # the answer, then what is said after it, in that order on a terminal
+    print(f"compatlas: {row_count(n)}" + (f" shown; the answer has more (--max-rows {max_rows}; 0: every row)"
+                                            if cut else ""), file=sys.stderr)
+    return 0
+
+
+def _context(con, sql: str) -> list[str]:
+    """What ``compatlas query`` says before an answer: the shards the atlas leaves out, and each
+    value a WHERE compares a closed-set column with that the atlas cannot hold."""
+    from compatlas.atlas.query_hints import unknown_values
+
+    lines = []
+    try:  # shards the atlas left out (truncated, corrupt): said beside every answer
+        excluded = con.execute("SELECT count(*) FROM excluded_shards").fetchall()[0][0]
+    except Exception:  # noqa: BLE001 -- an atlas built before the table existed
+        excluded = 0
+    if excluded:
+        lines.append(f"warning: {excluded} result shards are left out of this atlas (SELECT * FROM excluded_shards)")
+    try:
+        models = [r[0] for r in con.execute("SELECT DISTINCT model FROM models ORDER BY model").fetchall()]
+    except Exception:  # noqa: BLE001 -- an atlas without a models table: no model names to check
+        models = []
+    return lines + [f"note: {line}" for line in unknown_values(sql, models)]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -111,7 +235,12 @@ def main(argv: list[str] | None = None) -> int:
     q.add_argument("--format", choices=["table", "csv", "json"], default="table", help=TABLE_HELP)
     q.add_argument("--width", type=int, default=None,
                    help="widest table before rows print as blocks (default: the terminal's; 0: no limit)")
-    q.add_argument("--max-rows", type=int, default=100, help="rows a table shows (default 100)")
+    q.add_argument("--max-rows", type=_count, default=None,
+                   help="the most rows fetched and shown; only these are computed where the query allows "
+                        "(a LIMIT is put around it), and the output says when rows were cut (default: 100 for a "
+                        "table, every row for csv and json, written as they come; 0: every row)")
+    q.add_argument("--timeout", type=_seconds, default=None, metavar="SECONDS",
+                   help="stop the query after this long (exit status 124); Ctrl-C stops it at once (exit status 130)")
     v = sub.add_parser("validate", help="validate a config file against the schema")
     v.add_argument("config", nargs="?", default="config/config.yaml")
     c = sub.add_parser("check-shards", help="verify every Parquet shard under a folder against its checksum")
@@ -124,63 +253,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
 
     if args.cmd == "query":
-
-        from compatlas.atlas import query
-        from compatlas.atlas.files import AtlasChanged, last_good_path
-        from compatlas.atlas.query_guard import RefusedStatement
-
-        if not Path(args.db).exists():
-            if not last_good_path(args.db).exists():
-                print(f"compatlas: no atlas at {Path(args.db).absolute()}; run the pipeline first, or name "
-                      "the atlas with --db PATH/results/atlas.duckdb", file=sys.stderr)
-                return 2
-            # a rebuild is running or failed (Snakemake removed the old atlas): the last whole one
-            print(f"compatlas: warning: no {args.db} (a rebuild running or failed); answering from the last "
-                  f"good atlas {last_good_path(args.db)}", file=sys.stderr)
-            args.db = str(last_good_path(args.db))
-        said = _Warnings()  # what connecting found (a WAL, a changed atlas or shard), said once
-        logging.getLogger("compatlas").addHandler(said)
-        try:
-            df = query(args.db, args.sql)
-            try:  # shards the atlas left out (truncated, corrupt): say so beside every answer
-                excluded = query(args.db, "SELECT count(*) AS n FROM excluded_shards")["n"][0]
-            except Exception:  # noqa: BLE001 -- an atlas built before the table existed
-                excluded = 0
-        except (RefusedStatement, AtlasChanged) as e:
-            print(f"compatlas: {e}", file=sys.stderr)
-            return 1
-        except Exception as e:  # noqa: BLE001 - any error of DuckDB's or the SQL's: one line, not a traceback
-            print(f"compatlas: query failed: {error_line(e)}", file=sys.stderr)
-            return 1
-        finally:
-            logging.getLogger("compatlas").removeHandler(said)
-            for line in said.lines:
-                print(f"compatlas: warning: {line}", file=sys.stderr)
-        if excluded:
-            print(f"compatlas: warning: {excluded} result shards are left out of this atlas "
-                  "(SELECT * FROM excluded_shards)", file=sys.stderr)
-        from compatlas.atlas.query_hints import row_count, unknown_values
-
-        try:
-            models = query(args.db, "SELECT DISTINCT model FROM models ORDER BY model")["model"].to_list()
-        except Exception:  # noqa: BLE001 -- an atlas without a models table: no model names to check
-            models = []
-        for line in unknown_values(args.sql, models):
-            print(f"compatlas: note: {line}", file=sys.stderr)
-        print(f"compatlas: {row_count(df.height)}", file=sys.stderr)
-        if args.format == "csv":
-            df.write_csv(sys.stdout)
-        elif args.format == "json":
-            sys.stdout.write(df.write_json() + "\n")
-        else:
-            import shutil
-
-            width = args.width if args.width is not None else (
-                shutil.get_terminal_size((120, 24)).columns if sys.stdout.isatty() else 0)
-            print(render_table(df.head(args.max_rows), width or None))
-            if df.height > args.max_rows:
-                print(f"({df.height} rows, {args.max_rows} shown: --max-rows)")
-        return 0
+        return _query(args)
     if args.cmd == "validate":
         import yaml
 

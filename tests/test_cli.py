@@ -153,8 +153,13 @@ def test_max_rows_says_how_many_were_left_out(capsys, tmp_path):
 
     db = tmp_path / "atlas.duckdb"
     build_atlas(db, {}, [])
-    rc, out, _ = run(capsys, "query", "--db", str(db), "--max-rows", "2", "SELECT range AS i FROM range(5)")
-    assert rc == 0 and out.splitlines() == ["i", "-", "0", "1", "(5 rows, 2 shown: --max-rows)"]
+    rc, out, err = run(capsys, "query", "--db", str(db), "--max-rows", "2", "SELECT range AS i FROM range(5)")
+    assert rc == 0 and out.splitlines() == ["i", "-", "0", "1", "(more than 2 rows; the first 2 shown: --max-rows)"]
+    assert err.strip() == "compatlas: 2 rows shown; the answer has more (--max-rows 2; 0: every row)"
+    rc, out, err = run(capsys, "query", "--db", str(db), "--max-rows", "5", "SELECT range AS i FROM range(5)")
+    assert rc == 0 and out.splitlines()[-1] == "4" and err.strip() == "compatlas: 5 rows"  # all there: nothing said
+    rc, out, _ = run(capsys, "query", "--db", str(db), "--max-rows", "0", "SELECT range AS i FROM range(150)")
+    assert rc == 0 and len(out.splitlines()) == 152  # 0: every row
 
 
 def test_query_warns_of_excluded_shards(capsys, tmp_path):

@@ -29,7 +29,9 @@ import logging
 import os
 import re
 import shutil
-from collections.abc import Sequence
+import weakref
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from importlib import resources
 from pathlib import Path
 from typing import Any
@@ -37,8 +39,8 @@ from typing import Any
 import duckdb
 import polars as pl
 
-from compatlas.atlas.files import last_good_path, private_copy, readable, set_aside_sessions
-from compatlas.atlas.query_guard import check_read_only, lock_down
+from compatlas.atlas.files import PRIVATE, last_good_path, private_copy, private_folder, readable, set_aside_sessions
+from compatlas.atlas.query_guard import check_read_only, lock_down, sql_text
 from compatlas.storage import atomic_path, bad_shards, checksum_path, seal, set_aside, shard_error
 from compatlas.tables import EXCLUDED_SHARDS_SCHEMA, MODELS_SCHEMA, SHARD_VIEWS
 
@@ -126,7 +128,8 @@ def _parquet_view(name: str, shards: Sequence[str | os.PathLike], types: dict, r
 SHARD_FILES_DDL = "CREATE TABLE shard_files (view VARCHAR, path VARCHAR, bytes BIGINT, mtime_ns BIGINT, sha256 VARCHAR)"
 
 
-def connect(db_path: str | os.PathLike, read_only: bool = True) -> duckdb.DuckDBPyConnection:
+def connect(db_path: str | os.PathLike, read_only: bool = True,
+            settings: Mapping[str, str] | None = None) -> duckdb.DuckDBPyConnection:
     """Open the atlas from any working directory. The views store their shards' paths relative
     to the folder that holds the database's folder (``results/composition/...``), so that the
     folder can be moved; DuckDB resolves such a path against the working directory first, and
@@ -135,8 +138,12 @@ def connect(db_path: str | os.PathLike, read_only: bool = True) -> duckdb.DuckDB
     it is now (renamed since the build, too): the views never read another atlas's shards, e.g.
     the project's own ``results/`` while the atlas opened is a copy elsewhere (derived views
     resolve to the temporary ones). It also leaves out any shard gone or changed since the
-    build (``shard_files``), listing it in its temporary ``excluded_shards``, and never opens
-    a WAL or a file a read-write session changed (``atlas_files.readable``)."""
+    build (``shard_files``), listing it in its temporary ``excluded_shards``, never opens
+    a WAL or a file a read-write session changed, answers from the last good copy while the
+    atlas is missing (``atlas_files.readable``), and spills to a private temporary folder, not
+    beside the atlas (``atlas_files.private_folder``), removed when the connection is collected
+    or the process exits. ``settings``: DuckDB settings for a read-only connection (e.g.
+    ``memory_limit``)."""
     folder = Path(db_path).resolve().parent
     if not read_only:
         con = duckdb.connect(str(db_path), config={"storage_compatibility_version": STORAGE_VERSION})
@@ -144,14 +151,21 @@ def connect(db_path: str | os.PathLike, read_only: bool = True) -> duckdb.DuckDB
         path, private, notes = readable(db_path)
         for note in notes:
             log.warning("%s", note)
+        spill = private_folder("spill")
+        config: dict[str, str | bool | int | float | list[str]] = {"temp_directory": str(spill), **(settings or {})}
         try:
-            con = duckdb.connect(str(path), read_only=True)
-        except duckdb.IOException as e:
-            if "lock" not in str(e).lower() or private:
-                raise
-            log.warning("%s is held open read-write by another process; reading a copy of it", path)
-            path, private = private_copy(Path(path)), True
-            con = duckdb.connect(str(path), read_only=True)
+            try:
+                con = duckdb.connect(str(path), read_only=True, config=config)
+            except duckdb.IOException as e:
+                if "lock" not in str(e).lower() or private:
+                    raise
+                log.warning("%s is held open read-write by another process; reading a copy of it", path)
+                path, private = private_copy(Path(path)), True
+                con = duckdb.connect(str(path), read_only=True, config=config)
+        except BaseException:
+            shutil.rmtree(spill, ignore_errors=True)
+            raise
+        weakref.finalize(con, shutil.rmtree, spill, ignore_errors=True)  # also at exit
         if private:  # open now: the copy goes when the connection closes
             Path(path).unlink()
             Path(path).parent.rmdir()
@@ -162,6 +176,22 @@ def connect(db_path: str | os.PathLike, read_only: bool = True) -> duckdb.DuckDB
         else:  # an atlas built before shard_files
             _pin_shard_paths(con, folder)
     return con
+
+
+@contextmanager
+def query_connection(db_path: str | os.PathLike,
+                     settings: Mapping[str, str] | None = None) -> Iterator[duckdb.DuckDBPyConnection]:
+    """A read-only connection (``connect``) locked down for user queries (``query_guard``):
+    closed, and its spill folder removed, on leaving, by an error or Ctrl-C too."""
+    con = connect(db_path, settings=settings)
+    spill = Path(con.execute("SELECT current_setting('temp_directory')").fetchall()[0][0])
+    try:
+        lock_down(con, Path(db_path).resolve().parent)
+        yield con
+    finally:
+        con.close()
+        if PRIVATE.match(spill.name):
+            shutil.rmtree(spill, ignore_errors=True)
 
 
 def _pin_shard_paths(con: duckdb.DuckDBPyConnection, folder: Path) -> None:
@@ -259,13 +289,10 @@ def build_atlas(db_path: str | os.PathLike, shards: dict[str, list[str | os.Path
         seal(tmp, db_path)  # a read-write session's checkpointed change then shows (atlas_files.as_built)
 
 
-def query(db_path: str | os.PathLike, sql: str) -> pl.DataFrame:
+def query(db_path: str | os.PathLike, sql: str | bytes, settings: Mapping[str, str] | None = None) -> pl.DataFrame:
     """The answer to ``sql``, read statements only, on a connection that reads nothing outside
-    the atlas's folder and writes nothing (``query_guard``)."""
+    the atlas's folder and writes nothing (``query_guard``), not even its spills."""
+    sql = sql_text(sql)
     check_read_only(sql)
-    con = connect(db_path)
-    try:
-        lock_down(con, Path(db_path).resolve().parent)
+    with query_connection(db_path, settings) as con:
         return con.sql(sql).pl()
-    finally:
-        con.close()

@@ -10,13 +10,19 @@ inherit a crashed session's ``DELETE`` and ``DROP VIEW``. So:
   with a copy of the database it belongs to, and says so (``set_aside_sessions``);
 - a compatlas connection (``atlas.connect``) never opens a WAL or a changed file: with a WAL
   beside the atlas (or a read-write holder's lock on it) it opens a private copy of the file
-  as built; an atlas whose bytes no longer match its checksum is replaced by the last-good copy,
-  with a warning (``readable``).
+  as built; an atlas whose bytes no longer match its checksum, or no atlas at all (a rebuild
+  running or failed), is replaced by the last-good copy, with a warning (``readable``).
+
+A query writes nothing under ``results/`` either: what DuckDB spills to disk (a sort or a join
+larger than its memory; by default into ``atlas.duckdb.tmp/`` beside the file) goes to a private
+folder in the system's temporary folder (``private_folder``), removed when the connection goes,
+and the folders of killed queries by the next one (``remove_leftovers``).
 """
 
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import tempfile
 import time
@@ -25,6 +31,11 @@ from pathlib import Path
 from compatlas.storage import checksum_path, file_sha256
 
 SESSIONS = "atlas-sessions"  # under results/: what read-write sessions left on the atlas, kept
+# The temporary folders a connection makes, named compatlas-<what>-<pid>-<random> so that the next
+# connection knows which ones a killed process left (its pid is gone).
+PRIVATE = re.compile(r"compatlas-(spill|atlas)-(\d+)-")
+CHANGED = ("changed since it was built (its bytes no longer match the sha256 its build wrote; a read-write session, "
+           "a copy or an edit over it, or a disk error)")
 
 
 class AtlasChanged(RuntimeError):
@@ -74,16 +85,22 @@ def set_aside_sessions(db_path: str | os.PathLike) -> list[str]:
 
 def readable(db_path: str | os.PathLike) -> tuple[Path, bool, list[str]]:
     """Which file a read-only compatlas connection opens for ``db_path``: (path, whether it is a
-    private copy to delete once open, warnings)."""
-    db = Path(db_path)
+    private copy to delete once open, warnings). No atlas (Snakemake removed it for a rebuild
+    now running, or one that failed) and a changed one are answered from the last good copy."""
+    db, good = Path(db_path), last_good_path(db_path)
     notes: list[str] = []
-    if as_built(db) is False:
-        good = last_good_path(db)
+    if not db.exists():
+        if db == good or not good.exists():
+            raise FileNotFoundError(f"no atlas at {db.absolute()} (nor its last good copy); run the pipeline first")
+        notes.append(f"no {db} (a rebuild running or failed); answering from the last good atlas {good}")
+        db = good
+        if as_built(db) is False:
+            raise AtlasChanged(f"{db} was {CHANGED}; rerun snakemake to rebuild the atlas")
+    elif as_built(db) is False:
         if db == good or not good.exists() or as_built(good) is False:
-            raise AtlasChanged(f"{db} was changed since it was built (a read-write session) and no good copy is "
-                               "left; rerun snakemake to rebuild it")
-        notes.append(f"{db} was changed since it was built (a read-write session); answering from the last good "
-                     f"atlas {good} (the next snakemake run rebuilds it)")
+            raise AtlasChanged(f"{db} was {CHANGED} and no good copy is left; rerun snakemake to rebuild it")
+        notes.append(f"{db} was {CHANGED}; answering from the last good atlas {good} (the next snakemake run "
+                     "rebuilds it)")
         db = good
     if wal_path(db).exists():
         notes.append(f"{wal_path(db)} was left by a read-write session; its writes are not read (the next snakemake "
@@ -92,8 +109,43 @@ def readable(db_path: str | os.PathLike) -> tuple[Path, bool, list[str]]:
     return db, False, notes
 
 
+def private_folder(what: str) -> Path:
+    """A new folder of this process's own in the system's temporary folder (``what``: ``spill``
+    or ``atlas``), after removing the ones killed processes left."""
+    remove_leftovers()
+    return Path(tempfile.mkdtemp(prefix=f"compatlas-{what}-{os.getpid()}-"))
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
+
+
+def remove_leftovers(root: str | os.PathLike | None = None) -> list[Path]:
+    """Remove the private folders (``private_folder``) of processes that no longer run, in
+    ``root`` (the system's temporary folder by default); returns those removed. A folder whose
+    pid a live process has taken since waits for that one to end."""
+    removed = []
+    folder = Path(root or tempfile.gettempdir())
+    for p in folder.glob("compatlas-*-*-*"):
+        m = PRIVATE.match(p.name)
+        try:
+            ours = p.is_dir() and p.stat().st_uid == os.getuid()
+        except OSError:  # removed meanwhile, by another query doing the same
+            continue
+        if m and ours and not _alive(int(m.group(2))):
+            shutil.rmtree(p, ignore_errors=True)
+            removed.append(p)
+    return removed
+
+
 def private_copy(db: Path) -> Path:
     """The atlas copied to a temporary folder, without any WAL or lock of the original."""
-    copy = Path(tempfile.mkdtemp(prefix="compatlas-atlas-")) / db.name
+    copy = private_folder("atlas") / db.name
     shutil.copyfile(db, copy)
     return copy

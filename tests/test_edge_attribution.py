@@ -331,3 +331,56 @@ def test_eap_attn_equals_patching_each_reader_head_alone(name, request, monkeypa
     print("max |fast - reference|", (got - want).abs().max().item(), "of", want.abs().max().item())
     # float64 model; Llama's RMSNorm computes in float32 whatever the dtype: 2e-7 of the largest
     assert torch.allclose(got, want, rtol=1e-5, atol=1e-6 * want.abs().max().item())
+
+
+def test_composition_grid_takes_a_kv_groups_largest_score():
+    """The exact sample's composition strata: a K/V edge's score is the largest of its KV group's
+    query heads' (as composition_vs_function compares them), a Q edge's its own; NaN where none."""
+    from compatlas.function.edge_measure import composition_grid
+
+    class Cfg:
+        n_layers, n_heads, n_key_value_heads = 2, 4, 2
+
+    class M:
+        cfg = Cfg()
+
+    rows = [(c, 0, wh, 1, rh, float(10 * wh + rh)) for c in "QK" for wh in range(4) for rh in range(4)]
+    df = pl.DataFrame(rows, schema=["comp", "writer_layer", "writer_head", "reader_layer", "reader_head", "score"],
+                      orient="row")
+    grid = composition_grid(M(), df)
+    assert grid["Q"].shape == (2, 4, 2, 4) and grid["K"].shape == (2, 4, 2, 2)
+    assert grid["Q"][0, 2, 1, 3] == 23.0
+    assert grid["K"][0, 2, 1, 0] == 21.0 and grid["K"][0, 2, 1, 1] == 23.0  # query heads (0, 1) and (2, 3)
+    assert torch.isnan(grid["V"]).all() and torch.isnan(grid["K"][1]).all()
+    assert composition_grid(M(), None) is None
+
+
+def test_edge_table_halves_and_tests_against_scipy():
+    """Each edge's split halves are the means over the even and the odd sequences; its p is scipy's
+    one-sample t-test; its q is Benjamini-Hochberg over the comp's causal edges, a K/V edge once
+    (into its KV head) though its row repeats on each query head of the group."""
+    import numpy as np
+    from scipy import stats
+
+    from compatlas.function.edge_measure import edge_table
+
+    class Cfg:
+        n_layers, n_heads, n_key_value_heads = 3, 4, 2
+
+    class M:
+        cfg = Cfg()
+
+    gen = torch.Generator().manual_seed(3)
+    S = 10
+    per = {c: torch.randn(S, 3, 4, 3, 4 if c == "Q" else 2, generator=gen, dtype=torch.float64) * 0.5
+           + (0.4 if c == "K" else 0.0) for c in "QKV"}
+    table = edge_table(M(), {"eap": per}, [], torch.empty(0, S))
+    k = table.filter((pl.col("comp") == "K") & (pl.col("reader_head") % 2 == 0))  # one row per KV-head edge
+    x = np.stack([per["K"][:, r["writer_layer"], r["writer_head"], r["reader_layer"], r["reader_kv_head"]].numpy()
+                  for r in k.iter_rows(named=True)], 1)
+    np.testing.assert_allclose(k["score_half_a"], x[0::2].mean(0))
+    np.testing.assert_allclose(k["score_half_b"], x[1::2].mean(0))
+    p = stats.ttest_1samp(x, 0.0).pvalue
+    np.testing.assert_allclose(k["p_value"], p, rtol=1e-9)
+    np.testing.assert_allclose(k["q_value"], stats.false_discovery_control(p, method="bh"), rtol=1e-9)
+    assert k.height == (4 + 8) * 2 and (k["q_value"] < 0.05).sum() > 0  # the planted K shift is found

@@ -201,10 +201,11 @@ def best_lines(fns: dict[str, CompFunction], cvf: pl.DataFrame) -> str:
             what = f"<b>{_cell(best)}</b> ({_iv(sp[f.cells.index(best)], f.interval(best, 'spearman', True))})"
             orc = "; ".join(f"{name} oracle {_iv(sp[f.cells.index(o)], f.interval(o, 'spearman', True))}"
                             for name, o in zip(("scale", "depth"), ORACLES))
-            beats = f.beats(best)
+            beats, beats_a = f.beats(best), f.beats(best, which="auroc")
             verdict = ("beats the scale oracle beyond the paired interval" if beats else
-                       "does <b>not</b> beat the scale oracle beyond the paired interval: no claim that it predicts "
-                       "function")
+                       "does <b>not</b> beat the scale oracle beyond the paired interval"
+                       + (" (it does by AUROC for the significant edges)" if beats_a else
+                          ": no claim that it predicts function"))
             lead = f"{what}, tied with {_names(tied)}" if tied else f"{what}, beyond every other cell"
             out.append(f"{c}{ceil}: best {lead}; {orc}; it {verdict}")
         elif ceil:
@@ -241,16 +242,18 @@ def agreement_table(cvf: pl.DataFrame, fns: dict[str, CompFunction]) -> str:
             oracle = cell in ORACLES
             mark = ("oracle" if oracle else "" if rk is None else "best" if rk[0] == cell and not rk[1]
                     else "tied" if rk[0] == cell or cell in rk[1] else "")
-            beat = f.beats(cell)
+            beat, beat_a = f.beats(cell), f.beats(cell, which="auroc")
             rows.append([metric, space, comp, r["n_edges"], r.get("n_significant"),
                          _iv(r.get("spearman_unbiased"), f.interval(cell, "spearman", True)),
                          _iv(r.get("auroc_significant"), f.interval(cell, "auroc", True)), mark,
-                         "" if oracle or beat is None else "yes" if beat else "no",
+                         "" if oracle or beat is None else
+                         {(True, True): "both", (True, False): "Spearman", (False, True): "AUROC",
+                          (False, False): "no"}[(bool(beat), bool(beat_a))],
                          correlation(r.get("spearman_unbiased_within_layer_pair")), correlation(r.get("spearman_t")),
                          _iv(r.get("auroc"), f.interval(cell, "auroc")), _iv(r.get("spearman"), f.interval(cell, "spearman")),
                          r["n_discoveries"]])
     return table(["metric", "space", "comp", "edges", "significant", "Spearman, unbiased [95%]",
-                  "AUROC, significant edges [95%]", "rank", "beats scale oracle", "unbiased, within a layer pair",
+                  "AUROC, significant edges [95%]", "rank", "beats scale oracle (by)", "unbiased, within a layer pair",
                   "Spearman with |t|", "AUROC, top of |attribution| [95%]", "Spearman with |attribution| [95%]",
                   "discoveries"], rows, cls="agree")
 

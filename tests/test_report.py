@@ -15,8 +15,8 @@ from synthetic_atlas import Spec, as_older_atlas, write_suite
 
 from compatlas.atlas import connect as atlas_connect
 from compatlas.report import build_report
-from compatlas.report.heatmaps import heatmap_rows
-from compatlas.report.page import fmt, step
+from compatlas.report.heatmaps import heatmap_found, heatmap_rows, score_scale
+from compatlas.report.page import fmt, page_specs, step
 from compatlas.vocab import METRICS
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -92,26 +92,39 @@ def test_the_small_run_shows_no_spearman(suite):
 
 
 def test_heatmap_rows_decode_to_the_pairs():
-    """Each compact row decodes (reader = r0 + index) back to the pair's score, null, z, p and q."""
+    """Each compact row decodes (reader = r0 + index) back to the pair's score, null, z, p and q;
+    the q it decodes to is on the same side of the false discovery rate as the exact q, however
+    close to it (0.0499986 was stored as -log10 q = 1.30, read back as 0.0501)."""
     rng = np.random.default_rng(0)
     rows = [(c, wl, wh, rl, rh) for c in "QK" for wl in range(3) for rl in range(wl + 1, 3) for wh in range(2) for rh in range(2)]
     df = pl.DataFrame(rows, schema=["comp", "writer_layer", "writer_head", "reader_layer", "reader_head"], orient="row")
+    q = 10 ** -rng.uniform(0, 4, df.height)
+    q[:6] = [0.0499986, 0.05, 0.0500014, 0.049, 0.0501, 0.04999999]
     df = df.with_columns(score=pl.Series(rng.uniform(0, 1, df.height)), baseline_spectrum_mean=0.2,
                          baseline_spectrum_std=0.05, p_value=pl.Series(10 ** -rng.uniform(0, 6, df.height)),
-                         q_value=pl.Series(10 ** -rng.uniform(0, 4, df.height)), n_null=50)
+                         q_value=pl.Series(q), n_null=50)
     H = 2
     decoded = {}
-    for r in heatmap_rows(df, H):
+    k = score_scale(df)
+    assert k == 1e3  # scores in [0, 1): three digits
+    for r in heatmap_rows(df, H, 0.05):
         for i, s in enumerate(r["s"]):
             if s is not None:
-                decoded[(r["c"], r["w"], r["r0"] + i)] = (s / 1e3, r["m"][i] / 1e3, r["z"][i] / 10, 10 ** (-r["lp"][i] / 100),
+                decoded[(r["c"], r["w"], r["r0"] + i)] = (s / k, r["m"][i] / k, r["z"][i] / 10, 10 ** (-r["lp"][i] / 100),
                                                           10 ** (-r["lq"][i] / 100))
     assert len(decoded) == df.height
     for x in df.iter_rows(named=True):
         s, m, z, p, q = decoded[(x["comp"], x["writer_layer"] * H + x["writer_head"], x["reader_layer"] * H + x["reader_head"])]
         assert abs(s - x["score"]) <= 5e-4 and abs(m - 0.2) < 1e-9
         assert abs(z - (x["score"] - 0.2) / 0.05) <= 0.05
-        assert abs(np.log10(p / x["p_value"])) <= 0.005 and abs(np.log10(q / x["q_value"])) <= 0.005
+        assert abs(np.log10(p / x["p_value"])) <= 0.005 and abs(np.log10(q / x["q_value"])) <= 0.01
+        assert (q <= 0.05) == (x["q_value"] <= 0.05), (x["q_value"], q)
+    found = heatmap_found(df, H, 0.05)  # the discoveries, decided on the exact q
+    assert sorted((f["c"], f["w"], f["r"], f["q"]) for f in found) == sorted(
+        (x["comp"], x["writer_layer"] * H + x["writer_head"], x["reader_layer"] * H + x["reader_head"], x["q_value"])
+        for x in df.iter_rows(named=True) if x["q_value"] <= 0.05)
+    # a magnitude's scores (tens, in its own units) keep three significant digits, not five
+    assert score_scale(df.with_columns(pl.col("score") * 100)) == 10
 
 
 def test_numbers_for_reading():
@@ -284,7 +297,8 @@ def test_pages_mark_discoveries_list_every_combo_and_explain_small_models(tmp_pa
     index = (tmp_path / "report" / "index.html").read_text(encoding="utf-8")
     tiny_row = index.split("<h2 id='finds'>")[1].split("<a href='model-tiny.html#behaviour'>tiny</a>")[1].split("</tr>")[0]
     assert "smallest p is 1/5 = 0.200" in tiny_row and "recall 0" not in tiny_row and "#training" in tiny_row
-    assert '"model":"tiny"' not in index  # nor a row of zeros in the figures across models
+    across = [r for spec in page_specs(index).values() for d in spec.get("datasets", {}).values() for r in d]
+    assert across and not [r for r in across if r.get("model") == "tiny"]  # nor a row of zeros in the figures across models
     tiny = (tmp_path / "report" / "model-tiny.html").read_text(encoding="utf-8")
     assert "Its recall of 0 is not the method missing the circuit" in tiny
     deep = (tmp_path / "report" / "model-deep.html").read_text(encoding="utf-8")
@@ -292,7 +306,10 @@ def test_pages_mark_discoveries_list_every_combo_and_explain_small_models(tmp_pa
         return json.dumps(s)[1:-1].replace("<", "\\u003c")
 
     assert js("Cyan squares: the discoveries (q <= 0.05).") in deep
-    assert '"filter":' + json.dumps("isValid(datum.q) && datum.q <= 0.05").replace("<", "\\u003c") in deep
+    # the squares read their own dataset, decided on the exact q: no filter of a rounded q
+    (heat,) = [x for x in page_specs(deep).values() if "heatmap" in x.get("datasets", {})]
+    assert "datum.q <=" not in json.dumps(heat) and heat["datasets"]["heatmap_found"]
+    assert next(x for x in heat["layer"] if x.get("name") == "discoveries")["data"] == {"name": "heatmap_found"}
     for combo in ("frobenius · residual", "svd_bound · token", "subspace · token"):
         assert js(f"{combo} (") in deep, combo
     assert '"text":"K-composition"' in deep and '"text":"Q-composition"' in deep

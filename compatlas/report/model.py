@@ -189,7 +189,9 @@ def build_page(con: duckdb.DuckDBPyConnection, d: ModelData, out_dir: Path, q_cu
             df = q.pairs(con, d.model, d.latest, metric, space)
             H = max(H, integer(df["writer_head"].max()) + 1, integer(df["reader_head"].max()) + 1)
             page.figure(heatmaps.heatmap_chart(df, d.model, d.latest, metric, space, H, q_cut), f"{s}__heatmap",
-                        datasets={heatmaps.HEATMAP_DATA: heatmaps.heatmap_rows(df, H)}, png=df.height <= heatmaps.PNG_MAX_CELLS)
+                        datasets={heatmaps.HEATMAP_DATA: heatmaps.heatmap_rows(df, H, q_cut),
+                                  heatmaps.HEATMAP_FOUND: heatmaps.heatmap_found(df, H, q_cut)},
+                        png=df.height <= heatmaps.PNG_MAX_CELLS)
         page.add(heatmaps.calibration_table(d.summary))
     if d.outcome is not None:
         page.add("<h2 id='training'>Over training</h2>")

@@ -248,19 +248,48 @@ def test_gqa_rows_of_one_finding_are_one_row():
 
 
 def test_the_null_floor_is_explained_with_its_numbers():
-    """k pairs beyond all N null pairs, m tests: chance puts m/(N+1) there, their q is about that over k."""
+    """k tests beyond all N null pairs, m tests: chance puts m/(N+1) there, the q of those at the
+    floor is about that over k; those the tail model puts further out get a p below the floor,
+    and the note says so (it said no p could go below 1/(N+1), beside tables of p below it)."""
     from compatlas.report.findings import floor_note, why_none
 
-    floor = pl.DataFrame({"comp": ["K"], "m": [35235], "n_null": [35235], "k": [20], "q_k": [0.0499]})
+    floor = pl.DataFrame({"comp": ["K"], "m": [35235], "n_null": [35235], "k": [20], "q_k": [0.0499], "k_tail": [0],
+                          "p_min": [1 / 35236]})
     text = floor_note(floor, 0.05)
-    assert "1/(N+1) = 1/35,236" in text and "20 of the 35,235 tests" in text
-    assert "m/(N+1) = 1.00" in text and "1.00/20 = 0.0500" in text and "largest q among them 0.0499" in text
+    assert "1/(N+1) = 1/35,236 = 2.84e-05" in text and "20 of the 35,235 tests" in text
+    assert "m/(N+1) = 1.00" in text and "1.00/20 = 0.0500" in text and "largest q among the 20: 0.0499" in text
+    assert "20 of them sit at the floor" in text and "tail model to give" not in text
+    assert "the p of every pair below the null's largest score" in text and "generalised Pareto" in text
+    tail = floor_note(floor.with_columns(k=pl.lit(6), k_tail=pl.lit(6), p_min=pl.lit(3.1e-9)), 0.05)
+    assert "6 lie far enough beyond the null's largest score for its tail model to give a p below the floor " \
+           "(down to 3.10e-09)" in tail and "sit at the floor" not in tail
+    both = floor_note(floor.with_columns(k=pl.lit(7), k_tail=pl.lit(1)), 0.05)
+    assert "6 of them sit at the floor" in both and "1 lies far enough" in both
     assert floor_note(floor.with_columns(k=pl.lit(0)), 0.05) == ""
     small = pl.DataFrame({"pairs": [4], "n_null": [4]})
     assert why_none(small, 0.05) == ("none possible: its null has 4 pairs, so the smallest p is 1/5 = 0.200, "
                                      "above the false discovery rate 0.05")
     assert why_none(pl.DataFrame({"pairs": [4], "n_null": [None]}), 0.05).startswith("not calibrated")
     assert why_none(pl.DataFrame({"pairs": [35235], "n_null": [35235]}), 0.05) is None
+
+
+def test_the_floor_note_counts_what_the_atlas_holds(tmp_path):
+    """On a page: the note's numbers per comp are the calibration's, the tests beyond every null
+    pair split into those at the floor and those the tail model puts below it."""
+    from compatlas.report import queries as q
+    from compatlas.report.findings import floor_note, floor_summary
+
+    db = write_suite(tmp_path, [Spec("m", 6, 3)], metrics=("frobenius",), spaces=("residual",))
+    con = atlas_connect(db)
+    floor = floor_summary(con, "m", "final", 1)
+    cal = con.execute("""SELECT comp, count(*), max(n_null), count_if(p_value < 1.0 / (n_null + 1) * (1 - 1e-9)),
+                                count_if(p_value <= 1.0 / (n_null + 1) * (1 + 1e-9)) FROM calibration
+                         WHERE model = 'm' GROUP BY comp""").fetchall()
+    got = {r["comp"]: (r["m"], r["n_null"], r["k_tail"], r["k"]) for r in floor.iter_rows(named=True)}
+    assert got == {c: (m, n, t, k) for c, m, n, t, k in cal}
+    text = floor_note(floor, q.fdr(con))
+    k_tail = got["K"][2]
+    assert k_tail and f"{k_tail} lie far enough beyond the null's largest score" in text  # the planted pairs, p = 1e-6
 
 
 def test_circuit_edges_curve_around_the_heads_between():

@@ -56,24 +56,29 @@ def readers_cell(layer: int, readers: list[int]) -> str:
 
 def floor_summary(con: q.Con, model: str, checkpoint: str, group: int) -> pl.DataFrame:
     """Per metric x space x comp: ``m`` (the tests Benjamini-Hochberg counted), ``n_null``,
-    ``k`` (tests beyond every null pair: p at most the counting floor 1 / (n_null + 1)) and
-    ``q_k`` (the largest q among them). A row is its own test unless the calibration says a KV
-    head's test is shared by its ``group`` query heads (``test_unit``): then one row stands for
-    it. Every metric x space in one scan: the page has a table (and this note) for each."""
+    ``k`` (tests beyond every null pair: p at most the counting floor 1 / (n_null + 1)), of them
+    ``k_tail`` (p below the floor: the tail model's) with the smallest p ``p_min``, and ``q_k``
+    (the largest q among the k). A row is its own test unless the calibration says a KV head's
+    test is shared by its ``group`` query heads (``test_unit``): then one row stands for it.
+    Every metric x space in one scan: the page has a table (and this note) for each."""
     if not q.has(con, "calibration", "p_value", "q_value", "n_null"):
         return pl.DataFrame()
     one = (f"(test_unit IS DISTINCT FROM 'kv_head' OR reader_head % {int(group)} = 0)"
            if "test_unit" in q.columns(con, "calibration") else "true")
+    beyond = "p_value <= (1 + 1e-9) / (n_null + 1)"  # the floor, or the tail model's p below it
     return q._pl(con, f"""SELECT metric, space, comp, count(*) AS m, max(n_null)::BIGINT AS n_null,
-                               count_if(p_value <= (1 + 1e-9) / (n_null + 1))::BIGINT AS k,
-                               max(q_value) FILTER (WHERE p_value <= (1 + 1e-9) / (n_null + 1)) AS q_k
+                               count_if({beyond})::BIGINT AS k, max(q_value) FILTER (WHERE {beyond}) AS q_k,
+                               count_if(p_value < (1 - 1e-9) / (n_null + 1))::BIGINT AS k_tail, min(p_value) AS p_min
                         FROM calibration WHERE model = ? AND checkpoint = ? AND {one}
                         GROUP BY ALL""", [model, checkpoint])
 
 
 def floor_note(floor: pl.DataFrame, q_cut: float | None) -> str:
-    """Per comp with pairs beyond every null pair: how many, how many chance alone would put there
-    (m / (N + 1)), and what their q then says."""
+    """What p at or below the null's floor 1 / (N + 1) means, with this cell's numbers: per comp
+    with tests beyond every null pair, how many, how many chance alone would put there
+    (m / (N + 1)), how many sit at the floor and what their q then says, and how many the tail
+    model puts further out (p below the floor: the counting floor holds only below the null's
+    largest score, calibration.empirical_p_values)."""
     if floor.is_empty() or q_cut is None:
         return ""
     parts = []
@@ -81,21 +86,32 @@ def floor_note(floor: pl.DataFrame, q_cut: float | None) -> str:
         m, n, k = r["m"], r["n_null"], r["k"]
         if not k or not n or 1 / (n + 1) > q_cut:
             continue
+        tail = int(r.get("k_tail") or 0)
         chance = m / (n + 1)
-        parts.append(f"<b>{html.escape(r['comp'])}</b>: {k:,} of the {m:,} tests score above every one of the "
-                     f"N = {n:,} null pairs; chance alone would put about m/(N+1) = {fmt(chance)} there, so their "
-                     f"q is about {fmt(chance)}/{k:,} = {fmt(chance / k)} (largest q among them {fmt(r['q_k'])}): "
-                     f"of these {k:,}, about {fmt(chance)} {'is' if round(chance) == 1 else 'are'} expected by chance.")
+        text = (f"<b>{html.escape(r['comp'])}</b>: {k:,} of the {m:,} tests score above every one of the N = {n:,} "
+                f"null pairs, where chance alone would put about m/(N+1) = {fmt(chance)}")
+        if k > tail:
+            sit = "sits" if k - tail == 1 else "sit"
+            text += (f"; {k - tail:,} of them {sit} at the floor 1/(N+1) = {fmt(1 / (n + 1))}, where q is about "
+                     f"{fmt(chance)}/{k:,} = {fmt(chance / k)} (largest q among the {k:,}: {fmt(r['q_k'])}): of those, "
+                     f"about {fmt(chance)} {'is' if round(chance) == 1 else 'are'} expected by chance")
+        if tail:
+            text += (f"; {tail:,} {'lies' if tail == 1 else 'lie'} far enough beyond the null's largest score for its "
+                     "tail model to give a p below "
+                     f"the floor (down to {fmt(r.get('p_min'))})")
+        parts.append(text + ".")
     if not parts:
         return ""
     ns = sorted({int(n) for n in floor["n_null"].drop_nulls()})
     # a KV head's tests have a smaller null (one test per writer x KV head) than a query head's
-    at = fmt(1 / (ns[0] + 1)) if len(ns) == 1 else "the floor"
-    bound = f"1/(N+1) = 1/{ns[0] + 1:,}" if len(ns) == 1 else "1/(N+1), N per comp below"
-    return note(f"<b>Why so many p sit at {at}:</b> with N null pairs the counting p-value cannot go below "
-                f"{bound}: a pair beyond every null pair gets that p whatever its score, and its z "
-                "against the spectrum-kept null says how far beyond. What such pairs show is their number against "
-                "chance. " + " ".join(parts))
+    bound = f"1/(N+1) = 1/{ns[0] + 1:,} = {fmt(1 / (ns[0] + 1))}" if len(ns) == 1 else "1/(N+1) (N per comp below)"
+    return note(f"<b>p at the null's floor:</b> with N null pairs the counting p, (1 + #null pairs scoring as high)/(N+1), "
+                f"cannot go below {bound}; it is the p of every pair below the null's largest score. Beyond that "
+                "score the null's tail is modelled (a generalised Pareto fit to its largest scores, its shape at the "
+                "upper end of its 95% interval, so that p errs large: docs/statistics.md) and p is the smaller of the "
+                "floor and the model's: a p at the floor is a pair beyond every null pair that the model puts no "
+                "further out, a p below it the model's. What the pairs beyond every null pair show is their number "
+                "against chance. " + " ".join(parts))
 
 
 def combo_key(metric: str, space: str) -> str:

@@ -294,18 +294,27 @@ def test_the_floor_note_counts_what_the_atlas_holds(tmp_path):
 
 def test_circuit_edges_curve_around_the_heads_between():
     """Each edge starts at its writer and ends at its reader; halfway along it is half a head to
-    the side of the straight line (a quadratic Bezier through a control point one head aside)."""
-    from compatlas.report.circuit import CURVE_POINTS, curves
+    the side of the straight line (a quadratic Bezier through a control point one head aside).
+    The curve is drawn by Vega from the edge's one row (``CURVE_X``, ``CURVE_Y``), evaluated here."""
+    from types import SimpleNamespace
 
-    e = pl.DataFrame({"writer_layer": [0, 2], "writer_head": [1, 3], "reader_layer": [5, 6], "reader_head": [1, 0],
-                      "comp": ["V", "K"], "score": [0.5, 0.6]})
-    pts = curves(e)
-    assert pts.height == 2 * CURVE_POINTS
-    for eid, (x0, y0, x1, y1) in enumerate([(1, 0, 1, 5), (3, 2, 0, 6)]):
-        p = pts.filter(pl.col("eid") == eid).sort("t")
-        assert (p["x"][0], p["y"][0], p["x"][-1], p["y"][-1]) == (x0, y0, x1, y1)
-        mid = p.filter(pl.col("t") == 0.5)
-        assert abs(abs(mid["x"][0] - (x0 + x1) / 2) - 0.5) < 1e-12 and mid["y"][0] == (y0 + y1) / 2
+    from compatlas.report.circuit import CURVE_POINTS, CURVE_X, CURVE_Y, edge_rows
+
+    e = pl.DataFrame({"metric": ["frobenius"] * 2, "space": ["residual"] * 2, "writer_layer": [0, 2], "writer_head": [1, 3],
+                      "reader_layer": [5, 6], "reader_head": [1, 0], "comp": ["V", "K"], "score": [0.5, 0.6],
+                      "baseline_spectrum_mean": 0.1, "z_spectrum": 3.0, "n_null": 99, "p_value": 0.01, "q_value": 0.04})
+    rows = edge_rows(e)
+    assert rows.height == 2 and rows["combo"].to_list() == ["frobenius · residual"] * 2 and set(rows["kind"]) == {"discovery"}
+
+    def at(r: dict, t: float) -> tuple[float, float]:
+        d = SimpleNamespace(**r, t=t)
+        return eval(CURVE_X, {"pow": pow, "datum": d}), eval(CURVE_Y, {"pow": pow, "datum": d})
+
+    for r, (x0, y0, x1, y1) in zip(rows.iter_rows(named=True), [(1, 0, 1, 5), (3, 2, 0, 6)]):
+        assert at(r, 0) == (x0, y0) and at(r, 1) == (x1, y1)
+        mx, my = at(r, 0.5)
+        assert abs(abs(mx - (x0 + x1) / 2) - 0.5) < 1e-12 and my == (y0 + y1) / 2
+    assert CURVE_POINTS == 9
 
 
 def test_pages_mark_discoveries_list_every_combo_and_explain_small_models(tmp_path):
@@ -485,3 +494,67 @@ def test_the_smallest_p_pairs_are_per_comp_and_per_test(tmp_path):
     got = {r["comp"]: (r["rows"], r["tests"]) for r in per.iter_rows(named=True)}
     n = q.STRONGEST_PER_COMP
     assert got == {"Q": (n, n), "K": (2 * n, n), "V": (2 * n, n)}
+
+
+def _circuit_rows(page: str) -> list[dict]:
+    """The circuit's edges (circuit.edge_rows) as the page carries them: one dataset, a row per curve."""
+    (spec,) = [s for s in page_specs(page).values() if "the circuit its weights show" in json.dumps(s.get("title"))]
+    return next(d for d in spec["datasets"].values() if d and "kind" in d[0])
+
+
+def test_discoveries_just_below_the_fdr_are_drawn(tmp_path):
+    """Every discovery at q = 0.0499986 (the SmolLM2 circuit's q, just under 0.05): the heatmap's
+    squares are exactly the discoveries view's rows of its metric x space, per comp, and their
+    cells' tooltips decode to a q at most 0.05; the circuit draws the view's rows of every metric x
+    space. Stored as round(-log10 q * 100) = 130 they decoded to 0.0501, and a q <= 0.05 filter drew none."""
+    db = write_suite(tmp_path, [Spec("near", 6, 3, n_kv_heads=3)], metrics=("frobenius", "subspace"), spaces=("residual",))
+    con = as_older_atlas(db)
+    cal = sorted(str(p) for p in (tmp_path / "calibration").glob("*.parquet"))
+    con.execute("CREATE OR REPLACE VIEW calibration AS SELECT * REPLACE (CASE WHEN q_value <= 0.05 THEN 0.0499986 "
+                f"ELSE q_value END AS q_value) FROM read_parquet({cal!r})")
+    con.close()
+    build_report(db, tmp_path / "report", png=False)
+    page = (tmp_path / "report" / "model-near.html").read_text(encoding="utf-8")
+    con = atlas_connect(db)
+    view = con.execute("""SELECT metric, space, comp, writer_layer, writer_head, reader_layer, reader_head FROM discoveries
+                          WHERE model = 'near' AND latest""").fetchall()
+    assert len(view) >= 4 and con.execute("SELECT max(q_value) FROM discoveries").fetchone()[0] == 0.0499986
+    (heat,) = [s for s in page_specs(page).values() if "heatmap" in s.get("datasets", {})]
+    metric, space = re.search(r": (\w+), (\w+) space", heat["title"]["text"]).groups()
+    H = 3
+    drawn = {(f["c"], f["w"], f["r"]) for f in heat["datasets"]["heatmap_found"]}
+    assert drawn == {(c, wl * H + wh, rl * H + rh) for m, s, c, wl, wh, rl, rh in view if (m, s) == (metric, space)}
+    assert {f["q"] for f in heat["datasets"]["heatmap_found"]} == {0.0499986}
+    for row in heat["datasets"]["heatmap"]:  # the tooltip's q of those cells: on the discoveries' side of 0.05
+        for i, lq in enumerate(row["lq"]):
+            if (row["c"], row["w"], row["r0"] + i) in drawn:
+                assert 10 ** (-lq / 100) <= 0.05
+    curves = {(r["combo"], r["comp"], r["wl"], r["wh"], r["rl"], r["rh"]) for r in _circuit_rows(page) if r["kind"] == "discovery"}
+    assert curves == {(f"{m} · {s}", c, wl, wh, rl, rh) for m, s, c, wl, wh, rl, rh in view}
+
+
+def test_legends_are_drawn_from_the_picked_cells_own_scores(tmp_path):
+    """The circuit's width legend takes its domain from the picked metric x space's own edges (a
+    magnitude's scores, in tens, set the legend of 0.3-0.9 scores to 20-140), with labels of as
+    many digits as they need; a 2-layer model's heatmap labels each head and parts its cells."""
+    db = write_suite(tmp_path, [Spec("two", 2, 2), Spec("six", 6, 3)], metrics=("frobenius", "contribution"),
+                     spaces=("residual",))
+    build_report(db, tmp_path / "report", png=False)
+    page = (tmp_path / "report" / "model-six.html").read_text(encoding="utf-8")
+    (spec,) = [s for s in page_specs(page).values() if "the circuit its weights show" in json.dumps(s.get("title"))]
+    rows = _circuit_rows(page)
+    widths = [lay["encoding"]["strokeWidth"] for panel in spec["hconcat"] for lay in panel["layer"]
+              if "strokeWidth" in lay.get("encoding", {})]
+    assert len(widths) == 3
+    expr = widths[0]["scale"]["domain"]["expr"]
+    ranges = json.loads(re.search(r"\? (\{.*?\})\[combo\]", expr).group(1))
+    for combo in ("frobenius · residual", "contribution · residual"):
+        scores = [r["score"] for r in rows if r["combo"] == combo]
+        assert ranges[combo] == [min(scores), max(scores)]
+    assert ranges["contribution · residual"][0] > 10 > 1 > ranges["frobenius · residual"][1]
+    assert widths[0]["legend"]["labelExpr"] == "format(datum.value, '.6~g')"
+    two = (tmp_path / "report" / "model-two.html").read_text(encoding="utf-8")
+    (heat,) = [s for s in page_specs(two).values() if "heatmap" in s.get("datasets", {})]
+    rect = heat["layer"][0]
+    assert rect["mark"]["strokeWidth"] == 1 and "'.H'" in rect["encoding"]["x"]["axis"]["labelExpr"]
+    assert rect["encoding"]["x"]["axis"]["values"] == [2.5, 3.5] and rect["encoding"]["y"]["axis"]["values"] == [0.5, 1.5]

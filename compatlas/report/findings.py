@@ -1,6 +1,7 @@
 """The top-discovery tables of a model's page: one row per distinct finding (in a grouped-query
 model a K or V finding is one key/value head's, repeated for each query head that shares it),
-and, where the numbers are, what the null's floor p = 1 / (N + 1) means for them."""
+and, where the numbers are, what the null's floor p = 1 / (N + 1) means for them and where the
+tail model takes p below it; a magnitude metric's largest scores, said to be no discoveries."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import html
 import polars as pl
 
 from compatlas.report import queries as q
+from compatlas.report.circuit import LARGEST
 from compatlas.report.page import fmt, head, note, table
 from compatlas.tables import integer
 from compatlas.vocab import COMPS
@@ -37,16 +39,17 @@ def why_none(summary: pl.DataFrame, q_cut: float | None) -> str | None:
     return None
 
 
-def findings(edges: pl.DataFrame, group: int) -> pl.DataFrame:
+def findings(edges: pl.DataFrame, group: int, by_score: bool = False) -> pl.DataFrame:
     """One row per finding: rows with the same comp, writer, reader layer, reader KV head
     (``reader_head // group``), score, p and q are one finding, shared by the query heads in
-    ``readers``. Smallest q first (ties: smaller p, then larger score)."""
+    ``readers``. Smallest q first (ties: smaller p, then larger score); ``by_score``: largest score first."""
     keys = ["comp", "writer_layer", "writer_head", "reader_layer", "kv", "score", "p_value", "q_value"]
     return (edges.with_columns(kv=pl.col("reader_head") // group)
             .group_by(keys, maintain_order=True)
             .agg(pl.col("reader_head").sort().alias("readers"), pl.col("baseline_spectrum_mean").first(),
                  pl.col("z_spectrum").first())
-            .sort(["q_value", "p_value", "score"], descending=[False, False, True]))
+            .sort(["score", "q_value"] if by_score else ["q_value", "p_value", "score"],
+                  descending=[True, False] if by_score else [False, False, True]))
 
 
 def readers_cell(layer: int, readers: list[int]) -> str:
@@ -127,26 +130,33 @@ def top_discoveries(edges: pl.DataFrame, info: dict, model: str, combos: list[tu
     if edges.is_empty() or lead is None:
         return ""
     group = kv_group(info)
-    what = "Pairs with the smallest p (no discoveries)" if candidates else "Top discoveries"
     blocks = []
     for metric, space in combos or [lead]:
         key = combo_key(metric, space)
         cell = floor.filter((pl.col("metric") == metric) & (pl.col("space") == space)) if floor.height else floor
-        body = _one_cell(edges.filter((pl.col("metric") == metric) & (pl.col("space") == space)), group, model,
-                         metric, space, what, candidates, cell, q_cut)
+        mine = edges.filter((pl.col("metric") == metric) & (pl.col("space") == space))
+        # a magnitude's rows are its largest scores (model.circuit_edges_of), said so
+        largest = "kind" in mine.columns and mine.height > 0 and (mine["kind"] == LARGEST).all()
+        what = ("Largest scores" if largest else "Pairs with the smallest p (no discoveries)" if candidates
+                else "Top discoveries")
+        body = _one_cell(mine, group, model, metric, space, what, candidates or largest, cell, q_cut, largest)
         blocks.append(f"<div data-combo='{html.escape(key, quote=True)}'{'' if (metric, space) == lead else ' hidden'}>"
                       f"{body}</div>")
     return "".join(blocks)
 
 
 def _one_cell(edges: pl.DataFrame, group: int, model: str, metric: str, space: str, what: str, candidates: bool,
-              floor: pl.DataFrame, q_cut: float | None) -> str:
+              floor: pl.DataFrame, q_cut: float | None, largest: bool = False) -> str:
     head_line = f"<h3>{what}: {html.escape(metric)}, {html.escape(space)} space</h3>"
+    if largest:
+        head_line += note(f"<b>{html.escape(metric)} is a magnitude: its largest scores, not discoveries</b> (in its own "
+                          "units; its non-causal null is heavy-tailed, so few or none of its pairs pass the false "
+                          "discovery rate, though its largest K scores can be the circuit). Their p and q stand beside them.")
     if edges.is_empty():
         return head_line + note("No calibrated pairs in this metric x space." if candidates or q_cut is None else
                                 f"No discoveries in {html.escape(metric)}, {html.escape(space)} space: no head pair "
                                 f"composes beyond this model's own non-causal pairs there at q <= {q_cut:g}.")
-    e = findings(edges, group)
+    e = findings(edges, group, by_score=largest)
     parts, shared = [], None
     for comp in [c for c in COMPS if c in set(e["comp"])]:
         top = e.filter(pl.col("comp") == comp).head(TOP_N)
@@ -159,7 +169,9 @@ def _one_cell(edges: pl.DataFrame, group: int, model: str, metric: str, space: s
     gqa = (f" Readers listed together (<code>{html.escape(shared)}</code>) are query heads of one key/value head "
            f"({group} query heads each): one finding, the same score, p and q." if shared else "")
     return (head_line
-            + note(f"One row per finding, smallest q first (ties: smaller p, then larger z); at most {TOP_N} per comp.{gqa} "
+            + note(("One row per finding, largest score first" if largest else
+                    "One row per finding, smallest q first (ties: smaller p, then larger z)")
+                   + f"; at most {TOP_N} per comp.{gqa} "
                    f"All discoveries: <code>SELECT * FROM discoveries WHERE model = '{html.escape(model)}' AND latest "
                    f"AND metric = '{html.escape(metric)}' AND space = '{html.escape(space)}'</code>.")
             + "<div class='side'>" + "".join(parts) + "</div>" + ("" if candidates else floor_note(floor, q_cut)))

@@ -18,6 +18,7 @@ from compatlas.report import queries as q
 from compatlas.report.audits import invariance_chart
 from compatlas.report.page import Page, esc, fmt, note, safe_name, step
 from compatlas.tables import integer
+from compatlas.vocab import NORMALISED_METRICS
 
 
 @dataclass
@@ -90,6 +91,7 @@ def load(con: duckdb.DuckDBPyConnection, model: str, ckpts: pl.DataFrame, q_cut:
     candidates = edges.is_empty() and bool(combos)
     if candidates:  # nothing passes the FDR: show where the model comes closest, said as such
         edges = q.strongest(con, model, latest)
+    edges = circuit_edges_of(con, model, latest, edges, candidates, combos)
     heads = q.rows(con, "head_scores", model, latest)
     prev, ind = roles(heads, *cuts)
     # no discoveries at all (candidates): no circuit edge either, and no query for one
@@ -98,6 +100,22 @@ def load(con: duckdb.DuckDBPyConnection, model: str, ckpts: pl.DataFrame, q_cut:
     lead = circuit.lead_cell(counts, heatmaps.lead_combo(combos)) if combos else None
     return ModelData(model, info, mine, latest, combos, lead, summary, edges, heads,
                      q.rows(con, "composition_vs_behaviour", model, latest), outcome, candidates, cuts, found, counts)
+
+
+def circuit_edges_of(con: duckdb.DuckDBPyConnection, model: str, checkpoint: str, edges: pl.DataFrame,
+                     candidates: bool, combos: list[tuple[str, str]]) -> pl.DataFrame:
+    """What the circuit view draws, each row with its ``kind`` (circuit.KIND_DASH): the
+    discoveries (``candidates``: the smallest-p pairs) of the normalised metrics, and a magnitude
+    metric's largest scores (queries.strongest by score), never its discoveries alone: its
+    heavy-tailed null leaves it few or none, and its menu showed three empty panels."""
+    mags = sorted({m for m, _ in combos if m not in NORMALISED_METRICS})
+    if edges.is_empty() and not mags:
+        return edges
+    mine = edges.filter(~pl.col("metric").is_in(mags)) if edges.height else edges
+    parts = [mine.with_columns(kind=pl.lit(circuit.SMALLEST_P if candidates else circuit.DISCOVERY))] if mine.height else []
+    if mags and (big := q.strongest(con, model, checkpoint, metrics=mags, by="score")).height:
+        parts.append(big.with_columns(kind=pl.lit(circuit.LARGEST)))
+    return pl.concat(parts, how="diagonal_relaxed") if parts else edges.clear()
 
 
 def _heads(df: pl.DataFrame) -> list[tuple[int, int]]:

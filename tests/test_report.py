@@ -533,6 +533,61 @@ def test_discoveries_just_below_the_fdr_are_drawn(tmp_path):
     assert curves == {(f"{m} · {s}", c, wl, wh, rl, rh) for m, s, c, wl, wh, rl, rh in view}
 
 
+def test_the_index_counts_every_discovery_and_what_chance_allows(tmp_path):
+    """A random model's one (false) discovery in a cell other than its lead is counted on the
+    index as the discoveries view holds it, with how many false ones the rate allows; a model
+    with discoveries gets how many of them are expected false."""
+    db = write_suite(tmp_path, [Spec("rnd", 4, 4, planted=False, stray=("frobenius", "token", "Q")), Spec("real", 6, 3)],
+                     metrics=("frobenius", "subspace"), spaces=("residual", "token"))
+    build_report(db, tmp_path / "report", png=False)
+    index = (tmp_path / "report" / "index.html").read_text(encoding="utf-8")
+    models = index.split("<h2 id='models'>")[1].split("</table>")[0]
+    rnd = models.split("<a href='model-rnd.html'>")[1].split("</tr>")[0]
+    real = models.split("<a href='model-real.html'>")[1].split("</tr>")[0]
+    con = atlas_connect(db)
+
+    def found(model: str) -> dict[str, int]:
+        return dict(con.execute("""SELECT comp, count(*) FROM discoveries WHERE model = ? AND latest
+                                   AND reader_head = test_reader_heads[1] GROUP BY comp""", [model]).fetchall())
+
+    assert found("rnd") == {"Q": 1}
+    assert "In all 4 metric · spaces: Q 1 (frobenius · token), K 0, V 0." in rnd
+    assert ("Random init: no pair composes, so this one is a false discovery; at q &lt;= 0.05 each of its 12 families "
+            "(metric · space · comp) holds one with a chance of at most 0.05, so at most about 12 x 0.05 = 0.600 of them "
+            "are expected to hold one by chance.") in rnd
+    n = found("real")
+    assert f"In all 4 metric · spaces: Q {n.get('Q', 0)}" in real and f"K {n['K']} (in " in real
+    total = sum(n.values())
+    assert f"about 0.05 x {total} = {fmt(0.05 * total)} of these {total} discoveries are expected to be false" in real
+
+
+def test_a_magnitude_shows_its_largest_scores_not_empty_panels(tmp_path):
+    """contribution (a magnitude, no discoveries: its heavy-tailed null) draws its 10 largest
+    tests per comp, said so in the menu and the tables, and the index gives its top-n recall,
+    not a recall of 0 for having no discoveries."""
+    from compatlas.report.queries import STRONGEST_PER_COMP
+
+    db = write_suite(tmp_path, [Spec("mag", 6, 3)], metrics=("frobenius", "contribution"), spaces=("residual",))
+    build_report(db, tmp_path / "report", png=False)
+    page = (tmp_path / "report" / "model-mag.html").read_text(encoding="utf-8")
+    con = atlas_connect(db)
+    assert con.execute("SELECT count(*) FROM discoveries WHERE metric = 'contribution'").fetchone() == (0,)
+    rows = [r for r in _circuit_rows(page) if r["combo"] == "contribution · residual"]
+    assert {r["kind"] for r in rows} == {"largest score (a magnitude)"}
+    top = con.execute("""SELECT comp, writer_layer, writer_head, reader_layer, reader_head FROM composition
+                         WHERE model = 'mag' AND metric = 'contribution'
+                         QUALIFY row_number() OVER (PARTITION BY comp ORDER BY score DESC, writer_layer, writer_head,
+                                                    reader_layer, reader_head) <= ?""", [STRONGEST_PER_COMP]).fetchall()
+    assert {(r["comp"], r["wl"], r["wh"], r["rl"], r["rh"]) for r in rows} == set(top)
+    assert json.dumps("contribution · residual (a magnitude: its largest scores, not discoveries; 0 discoveries)")[1:-1] in page
+    assert "<b>contribution is a magnitude: its largest scores, not discoveries</b>" in page
+    assert "Largest scores: contribution, residual space" in page
+    index = (tmp_path / "report" / "index.html").read_text(encoding="utf-8")
+    finds = index.split("<h2 id='finds'>")[1].split("</table>")[0]
+    row = finds.split("contribution · residual")[1].split("</tr>")[0]
+    assert "top-2 recall 1.00" in row and "recall 0" not in row  # the two planted induction heads lead its scores
+
+
 def test_legends_are_drawn_from_the_picked_cells_own_scores(tmp_path):
     """The circuit's width legend takes its domain from the picked metric x space's own edges (a
     magnitude's scores, in tens, set the legend of 0.3-0.9 scores to 20-140), with labels of as

@@ -3,7 +3,9 @@ and every model page at 1280 and 1400 px and checks that no request leaves the f
 has no error, every chart draws (no "Could not draw"), no figure is wider than its box (an inner
 horizontal scroll, its right edge cut off) and no page is wider than its window; and that each
 model page's circuit menu opens on the metric x space its rule picks, with the tables of that one
-shown and the tables of whichever is picked after.
+shown and the tables of whichever is picked after; that what each chart draws (read from its Vega
+view, in every state of its menu) is what the atlas holds: the discoveries drawn are the
+``discoveries`` view's, a legend's domain the range of what it encodes.
 
 The screenshots are kept for a developer to look at: in ``$COMPATLAS_SCREENSHOTS`` when set,
 else in the test's temporary folder (the path is printed; ``pytest -s`` shows it). Where Chromium
@@ -18,10 +20,11 @@ import shutil
 from pathlib import Path
 
 import pytest
-from browser import check_report, chromium, function_problems, menu_problems
-from synthetic_atlas import Spec, write_suite
+from browser import check_report, chromium, data_problems, function_problems, menu_problems
+from synthetic_atlas import Spec, as_older_atlas, write_suite
 
 from compatlas.report import build_report
+from compatlas.report.queries import EDGE_MAX, STRONGEST_PER_COMP
 
 
 def screenshots(tmp: Path, name: str) -> Path:
@@ -118,3 +121,47 @@ def test_agreement_with_function_carries_its_uncertainty(tmp_path):
     problems = "\n".join(function_problems(out, expected))
     assert "model-wide.html: agreement rows without their intervals" in problems
     assert "model-run.html: no function to predict, yet" in problems
+
+
+def test_what_each_chart_draws_is_what_the_atlas_holds(tmp_path):
+    """Read from each model page's Vega views, in every metric · space of the circuit's menu and
+    every comp of the heatmap: the discoveries drawn (heatmap squares, circuit curves) are the
+    discoveries view's rows, a magnitude's curves its largest scores, and every legend's domain
+    the range of the values it encodes (or, for a fixed scale, holds them). A model whose
+    discoveries sit at q = 0.0499986, a random one with one false discovery, the 2 x 2 trained
+    one. The same pages broken on purpose (the old filter on a rounded q, a width legend over every
+    metric x space's scores) are caught."""
+    if chromium() is None:
+        pytest.fail("Chromium is not installed: `apt-get install -y chromium`")
+    db = write_suite(tmp_path, [Spec("near", 8, 4, n_kv_heads=2), Spec("rnd", 4, 8, planted=False, stray=("frobenius", "token", "Q")),
+                                Spec("two", 2, 2, steps=[0, 100, 200], n_null=4)], spaces=("residual", "token"))
+    con = as_older_atlas(db)
+    cal = sorted(str(p) for p in (tmp_path / "calibration").glob("*.parquet"))
+    con.execute("CREATE OR REPLACE VIEW calibration AS SELECT * REPLACE (CASE WHEN q_value <= 0.05 THEN 0.0499986 "
+                f"ELSE q_value END AS q_value) FROM read_parquet({cal!r})")
+    con.close()
+    out = tmp_path / "report"
+    build_report(db, out, png=False)
+    problems, read = data_problems(out, db, EDGE_MAX, STRONGEST_PER_COMP)
+    assert not problems, "\n".join(problems)
+    near = read["model-near.html"]
+    squares = [len(st["marks"].get("discoveries", [])) for f in near for st in f["states"]]
+    assert sum(squares) >= 4  # the planted K circuit, drawn
+    curves = {st["value"]: {d["kind"] for k, v in st["marks"].items() for d in v} for f in near for st in f["states"]
+              if f["signal"] == "combo"}
+    assert curves["contribution · token"] == {"largest score (a magnitude)"} and curves["frobenius · residual"] == {"discovery"}
+
+    # broken on purpose: the heatmap's squares filtered on a q rounded to 1e-2 in log10, and the
+    # circuit's width scale fixed over every metric x space's scores
+    page = out / "model-near.html"
+    text = page.read_text(encoding="utf-8")
+    layer = '"transform":[{"filter":"datum.c == comp"},{"calculate":"datum.r + 0.5"'
+    assert text.count(layer) == 1
+    text = text.replace(layer, layer.replace("datum.c == comp", "datum.c == comp && pow(10, -round(-log(datum.q) "
+                                                                    "/ log(10) * 100) / 100) <= 0.05"))
+    text, n = re.subn(r'"domain":\{"expr":"isValid(?:[^"\\]|\\.)*"\}', '"domain":[20,140]', text)
+    assert n == 3
+    page.write_text(text, encoding="utf-8")
+    problems = "\n".join(data_problems(out, db, EDGE_MAX, STRONGEST_PER_COMP)[0])
+    assert "model-near.html: heatmap " in problems and "discoveries, the view holds" in problems
+    assert "legend 'score': drawn [" in problems and "outside its domain [20, 140]" in problems

@@ -106,7 +106,7 @@ NOTE_PX = 11  # font size of an empty panel's note
 # smallest-p pairs; in a magnitude metric (contribution: its heavy-tailed null gives it no
 # discoveries, yet its largest K scores are the circuit), one of its largest scores
 DISCOVERY, SMALLEST_P, LARGEST = "discovery", "smallest p (no discoveries)", "largest score (a magnitude)"
-KIND_DASH: dict[str, list[float]] = {DISCOVERY: [1, 0], SMALLEST_P: [5, 3], LARGEST: [1.5, 2.5]}
+KIND_DASH: dict[str, list[float]] = {DISCOVERY: [1, 0], SMALLEST_P: [6, 3], LARGEST: [2, 4]}  # butt caps: a wide dot stays one
 
 # Each edge a quadratic Bezier from writer (head, layer) to reader through a control point
 # (cx, cy) a head aside of the middle, drawn by Vega from the edge's one row (``edge_rows``)
@@ -234,7 +234,7 @@ def circuit_chart(edges: pl.DataFrame, nodes: pl.DataFrame, model: str, checkpoi
                 .transform_calculate(t=f"datum.i / {CURVE_POINTS - 1}")
                 .transform_calculate(x=CURVE_X, y=CURVE_Y, writer="'L' + datum.wl + '.H' + datum.wh",
                                      reader="'L' + datum.rl + '.H' + datum.rh")
-                .mark_line(strokeCap="round", interpolate="linear", color=COMP_COLOURS.get(comp, "#888"), opacity=0.75)
+                .mark_line(strokeCap="butt", interpolate="linear", color=COMP_COLOURS.get(comp, "#888"), opacity=0.75)
                 .encode(x=alt.X("x:Q", scale=xs), y=alt.Y("y:Q", scale=ys), detail="eid:N", order="t:Q",
                         strokeWidth=width, strokeDash=dash,
                         tooltip=[alt.Tooltip("writer:N"), alt.Tooltip("reader:N"), "comp:N", alt.Tooltip("kind:N", title="curve"),

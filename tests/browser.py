@@ -293,3 +293,190 @@ def function_problems(report_dir: Path, expected: dict[str, bool]) -> list[str]:
         elif f["rows"] or "No function to predict" not in f["text"]:
             problems.append(f"{name}: no function to predict, yet {len(f['rows'])} agreement rows and no such sentence")
     return problems
+
+
+# What each figure of a page draws, read from its Vega view (the page keeps vega-embed's result on
+# the figure's div: ``el.vega``), in every state of its bound menu or radio buttons (the circuit's
+# metric · space, the heatmap's comp): per legend its scale's domain, the range of the field the
+# scale encodes over the drawn marks' items, and its labels; the rows the heatmap's discovery
+# squares (mark "discoveries") and the circuit's curves (marks "edges_Q", "edges_K", "edges_V":
+# one row per curve) draw.
+DATA_PROBE = r"""(async () => {
+  const KEYS = ['c', 'w', 'r', 'q', 'combo', 'comp', 'kind', 'wl', 'wh', 'rl', 'rh', 'eid', 'score'];
+  const pick = d => Object.fromEntries(KEYS.filter(k => d[k] !== undefined).map(k => [k, d[k]]));
+  const text = t => Array.isArray(t) ? t.join(' ') : String(t);
+  const figs = [];
+  for (const el of document.querySelectorAll('div.fig[data-spec]')) {
+    const res = el.vega;
+    if (!res) { figs.push({spec: el.dataset.spec, drawn: false}); continue; }
+    const view = res.view, vg = res.vgSpec;
+    const scales = {}, uses = {}, vlegends = [];
+    (function scan(s) {
+      for (const sc of s.scales || []) scales[sc.name] = sc;
+      for (const lg of s.legends || []) vlegends.push(lg);
+      for (const m of s.marks || []) {
+        for (const part of ['enter', 'update']) for (const ch of Object.values((m.encode || {})[part] || {}))
+          for (const e of [].concat(ch)) if (e && e.scale && typeof e.field === 'string')
+            (uses[e.scale] = uses[e.scale] || []).push([m.name, e.field]);
+        scan(m);
+      }
+    })(vg);
+    const sig = (vg.signals || []).find(s => s.bind && Array.isArray(s.bind.options));
+    const title = vg.title ? text(vg.title.text !== undefined ? vg.title.text : vg.title) : '';
+    const states = [];
+    for (const v of (sig ? sig.bind.options : [null])) {
+      if (sig) await view.signal(sig.name, v).runAsync();
+      const byName = {}, shown = [];
+      (function walk(mark) {
+        if (mark.role === 'legend') {
+          for (const g of mark.items || []) {
+            const lg = {title: [], labels: [], values: [], opacity: []};
+            (function inner(m) {
+              for (const it of m.items || []) {
+                if (m.role === 'legend-title' && it.text !== undefined) lg.title.push(text(it.text));
+                if (m.role === 'legend-label') { lg.labels.push(text(it.text)); lg.values.push(it.datum ? it.datum.value : null);
+                                                 lg.opacity.push(it.opacity === undefined ? 1 : it.opacity); }
+                for (const c of it.items || []) inner(c);
+              }
+            })({items: [g]});
+            shown.push(lg);
+          }
+          return;
+        }
+        const rows = byName[mark.name || ''] = byName[mark.name || ''] || [];
+        for (const it of mark.items || []) { if (it.datum && mark.marktype !== 'group') rows.push(it.datum);
+                                             for (const c of it.items || []) walk(c); }
+      })(view.scenegraph().root);
+      const legends = vlegends.map(lg => {
+        const s = lg.fill || lg.stroke || lg.size || lg.strokeWidth || lg.strokeDash || lg.shape || lg.opacity;
+        let domain = null;
+        try { domain = view.scale(s).domain(); } catch (e) { domain = null; }
+        const vals = (uses[s] || []).flatMap(([m, f]) => (byName[m] || []).map(d => d[f]))
+          .filter(x => typeof x === 'number' && isFinite(x));
+        const t = lg.title === undefined ? '' : (typeof lg.title === 'object' && !Array.isArray(lg.title) ? '' : text(lg.title));
+        const scene = shown.find(x => x.title.join(' ') === t) || null;
+        return {title: t, scale: s, type: scales[s] ? scales[s].type : null, fixed: !!scales[s] && Array.isArray(scales[s].domain),
+                clamp: !!(scales[s] && scales[s].clamp), domain: domain ? Array.from(domain) : null,
+                drawn: vals.length ? [Math.min(...vals), Math.max(...vals)] : null, n: vals.length,
+                labels: scene ? scene.labels : null, opacity: scene ? scene.opacity : null};
+      });
+      const marks = {};
+      for (const [name, rows] of Object.entries(byName)) {
+        const m = /^(discoveries|edges_[A-Z]+)(_[0-9]+)?_marks$/.exec(name);  // Vega-Lite may number a layer's name
+        if (!m) continue;
+        const seen = new Map();
+        for (const d of rows) { const k = d.eid !== undefined ? d.eid : JSON.stringify(pick(d)); if (!seen.has(k)) seen.set(k, pick(d)); }
+        marks[m[1]] = (marks[m[1]] || []).concat([...seen.values()]);
+      }
+      states.push({value: v, legends, marks});
+    }
+    figs.push({spec: el.dataset.spec, drawn: true, title, signal: sig ? sig.name : null, states});
+  }
+  return figs;
+})()"""
+
+
+def legend_problems(figs: list[dict]) -> list[str]:
+    """Each legend of a quantitative scale against what its figure draws: the drawn values lie in
+    the scale's domain (beyond its end only where the scale clamps, the end's label then saying
+    "≥"); a domain not given as numbers in the spec (taken from the data, or from an expression
+    over the picked state) is the drawn values' [smallest, largest]; its labels differ."""
+    out = []
+    for f in figs:
+        for st in f.get("states", []):
+            at = f"{f['spec']} ({f['title'][:40]}){'' if st['value'] is None else ' at ' + str(st['value'])}"
+            for lg in st["legends"]:
+                dom, drawn = lg["domain"], lg["drawn"]
+                if not dom or len(dom) != 2 or not all(isinstance(x, (int, float)) for x in dom) or drawn is None:
+                    continue
+                lo, hi = min(dom), max(dom)
+                tol = 1e-9 * max(abs(lo), abs(hi), 1e-300)
+                if lg["fixed"]:
+                    if drawn[0] < lo - tol or (drawn[1] > hi + tol and not lg["clamp"]):
+                        out.append(f"{at}: legend {lg['title']!r}: drawn {drawn} outside its domain {dom}")
+                    if drawn[1] > hi + tol and lg["clamp"] and not any(str(x).startswith("≥") for x in lg["labels"] or []):
+                        out.append(f"{at}: legend {lg['title']!r}: values beyond {hi} drawn at its end, not labelled ≥")
+                elif abs(lo - drawn[0]) > tol or abs(hi - drawn[1]) > tol:
+                    out.append(f"{at}: legend {lg['title']!r}: domain {dom}, but the drawn values span {drawn}")
+                shown = [x for x, o in zip(lg["labels"] or [], lg["opacity"] or []) if o]
+                if len(set(shown)) != len(shown):
+                    out.append(f"{at}: legend {lg['title']!r}: labels repeat: {shown}")
+    return out
+
+
+def drawn_discovery_problems(name: str, figs: list[dict], con: Any, model: str, n_heads: int,
+                             edge_max: int, largest_n: int) -> list[str]:
+    """The discoveries a model page draws against the atlas's ``discoveries`` view (its last
+    checkpoint): the heatmap's squares, per comp, are the view's rows of its metric x space; the
+    circuit's "discovery" curves, per metric x space, are the view's rows (its ``edge_max`` with
+    the smallest q where it has more); a magnitude's "largest score" curves are its ``largest_n``
+    tests per comp with the largest scores (ties: in the order of their heads)."""
+    import re as _re
+
+    out = []
+
+    def view_rows(metric: str, space: str, comp: str | None = None) -> set[tuple]:
+        sql = ("SELECT comp, writer_layer, writer_head, reader_layer, reader_head FROM discoveries WHERE model = ? AND latest "
+               "AND metric = ? AND space = ?" + (" AND comp = ?" if comp else ""))
+        return set(con.execute(sql, [model, metric, space, *([comp] if comp else [])]).fetchall())
+
+    for f in figs:
+        if not f.get("drawn"):
+            continue
+        for st in f["states"]:
+            marks = st["marks"]
+            if "discoveries" in marks:  # the heatmap, in its comp st["value"]
+                m = _re.search(r"@ .*?: (\S+), (\S+) space", f["title"])
+                if not m:
+                    out.append(f"{name}: a heatmap without its metric and space in the title: {f['title']!r}")
+                    continue
+                drawn = {(d["c"], d["w"], d["r"]) for d in marks["discoveries"]}
+                want = {(c, wl * n_heads + wh, rl * n_heads + rh) for c, wl, wh, rl, rh in view_rows(*m.groups(), st["value"])}
+                if drawn != want:
+                    out.append(f"{name}: heatmap {m.group(1)} · {m.group(2)} {st['value']}: draws {len(drawn)} discoveries, "
+                               f"the view holds {len(want)} ({len(want - drawn)} not drawn, {len(drawn - want)} not in it)")
+            curves = [d for k, rows in marks.items() if k.startswith("edges_") for d in rows]
+            if st["value"] is None or not any(k.startswith("edges_") for k in marks):
+                continue
+            metric, space = str(st["value"]).split(" · ")
+            want = view_rows(metric, space)
+            drawn = {(d["comp"], d["wl"], d["wh"], d["rl"], d["rh"]) for d in curves if d["kind"] == "discovery"}
+            kinds = {d["kind"] for d in curves}
+            if "largest score (a magnitude)" in kinds:
+                top = set(con.execute("""SELECT comp, writer_layer, writer_head, reader_layer, reader_head FROM composition_z
+                                         WHERE model = ? AND latest AND metric = ? AND space = ?
+                                         QUALIFY dense_rank() OVER (PARTITION BY comp ORDER BY score DESC, writer_layer,
+                                           writer_head, reader_layer, CASE WHEN test_unit = 'kv_head'
+                                           THEN -1 - reader_kv_head ELSE reader_head END) <= ?""",
+                                      [model, metric, space, largest_n]).fetchall())
+                big = {(d["comp"], d["wl"], d["wh"], d["rl"], d["rh"]) for d in curves if d["kind"] == "largest score (a magnitude)"}
+                if big != top:
+                    out.append(f"{name}: circuit {st['value']}: draws {len(big)} largest scores, not its {len(top)} largest")
+            elif len(want) <= edge_max and drawn != want:
+                out.append(f"{name}: circuit {st['value']}: draws {len(drawn)} discoveries, the view holds {len(want)}")
+            elif len(want) > edge_max and (not drawn <= want or len(drawn) != edge_max):
+                out.append(f"{name}: circuit {st['value']}: draws {len(drawn)} of the view's {len(want)} discoveries")
+            if want and "smallest p (no discoveries)" in kinds:
+                out.append(f"{name}: circuit {st['value']}: draws smallest-p pairs where the view holds discoveries")
+    return out
+
+
+def data_problems(report_dir: Path, db: Path, edge_max: int, largest_n: int) -> tuple[list[str], dict[str, Any]]:
+    """Every model page's figures read in Chromium (DATA_PROBE): their legends (legend_problems)
+    and the discoveries they draw against the atlas (drawn_discovery_problems). Returns the
+    problems and what the probe read, by page."""
+    from compatlas.atlas import connect
+    from compatlas.report.page import safe_name
+
+    con = connect(db)
+    models = {f"model-{safe_name(m)}.html": (m, int(h)) for m, h in
+              con.execute("SELECT model, n_heads FROM models WHERE checkpoint IN "
+                          "(SELECT checkpoint FROM checkpoints c WHERE c.model = models.model AND latest)").fetchall()}
+    read = probe_pages(report_dir, sorted(p.name for p in report_dir.glob("model-*.html")), DATA_PROBE)
+    problems = []
+    for name, figs in read.items():
+        problems += [f"{name}: {p}" for p in legend_problems(figs)]
+        if name in models:
+            problems += drawn_discovery_problems(name, figs, con, *models[name], edge_max, largest_n)
+    con.close()
+    return problems, read

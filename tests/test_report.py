@@ -15,8 +15,8 @@ from synthetic_atlas import Spec, as_older_atlas, write_suite
 
 from compatlas.atlas import connect as atlas_connect
 from compatlas.report import build_report
-from compatlas.report.heatmaps import heatmap_rows
-from compatlas.report.page import fmt, step
+from compatlas.report.heatmaps import heatmap_found, heatmap_rows, score_scale
+from compatlas.report.page import fmt, page_specs, step
 from compatlas.vocab import METRICS
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -92,26 +92,39 @@ def test_the_small_run_shows_no_spearman(suite):
 
 
 def test_heatmap_rows_decode_to_the_pairs():
-    """Each compact row decodes (reader = r0 + index) back to the pair's score, null, z, p and q."""
+    """Each compact row decodes (reader = r0 + index) back to the pair's score, null, z, p and q;
+    the q it decodes to is on the same side of the false discovery rate as the exact q, however
+    close to it (0.0499986 was stored as -log10 q = 1.30, read back as 0.0501)."""
     rng = np.random.default_rng(0)
     rows = [(c, wl, wh, rl, rh) for c in "QK" for wl in range(3) for rl in range(wl + 1, 3) for wh in range(2) for rh in range(2)]
     df = pl.DataFrame(rows, schema=["comp", "writer_layer", "writer_head", "reader_layer", "reader_head"], orient="row")
+    q = 10 ** -rng.uniform(0, 4, df.height)
+    q[:6] = [0.0499986, 0.05, 0.0500014, 0.049, 0.0501, 0.04999999]
     df = df.with_columns(score=pl.Series(rng.uniform(0, 1, df.height)), baseline_spectrum_mean=0.2,
                          baseline_spectrum_std=0.05, p_value=pl.Series(10 ** -rng.uniform(0, 6, df.height)),
-                         q_value=pl.Series(10 ** -rng.uniform(0, 4, df.height)), n_null=50)
+                         q_value=pl.Series(q), n_null=50)
     H = 2
     decoded = {}
-    for r in heatmap_rows(df, H):
+    k = score_scale(df)
+    assert k == 1e3  # scores in [0, 1): three digits
+    for r in heatmap_rows(df, H, 0.05):
         for i, s in enumerate(r["s"]):
             if s is not None:
-                decoded[(r["c"], r["w"], r["r0"] + i)] = (s / 1e3, r["m"][i] / 1e3, r["z"][i] / 10, 10 ** (-r["lp"][i] / 100),
+                decoded[(r["c"], r["w"], r["r0"] + i)] = (s / k, r["m"][i] / k, r["z"][i] / 10, 10 ** (-r["lp"][i] / 100),
                                                           10 ** (-r["lq"][i] / 100))
     assert len(decoded) == df.height
     for x in df.iter_rows(named=True):
         s, m, z, p, q = decoded[(x["comp"], x["writer_layer"] * H + x["writer_head"], x["reader_layer"] * H + x["reader_head"])]
         assert abs(s - x["score"]) <= 5e-4 and abs(m - 0.2) < 1e-9
         assert abs(z - (x["score"] - 0.2) / 0.05) <= 0.05
-        assert abs(np.log10(p / x["p_value"])) <= 0.005 and abs(np.log10(q / x["q_value"])) <= 0.005
+        assert abs(np.log10(p / x["p_value"])) <= 0.005 and abs(np.log10(q / x["q_value"])) <= 0.01
+        assert (q <= 0.05) == (x["q_value"] <= 0.05), (x["q_value"], q)
+    found = heatmap_found(df, H, 0.05)  # the discoveries, decided on the exact q
+    assert sorted((f["c"], f["w"], f["r"], f["q"]) for f in found) == sorted(
+        (x["comp"], x["writer_layer"] * H + x["writer_head"], x["reader_layer"] * H + x["reader_head"], x["q_value"])
+        for x in df.iter_rows(named=True) if x["q_value"] <= 0.05)
+    # a magnitude's scores (tens, in its own units) keep three significant digits, not five
+    assert score_scale(df.with_columns(pl.col("score") * 100)) == 10
 
 
 def test_numbers_for_reading():
@@ -235,13 +248,23 @@ def test_gqa_rows_of_one_finding_are_one_row():
 
 
 def test_the_null_floor_is_explained_with_its_numbers():
-    """k pairs beyond all N null pairs, m tests: chance puts m/(N+1) there, their q is about that over k."""
+    """k tests beyond all N null pairs, m tests: chance puts m/(N+1) there, the q of those at the
+    floor is about that over k; those the tail model puts further out get a p below the floor,
+    and the note says so (it said no p could go below 1/(N+1), beside tables of p below it)."""
     from compatlas.report.findings import floor_note, why_none
 
-    floor = pl.DataFrame({"comp": ["K"], "m": [35235], "n_null": [35235], "k": [20], "q_k": [0.0499]})
+    floor = pl.DataFrame({"comp": ["K"], "m": [35235], "n_null": [35235], "k": [20], "q_k": [0.0499], "k_tail": [0],
+                          "p_min": [1 / 35236]})
     text = floor_note(floor, 0.05)
-    assert "1/(N+1) = 1/35,236" in text and "20 of the 35,235 tests" in text
-    assert "m/(N+1) = 1.00" in text and "1.00/20 = 0.0500" in text and "largest q among them 0.0499" in text
+    assert "1/(N+1) = 1/35,236 = 2.84e-05" in text and "20 of the 35,235 tests" in text
+    assert "m/(N+1) = 1.00" in text and "1.00/20 = 0.0500" in text and "largest q among the 20: 0.0499" in text
+    assert "20 of them sit at the floor" in text and "tail model to give" not in text
+    assert "the p of every pair below the null's largest score" in text and "generalised Pareto" in text
+    tail = floor_note(floor.with_columns(k=pl.lit(6), k_tail=pl.lit(6), p_min=pl.lit(3.1e-9)), 0.05)
+    assert "6 lie far enough beyond the null's largest score for its tail model to give a p below the floor " \
+           "(down to 3.10e-09)" in tail and "sit at the floor" not in tail
+    both = floor_note(floor.with_columns(k=pl.lit(7), k_tail=pl.lit(1)), 0.05)
+    assert "6 of them sit at the floor" in both and "1 lies far enough" in both
     assert floor_note(floor.with_columns(k=pl.lit(0)), 0.05) == ""
     small = pl.DataFrame({"pairs": [4], "n_null": [4]})
     assert why_none(small, 0.05) == ("none possible: its null has 4 pairs, so the smallest p is 1/5 = 0.200, "
@@ -250,20 +273,48 @@ def test_the_null_floor_is_explained_with_its_numbers():
     assert why_none(pl.DataFrame({"pairs": [35235], "n_null": [35235]}), 0.05) is None
 
 
+def test_the_floor_note_counts_what_the_atlas_holds(tmp_path):
+    """On a page: the note's numbers per comp are the calibration's, the tests beyond every null
+    pair split into those at the floor and those the tail model puts below it."""
+    from compatlas.report import queries as q
+    from compatlas.report.findings import floor_note, floor_summary
+
+    db = write_suite(tmp_path, [Spec("m", 6, 3)], metrics=("frobenius",), spaces=("residual",))
+    con = atlas_connect(db)
+    floor = floor_summary(con, "m", "final", 1)
+    cal = con.execute("""SELECT comp, count(*), max(n_null), count_if(p_value < 1.0 / (n_null + 1) * (1 - 1e-9)),
+                                count_if(p_value <= 1.0 / (n_null + 1) * (1 + 1e-9)) FROM calibration
+                         WHERE model = 'm' GROUP BY comp""").fetchall()
+    got = {r["comp"]: (r["m"], r["n_null"], r["k_tail"], r["k"]) for r in floor.iter_rows(named=True)}
+    assert got == {c: (m, n, t, k) for c, m, n, t, k in cal}
+    text = floor_note(floor, q.fdr(con))
+    k_tail = got["K"][2]
+    assert k_tail and f"{k_tail} lie far enough beyond the null's largest score" in text  # the planted pairs, p = 1e-6
+
+
 def test_circuit_edges_curve_around_the_heads_between():
     """Each edge starts at its writer and ends at its reader; halfway along it is half a head to
-    the side of the straight line (a quadratic Bezier through a control point one head aside)."""
-    from compatlas.report.circuit import CURVE_POINTS, curves
+    the side of the straight line (a quadratic Bezier through a control point one head aside).
+    The curve is drawn by Vega from the edge's one row (``CURVE_X``, ``CURVE_Y``), evaluated here."""
+    from types import SimpleNamespace
 
-    e = pl.DataFrame({"writer_layer": [0, 2], "writer_head": [1, 3], "reader_layer": [5, 6], "reader_head": [1, 0],
-                      "comp": ["V", "K"], "score": [0.5, 0.6]})
-    pts = curves(e)
-    assert pts.height == 2 * CURVE_POINTS
-    for eid, (x0, y0, x1, y1) in enumerate([(1, 0, 1, 5), (3, 2, 0, 6)]):
-        p = pts.filter(pl.col("eid") == eid).sort("t")
-        assert (p["x"][0], p["y"][0], p["x"][-1], p["y"][-1]) == (x0, y0, x1, y1)
-        mid = p.filter(pl.col("t") == 0.5)
-        assert abs(abs(mid["x"][0] - (x0 + x1) / 2) - 0.5) < 1e-12 and mid["y"][0] == (y0 + y1) / 2
+    from compatlas.report.circuit import CURVE_POINTS, CURVE_X, CURVE_Y, edge_rows
+
+    e = pl.DataFrame({"metric": ["frobenius"] * 2, "space": ["residual"] * 2, "writer_layer": [0, 2], "writer_head": [1, 3],
+                      "reader_layer": [5, 6], "reader_head": [1, 0], "comp": ["V", "K"], "score": [0.5, 0.6],
+                      "baseline_spectrum_mean": 0.1, "z_spectrum": 3.0, "n_null": 99, "p_value": 0.01, "q_value": 0.04})
+    rows = edge_rows(e)
+    assert rows.height == 2 and rows["combo"].to_list() == ["frobenius · residual"] * 2 and set(rows["kind"]) == {"discovery"}
+
+    def at(r: dict, t: float) -> tuple[float, float]:
+        d = SimpleNamespace(**r, t=t)
+        return eval(CURVE_X, {"pow": pow, "datum": d}), eval(CURVE_Y, {"pow": pow, "datum": d})
+
+    for r, (x0, y0, x1, y1) in zip(rows.iter_rows(named=True), [(1, 0, 1, 5), (3, 2, 0, 6)]):
+        assert at(r, 0) == (x0, y0) and at(r, 1) == (x1, y1)
+        mx, my = at(r, 0.5)
+        assert abs(abs(mx - (x0 + x1) / 2) - 0.5) < 1e-12 and my == (y0 + y1) / 2
+    assert CURVE_POINTS == 9
 
 
 def test_pages_mark_discoveries_list_every_combo_and_explain_small_models(tmp_path):
@@ -284,7 +335,8 @@ def test_pages_mark_discoveries_list_every_combo_and_explain_small_models(tmp_pa
     index = (tmp_path / "report" / "index.html").read_text(encoding="utf-8")
     tiny_row = index.split("<h2 id='finds'>")[1].split("<a href='model-tiny.html#behaviour'>tiny</a>")[1].split("</tr>")[0]
     assert "smallest p is 1/5 = 0.200" in tiny_row and "recall 0" not in tiny_row and "#training" in tiny_row
-    assert '"model":"tiny"' not in index  # nor a row of zeros in the figures across models
+    across = [r for spec in page_specs(index).values() for d in spec.get("datasets", {}).values() for r in d]
+    assert across and not [r for r in across if r.get("model") == "tiny"]  # nor a row of zeros in the figures across models
     tiny = (tmp_path / "report" / "model-tiny.html").read_text(encoding="utf-8")
     assert "Its recall of 0 is not the method missing the circuit" in tiny
     deep = (tmp_path / "report" / "model-deep.html").read_text(encoding="utf-8")
@@ -292,7 +344,10 @@ def test_pages_mark_discoveries_list_every_combo_and_explain_small_models(tmp_pa
         return json.dumps(s)[1:-1].replace("<", "\\u003c")
 
     assert js("Cyan squares: the discoveries (q <= 0.05).") in deep
-    assert '"filter":' + json.dumps("isValid(datum.q) && datum.q <= 0.05").replace("<", "\\u003c") in deep
+    # the squares read their own dataset, decided on the exact q: no filter of a rounded q
+    (heat,) = [x for x in page_specs(deep).values() if "heatmap" in x.get("datasets", {})]
+    assert "datum.q <=" not in json.dumps(heat) and heat["datasets"]["heatmap_found"]
+    assert next(x for x in heat["layer"] if x.get("name") == "discoveries")["data"] == {"name": "heatmap_found"}
     for combo in ("frobenius · residual", "svd_bound · token", "subspace · token"):
         assert js(f"{combo} (") in deep, combo
     assert '"text":"K-composition"' in deep and '"text":"Q-composition"' in deep
@@ -439,3 +494,122 @@ def test_the_smallest_p_pairs_are_per_comp_and_per_test(tmp_path):
     got = {r["comp"]: (r["rows"], r["tests"]) for r in per.iter_rows(named=True)}
     n = q.STRONGEST_PER_COMP
     assert got == {"Q": (n, n), "K": (2 * n, n), "V": (2 * n, n)}
+
+
+def _circuit_rows(page: str) -> list[dict]:
+    """The circuit's edges (circuit.edge_rows) as the page carries them: one dataset, a row per curve."""
+    (spec,) = [s for s in page_specs(page).values() if "the circuit its weights show" in json.dumps(s.get("title"))]
+    return next(d for d in spec["datasets"].values() if d and "kind" in d[0])
+
+
+def test_discoveries_just_below_the_fdr_are_drawn(tmp_path):
+    """Every discovery at q = 0.0499986 (the SmolLM2 circuit's q, just under 0.05): the heatmap's
+    squares are exactly the discoveries view's rows of its metric x space, per comp, and their
+    cells' tooltips decode to a q at most 0.05; the circuit draws the view's rows of every metric x
+    space. Stored as round(-log10 q * 100) = 130 they decoded to 0.0501, and a q <= 0.05 filter drew none."""
+    db = write_suite(tmp_path, [Spec("near", 6, 3, n_kv_heads=3)], metrics=("frobenius", "subspace"), spaces=("residual",))
+    con = as_older_atlas(db)
+    cal = sorted(str(p) for p in (tmp_path / "calibration").glob("*.parquet"))
+    con.execute("CREATE OR REPLACE VIEW calibration AS SELECT * REPLACE (CASE WHEN q_value <= 0.05 THEN 0.0499986 "
+                f"ELSE q_value END AS q_value) FROM read_parquet({cal!r})")
+    con.close()
+    build_report(db, tmp_path / "report", png=False)
+    page = (tmp_path / "report" / "model-near.html").read_text(encoding="utf-8")
+    con = atlas_connect(db)
+    view = con.execute("""SELECT metric, space, comp, writer_layer, writer_head, reader_layer, reader_head FROM discoveries
+                          WHERE model = 'near' AND latest""").fetchall()
+    assert len(view) >= 4 and con.execute("SELECT max(q_value) FROM discoveries").fetchone()[0] == 0.0499986
+    (heat,) = [s for s in page_specs(page).values() if "heatmap" in s.get("datasets", {})]
+    metric, space = re.search(r": (\w+), (\w+) space", heat["title"]["text"]).groups()
+    H = 3
+    drawn = {(f["c"], f["w"], f["r"]) for f in heat["datasets"]["heatmap_found"]}
+    assert drawn == {(c, wl * H + wh, rl * H + rh) for m, s, c, wl, wh, rl, rh in view if (m, s) == (metric, space)}
+    assert {f["q"] for f in heat["datasets"]["heatmap_found"]} == {0.0499986}
+    for row in heat["datasets"]["heatmap"]:  # the tooltip's q of those cells: on the discoveries' side of 0.05
+        for i, lq in enumerate(row["lq"]):
+            if (row["c"], row["w"], row["r0"] + i) in drawn:
+                assert 10 ** (-lq / 100) <= 0.05
+    curves = {(r["combo"], r["comp"], r["wl"], r["wh"], r["rl"], r["rh"]) for r in _circuit_rows(page) if r["kind"] == "discovery"}
+    assert curves == {(f"{m} · {s}", c, wl, wh, rl, rh) for m, s, c, wl, wh, rl, rh in view}
+
+
+def test_the_index_counts_every_discovery_and_what_chance_allows(tmp_path):
+    """A random model's one (false) discovery in a cell other than its lead is counted on the
+    index as the discoveries view holds it, with how many false ones the rate allows; a model
+    with discoveries gets how many of them are expected false."""
+    db = write_suite(tmp_path, [Spec("rnd", 4, 4, planted=False, stray=("frobenius", "token", "Q")), Spec("real", 6, 3)],
+                     metrics=("frobenius", "subspace"), spaces=("residual", "token"))
+    build_report(db, tmp_path / "report", png=False)
+    index = (tmp_path / "report" / "index.html").read_text(encoding="utf-8")
+    models = index.split("<h2 id='models'>")[1].split("</table>")[0]
+    rnd = models.split("<a href='model-rnd.html'>")[1].split("</tr>")[0]
+    real = models.split("<a href='model-real.html'>")[1].split("</tr>")[0]
+    con = atlas_connect(db)
+
+    def found(model: str) -> dict[str, int]:
+        return dict(con.execute("""SELECT comp, count(*) FROM discoveries WHERE model = ? AND latest
+                                   AND reader_head = test_reader_heads[1] GROUP BY comp""", [model]).fetchall())
+
+    assert found("rnd") == {"Q": 1}
+    assert "In all 4 metric · spaces: Q 1 (frobenius · token), K 0, V 0." in rnd
+    assert ("Random init: no pair composes, so this one is a false discovery; at q &lt;= 0.05 each of its 12 families "
+            "(metric · space · comp) holds one with a chance of at most 0.05, so at most about 12 x 0.05 = 0.600 of them "
+            "are expected to hold one by chance.") in rnd
+    n = found("real")
+    assert f"In all 4 metric · spaces: Q {n.get('Q', 0)}" in real and f"K {n['K']} (in " in real
+    total = sum(n.values())
+    assert f"about 0.05 x {total} = {fmt(0.05 * total)} of these {total} discoveries are expected to be false" in real
+
+
+def test_a_magnitude_shows_its_largest_scores_not_empty_panels(tmp_path):
+    """contribution (a magnitude, no discoveries: its heavy-tailed null) draws its 10 largest
+    tests per comp, said so in the menu and the tables, and the index gives its top-n recall,
+    not a recall of 0 for having no discoveries."""
+    from compatlas.report.queries import STRONGEST_PER_COMP
+
+    db = write_suite(tmp_path, [Spec("mag", 6, 3)], metrics=("frobenius", "contribution"), spaces=("residual",))
+    build_report(db, tmp_path / "report", png=False)
+    page = (tmp_path / "report" / "model-mag.html").read_text(encoding="utf-8")
+    con = atlas_connect(db)
+    assert con.execute("SELECT count(*) FROM discoveries WHERE metric = 'contribution'").fetchone() == (0,)
+    rows = [r for r in _circuit_rows(page) if r["combo"] == "contribution · residual"]
+    assert {r["kind"] for r in rows} == {"largest score (a magnitude)"}
+    top = con.execute("""SELECT comp, writer_layer, writer_head, reader_layer, reader_head FROM composition
+                         WHERE model = 'mag' AND metric = 'contribution'
+                         QUALIFY row_number() OVER (PARTITION BY comp ORDER BY score DESC, writer_layer, writer_head,
+                                                    reader_layer, reader_head) <= ?""", [STRONGEST_PER_COMP]).fetchall()
+    assert {(r["comp"], r["wl"], r["wh"], r["rl"], r["rh"]) for r in rows} == set(top)
+    assert json.dumps("contribution · residual (a magnitude: its largest scores, not discoveries; 0 discoveries)")[1:-1] in page
+    assert "<b>contribution is a magnitude: its largest scores, not discoveries</b>" in page
+    assert "Largest scores: contribution, residual space" in page
+    index = (tmp_path / "report" / "index.html").read_text(encoding="utf-8")
+    finds = index.split("<h2 id='finds'>")[1].split("</table>")[0]
+    row = finds.split("contribution · residual")[1].split("</tr>")[0]
+    assert "top-2 recall 1.00" in row and "recall 0" not in row  # the two planted induction heads lead its scores
+
+
+def test_legends_are_drawn_from_the_picked_cells_own_scores(tmp_path):
+    """The circuit's width legend takes its domain from the picked metric x space's own edges (a
+    magnitude's scores, in tens, set the legend of 0.3-0.9 scores to 20-140), with labels of as
+    many digits as they need; a 2-layer model's heatmap labels each head and parts its cells."""
+    db = write_suite(tmp_path, [Spec("two", 2, 2), Spec("six", 6, 3)], metrics=("frobenius", "contribution"),
+                     spaces=("residual",))
+    build_report(db, tmp_path / "report", png=False)
+    page = (tmp_path / "report" / "model-six.html").read_text(encoding="utf-8")
+    (spec,) = [s for s in page_specs(page).values() if "the circuit its weights show" in json.dumps(s.get("title"))]
+    rows = _circuit_rows(page)
+    widths = [lay["encoding"]["strokeWidth"] for panel in spec["hconcat"] for lay in panel["layer"]
+              if "strokeWidth" in lay.get("encoding", {})]
+    assert len(widths) == 3
+    expr = widths[0]["scale"]["domain"]["expr"]
+    ranges = json.loads(re.search(r"\? (\{.*?\})\[combo\]", expr).group(1))
+    for combo in ("frobenius · residual", "contribution · residual"):
+        scores = [r["score"] for r in rows if r["combo"] == combo]
+        assert ranges[combo] == [min(scores), max(scores)]
+    assert ranges["contribution · residual"][0] > 10 > 1 > ranges["frobenius · residual"][1]
+    assert widths[0]["legend"]["labelExpr"] == "format(datum.value, '.6~g')"
+    two = (tmp_path / "report" / "model-two.html").read_text(encoding="utf-8")
+    (heat,) = [s for s in page_specs(two).values() if "heatmap" in s.get("datasets", {})]
+    rect = heat["layer"][0]
+    assert rect["mark"]["strokeWidth"] == 1 and "'.H'" in rect["encoding"]["x"]["axis"]["labelExpr"]
+    assert rect["encoding"]["x"]["axis"]["values"] == [2.5, 3.5] and rect["encoding"]["y"]["axis"]["values"] == [0.5, 1.5]

@@ -91,12 +91,12 @@ def _build(con: duckdb.DuckDBPyConnection, out_dir: Path, config: dict[str, Any]
                  "<h2 id='finds'>How each metric x space finds the induction heads</h2>",
                  note("K-composition with previous-token heads, last checkpoint: <b>recall</b> = share of the induction "
                       "heads with a discovery from a previous-token head, <b>precision</b> = share of the readers with "
-                      "such a discovery that are induction heads. " + q_note(q_cut)),
+                      "such a discovery that are induction heads. A magnitude (contribution), whose heavy-tailed null "
+                      "leaves it no discoveries to count, gets its <b>top-n recall</b> instead: the share of the n "
+                      "induction heads among the n readers with the largest K score from a previous-token head "
+                      "(its precision there is the same number). " + q_note(q_cut)),
                  overview.finds_table(data, q_cut))
-        recall = pl.DataFrame([{"model": d.model, "combo": f"{r['metric']} · {r['space']}", "recall": r.get("discovery_recall"),
-                                "precision": r.get("discovery_precision"), "induction_heads": r["n_induction_heads"]}
-                               for d in data if not d.cvb.is_empty() and why_none(d.summary, q_cut) is None
-                               for r in d.cvb.filter(pl.col("comp") == "K").iter_rows(named=True) if r["n_induction_heads"]])
+        recall = pl.DataFrame([r for d in data if why_none(d.summary, q_cut) is None for r in overview.recall_rows(d)])
         # models without calibration (an older atlas, a partial run) have no depth profile: none may be left
         profiles = [p.with_columns(model=pl.lit(d.model), depth=pl.col("reader_layer") / max(int(d.info["n_layers"]) - 1, 1),
                                    share=pl.col("n") / pl.col("pairs"))

@@ -6,9 +6,9 @@ opens on (``lead_cell``)."""
 from __future__ import annotations
 
 import html
+import json
 
 import altair as alt
-import numpy as np
 import polars as pl
 
 from compatlas.report.page import COMP_COLOURS, CONTENT, order, wrap
@@ -102,27 +102,38 @@ def node_frame(n_layers: int, n_heads: int, heads: pl.DataFrame, prev_cut: float
 CURVE_POINTS = 9  # points along each edge's curve
 NOTE_PX = 11  # font size of an empty panel's note
 
+# What a curve is, each drawn in its own dash: a discovery; where a model has none, one of its
+# smallest-p pairs; in a magnitude metric (contribution: its heavy-tailed null gives it no
+# discoveries, yet its largest K scores are the circuit), one of its largest scores
+DISCOVERY, SMALLEST_P, LARGEST = "discovery", "smallest p (no discoveries)", "largest score (a magnitude)"
+KIND_DASH: dict[str, list[float]] = {DISCOVERY: [1, 0], SMALLEST_P: [6, 3], LARGEST: [2, 4]}  # butt caps: a wide dot stays one
 
-def curves(e: pl.DataFrame) -> pl.DataFrame:
-    """Each edge as a quadratic Bezier from writer (head, layer) to reader, bowed sideways by
-    about half a head at its middle: an edge no longer runs straight through the heads of the
-    layers between its ends, and edges between the same heads in different comps or layers part.
-    Rows: the edge's columns plus ``eid``, ``t`` (0..1 along it), ``x`` (head) and ``y`` (layer)."""
+# Each edge a quadratic Bezier from writer (head, layer) to reader through a control point
+# (cx, cy) a head aside of the middle, drawn by Vega from the edge's one row (``edge_rows``)
+# at t = 0, 1/8, ..., 1: the points are never shipped, nor the edge's fields repeated per point.
+CURVE_X = "pow(1 - datum.t, 2) * datum.wh + 2 * (1 - datum.t) * datum.t * datum.cx + pow(datum.t, 2) * datum.rh"
+CURVE_Y = "pow(1 - datum.t, 2) * datum.wl + 2 * (1 - datum.t) * datum.t * datum.cy + pow(datum.t, 2) * datum.rl"
+EDGE_COLUMNS = {"eid": pl.Int64, "combo": pl.Utf8, "comp": pl.Utf8, "kind": pl.Utf8, "wl": pl.Int64, "wh": pl.Int64,
+                "rl": pl.Int64, "rh": pl.Int64, "cx": pl.Float64, "cy": pl.Float64, "score": pl.Float64,
+                "null_mean": pl.Float64, "z": pl.Float64, "n_null": pl.Int64, "p": pl.Float64, "q": pl.Float64}
+
+
+def edge_rows(e: pl.DataFrame) -> pl.DataFrame:
+    """One row per edge (``EDGE_COLUMNS``): its metric x space (``combo``), comp, kind (``KIND_DASH``),
+    heads, score, null, p and q, and its curve's control point (cx, cy): half way, bowed a head
+    outwards from the writer's column (straight-down edges alternate sides by layer), so that an
+    edge does not run through the heads of the layers between its ends and edges between the
+    same heads in different comps or layers part. ``CURVE_X`` / ``CURVE_Y`` give its points."""
     if e.is_empty():
-        return e.with_columns(eid=pl.lit(0), t=pl.lit(0.0), x=pl.lit(0.0), y=pl.lit(0.0)).clear()
-    e = e.with_row_index("eid")
-    x0, x1 = e["writer_head"].cast(pl.Float64).to_numpy(), e["reader_head"].cast(pl.Float64).to_numpy()
-    y0, y1 = e["writer_layer"].cast(pl.Float64).to_numpy(), e["reader_layer"].cast(pl.Float64).to_numpy()
-    # bow outwards from the writer's column; straight-down edges alternate sides by layer
-    side = np.where(x1 > x0, 1.0, np.where(x1 < x0, -1.0, np.where(y0 % 2 == 0, 1.0, -1.0)))
-    cx, cy = (x0 + x1) / 2 + side * 1.0, (y0 + y1) / 2
-    t = np.linspace(0.0, 1.0, CURVE_POINTS)
-    a, b, c = ((1 - t) ** 2)[None], (2 * (1 - t) * t)[None], (t ** 2)[None]
-    xs = a * x0[:, None] + b * cx[:, None] + c * x1[:, None]
-    ys = a * y0[:, None] + b * cy[:, None] + c * y1[:, None]
-    pts = pl.DataFrame({"eid": np.repeat(e["eid"].to_numpy(), CURVE_POINTS), "t": np.tile(t, e.height),
-                        "x": xs.ravel(), "y": ys.ravel()})
-    return pts.join(e, on="eid", how="left")
+        return pl.DataFrame(schema=EDGE_COLUMNS)
+    wh, rh, wl, rl = (pl.col(c).cast(pl.Int64) for c in ("writer_head", "reader_head", "writer_layer", "reader_layer"))
+    side = pl.when(rh > wh).then(1.0).when(rh < wh).then(-1.0).when(wl % 2 == 0).then(1.0).otherwise(-1.0)
+    kind = pl.col("kind") if "kind" in e.columns else pl.lit(DISCOVERY)
+    return e.with_row_index("eid").select(
+        pl.col("eid").cast(pl.Int64), combo=pl.col("metric") + " · " + pl.col("space"), comp="comp", kind=kind,
+        wl=wl, wh=wh, rl=rl, rh=rh, cx=(wh + rh) / 2 + side, cy=(wl + rl) / 2, score="score",
+        null_mean="baseline_spectrum_mean", z="z_spectrum", n_null=pl.col("n_null").cast(pl.Int64), p="p_value",
+        q="q_value").cast(EDGE_COLUMNS)  # type: ignore[arg-type]
 
 
 def empty_panels(e: pl.DataFrame, combos: list[str], comps: list[str], found: dict[tuple[str, str], int],
@@ -151,30 +162,42 @@ def circuit_chart(edges: pl.DataFrame, nodes: pl.DataFrame, model: str, checkpoi
                   combos_scored: list[tuple[str, str]] | None = None,
                   summary: pl.DataFrame | None = None) -> alt.HConcatChart:
     """One panel per comp (Q, K, V side by side, so their edges never lie on top of each other),
-    each edge a curve (``curves``). ``edges``: queries.discoveries of the model x checkpoint (any
-    metric x space), or with ``candidates`` queries.strongest (there are no discoveries): drawn
-    dashed, said so. The dropdown (the Vega parameter ``combo``, "metric · space") lists every
+    each edge a curve (``edge_rows``). ``edges``: queries.discoveries of the model x checkpoint (any
+    metric x space), or with ``candidates`` queries.strongest (there are no discoveries), and a
+    magnitude metric's largest scores, each row's ``kind`` saying which (``KIND_DASH``: drawn in
+    its own dash, said so). The dropdown (the Vega parameter ``combo``, "metric · space") lists every
     metric x space scored (``combos_scored``) with its number of discoveries, none left out for
     having none, and opens on ``lead``. A panel with no curve for the chosen metric x space says
-    why (``empty_panels``; ``summary``: queries.calibration_summary, its discoveries per comp)."""
+    why (``empty_panels``; ``summary``: queries.calibration_summary, its discoveries per comp).
+    The edges are one dataset, a row each; the legend of their width is drawn from the picked
+    metric x space's own scores (a magnitude's, in its own units, set the scale of every other's)."""
     n_layers, n_heads = integer(nodes["layer"].max()) + 1, integer(nodes["head"].max()) + 1
-    e = edges.with_columns(combo=pl.col("metric") + " · " + pl.col("space"),
-                           writer="L" + pl.col("writer_layer").cast(pl.Utf8) + ".H" + pl.col("writer_head").cast(pl.Utf8),
-                           reader="L" + pl.col("reader_layer").cast(pl.Utf8) + ".H" + pl.col("reader_head").cast(pl.Utf8))
-    scored = [f"{m} · {s}" for m, s in (combos_scored or [])] or sorted(set(e["combo"]))
+    if edges.width and "kind" not in edges.columns:
+        edges = edges.with_columns(kind=pl.lit(SMALLEST_P if candidates else DISCOVERY))
+    rows = edge_rows(edges)
+    scored = [f"{m} · {s}" for m, s in (combos_scored or [])] or sorted(set(rows["combo"]))
     combos = [f"{m} · {s}" for m in METRICS for s in SPACES if f"{m} · {s}" in scored] + sorted(
         set(scored) - {f"{m} · {s}" for m in METRICS for s in SPACES})
-    counts = {r["combo"]: int(r["n"]) for r in e.group_by("combo").agg(pl.col("n_total").max().alias("n")).iter_rows(named=True)}
-    default = f"{lead[0]} · {lead[1]}"
-    labels = [f"{c} ({'no discoveries' if not counts.get(c) or candidates else f'{counts[c]:,} discoveries'})"
-              for c in combos]
-    pick = alt.param(name="combo", value=default if default in combos else (combos[0] if combos else default),
-                     bind=alt.binding_select(options=combos or [default], labels=labels or alt.Undefined, name="metric · space: "))
-    # every comp gets its panel, with or without curves: an empty one says why (``empty_panels``)
-    comps = order([*e["comp"].unique().to_list(), *COMPS], COMPS)
     found = {} if summary is None or summary.is_empty() or "discoveries" not in summary.columns else {
         (f"{r['metric']} · {r['space']}", r["comp"]): int(r["discoveries"] or 0) for r in summary.iter_rows(named=True)}
-    empty = empty_panels(e, combos, comps, found, candidates)
+    kinds = [k for k in KIND_DASH if k in set(rows["kind"])]
+    magnitude = sorted(set(rows.filter(pl.col("kind") == LARGEST)["combo"]))
+    default = f"{lead[0]} · {lead[1]}"
+
+    per_combo = {c: sum(v for (cc, _), v in found.items() if cc == c) for c in combos}  # the discoveries view's count
+
+    def label(c: str) -> str:
+        n = per_combo[c]
+        if c in magnitude:
+            return f"{c} (a magnitude: its largest scores, not discoveries; {n:,} discoveries)"
+        return f"{c} ({'no discoveries' if not n or candidates else f'{n:,} discoveries'})"
+
+    pick = alt.param(name="combo", value=default if default in combos else (combos[0] if combos else default),
+                     bind=alt.binding_select(options=combos or [default], labels=[label(c) for c in combos] or alt.Undefined,
+                                             name="metric · space: "))
+    # every comp gets its panel, with or without curves: an empty one says why (``empty_panels``)
+    comps = order([*rows["comp"].unique().to_list(), *COMPS], COMPS)
+    empty = empty_panels(rows, combos, comps, found, candidates)
     panel_w = max(160, min(46 * n_heads + 40, (CONTENT - 330) // len(comps)))  # room for axes and legends
     height = min(900, max(200, 30 * n_layers))
     xs = alt.Scale(domain=[-1, n_heads], nice=False)
@@ -190,22 +213,36 @@ def circuit_chart(edges: pl.DataFrame, nodes: pl.DataFrame, model: str, checkpoi
         tooltip=[alt.Tooltip("layer:Q"), alt.Tooltip("head:Q"), "role:N",
                  alt.Tooltip("prev_token:Q", title="previous-token score", format=".2f"),
                  alt.Tooltip("induction:Q", title="induction score", format=".2f")])
-    pts = curves(e)
-    smax = number(e["score"].max()) if e.height else 1.0
-    smin = number(e["score"].min()) if e.height else 0.0
+    # the width's domain: the picked metric x space's own scores, [smallest, largest] of its drawn
+    # edges (a magnitude's, in its own units, set every metric's scale once); its labels with the
+    # digits its ticks need (".3f" read "0.287" five times, and one edge's 0.9 read "1"); a metric x
+    # space with no edge draws no legend
+    ranges = {c: [number(g["score"].min()), number(g["score"].max())] for (c,), g in rows.group_by("combo")}
+    known = json.dumps(ranges, sort_keys=True, ensure_ascii=False)
+    has, seen = f"isValid({known}[combo])", alt.ExprRef(expr=f"isValid({known}[combo]) ? 1 : 0")
+    width = alt.StrokeWidth("score:Q", scale=alt.Scale(zero=False, range=[0.8, 4.5], domain=alt.ExprRef(
+        expr=f"{has} ? {known}[combo] : [0, 1]")), legend=alt.Legend(
+        title="score", labelExpr="format(datum.value, '.6~g')", labelOpacity=seen, symbolOpacity=seen, titleOpacity=seen))
+    dash = alt.StrokeDash("kind:N", scale=alt.Scale(domain=kinds or [DISCOVERY], range=[KIND_DASH[k] for k in kinds or [DISCOVERY]]),
+                          legend=alt.Legend(title="curve", symbolType="stroke", symbolStrokeWidth=2, symbolSize=300)
+                          if len(kinds) > 1 else None)
     panels = []
     for comp in comps:
-        link = alt.Chart(pts.filter(pl.col("comp") == comp)).transform_filter("datum.combo == combo").mark_line(
-            strokeCap="round", interpolate="linear", color=COMP_COLOURS.get(comp, "#888"), opacity=0.75,
-            strokeDash=[4, 3] if candidates else [1, 0]).encode(
-            x=alt.X("x:Q", scale=xs), y=alt.Y("y:Q", scale=ys), detail="eid:N", order="t:Q",
-            strokeWidth=alt.StrokeWidth("score:Q", scale=alt.Scale(domain=[smin, max(smax, smin + 1e-9)], range=[0.8, 4.5]),
-                                        legend=alt.Legend(title="score", format=".3f")),  # the same in every panel: one legend
-            tooltip=[alt.Tooltip("writer:N"), alt.Tooltip("reader:N"), "comp:N", alt.Tooltip("score:Q", format=".3f"),
-                     alt.Tooltip("baseline_spectrum_mean:Q", title="spectrum-kept null mean", format=".3f"),
-                     alt.Tooltip("z_spectrum:Q", title="z", format=".1f"),
-                     alt.Tooltip("n_null:Q", title="non-causal null pairs", format=","),
-                     alt.Tooltip("p_value:Q", title="p", format=".2e"), alt.Tooltip("q_value:Q", title="q", format=".2e")])
+        link = (alt.Chart(rows, name=f"edges_{comp}")
+                .transform_filter(f"datum.combo == combo && datum.comp == '{comp}'")
+                .transform_calculate(i=f"sequence(0, {CURVE_POINTS})").transform_flatten(["i"])
+                .transform_calculate(t=f"datum.i / {CURVE_POINTS - 1}")
+                .transform_calculate(x=CURVE_X, y=CURVE_Y, writer="'L' + datum.wl + '.H' + datum.wh",
+                                     reader="'L' + datum.rl + '.H' + datum.rh")
+                .mark_line(strokeCap="butt", interpolate="linear", color=COMP_COLOURS.get(comp, "#888"), opacity=0.75)
+                .encode(x=alt.X("x:Q", scale=xs), y=alt.Y("y:Q", scale=ys), detail="eid:N", order="t:Q",
+                        strokeWidth=width, strokeDash=dash,
+                        tooltip=[alt.Tooltip("writer:N"), alt.Tooltip("reader:N"), "comp:N", alt.Tooltip("kind:N", title="curve"),
+                                 alt.Tooltip("score:Q", format=".4~g"),
+                                 alt.Tooltip("null_mean:Q", title="spectrum-kept null mean", format=".4~g"),
+                                 alt.Tooltip("z:Q", title="z", format=".1f"),
+                                 alt.Tooltip("n_null:Q", title="non-causal null pairs", format=","),
+                                 alt.Tooltip("p:Q", title="p", format=".3~e"), alt.Tooltip("q:Q", title="q", format=".4~g")]))
         # the words on a white box over the heads' dots and grid lines, sized from them in the panel's units
         px_x, px_y = panel_w / (n_heads + 1), height / n_layers
         cx, cy = (n_heads - 1) / 2, (n_layers - 1) / 2
@@ -225,14 +262,21 @@ def circuit_chart(edges: pl.DataFrame, nodes: pl.DataFrame, model: str, checkpoi
             x=alt.X("x:Q", scale=xs), y=alt.Y("y:Q", scale=ys), text="text:N")
         panels.append(alt.layer(link, points, back, words).properties(width=panel_w, height=height, title=alt.TitleParams(
             f"{comp}-composition", color=COMP_COLOURS.get(comp, "#333"), fontSize=13, anchor="middle")))
-    cap = integer(e["n_total"].max()) if e.height else 0
+    cap = 0 if candidates else max((n for c, n in per_combo.items() if c not in magnitude), default=0)
     fdr = q_cut if q_cut is not None else "fdr"
-    what = ([f"No pair is a discovery (q <= {fdr}): dashed curves are the {STRONGEST_PER_COMP} smallest-p pairs per "
-             "metric · space and comp (a key/value head's drawn to each of its query heads), NOT a circuit."]
-            if candidates else
-            [f"Curves: the discoveries (q <= {fdr}), writer head (upper) to reader head in a later layer, one panel "
-             "per comp, thicker for a higher score" + (f"; of the {cap:,} discoveries, the {EDGE_MAX} with the "
-                                                      "smallest q" if cap > EDGE_MAX else "") + "."])
+    what = []
+    if SMALLEST_P in kinds:
+        what.append(f"No pair is a discovery (q <= {fdr}): dashed curves are the {STRONGEST_PER_COMP} smallest-p pairs per "
+                    "metric · space and comp (a key/value head's drawn to each of its query heads), NOT a circuit.")
+    if DISCOVERY in kinds or not kinds:
+        what.append(f"Curves: the discoveries (q <= {fdr}), writer head (upper) to reader head in a later layer, one panel "
+                    "per comp, thicker for a higher score" + (f"; of the {cap:,} discoveries, the {EDGE_MAX} with the "
+                                                             "smallest q" if cap > EDGE_MAX else "") + ".")
+    if LARGEST in kinds:
+        names = sorted({c.split(" · ")[0] for c in magnitude})
+        what.append(f"{', '.join(names)} {'is a magnitude' if len(names) == 1 else 'are magnitudes'} (in its own units; a "
+                    f"heavy-tailed null leaves it few discoveries or none): dotted curves are its {STRONGEST_PER_COMP} "
+                    "largest scores per comp, not discoveries.")
     return alt.hconcat(*panels, spacing=12).add_params(pick).properties(title=alt.TitleParams(
         f"{model} @ {checkpoint}: the circuit its weights show", anchor="start", fontSize=14, subtitleColor="#444",
         subtitle=wrap(what + ["Nodes: every head, coloured by what it does on repeated random tokens (head scores). "

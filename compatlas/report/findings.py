@@ -1,6 +1,7 @@
 """The top-discovery tables of a model's page: one row per distinct finding (in a grouped-query
 model a K or V finding is one key/value head's, repeated for each query head that shares it),
-and, where the numbers are, what the null's floor p = 1 / (N + 1) means for them."""
+and, where the numbers are, what the null's floor p = 1 / (N + 1) means for them and where the
+tail model takes p below it; a magnitude metric's largest scores, said to be no discoveries."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import html
 import polars as pl
 
 from compatlas.report import queries as q
+from compatlas.report.circuit import LARGEST
 from compatlas.report.page import fmt, head, note, table
 from compatlas.tables import integer
 from compatlas.vocab import COMPS
@@ -37,16 +39,17 @@ def why_none(summary: pl.DataFrame, q_cut: float | None) -> str | None:
     return None
 
 
-def findings(edges: pl.DataFrame, group: int) -> pl.DataFrame:
+def findings(edges: pl.DataFrame, group: int, by_score: bool = False) -> pl.DataFrame:
     """One row per finding: rows with the same comp, writer, reader layer, reader KV head
     (``reader_head // group``), score, p and q are one finding, shared by the query heads in
-    ``readers``. Smallest q first (ties: smaller p, then larger score)."""
+    ``readers``. Smallest q first (ties: smaller p, then larger score); ``by_score``: largest score first."""
     keys = ["comp", "writer_layer", "writer_head", "reader_layer", "kv", "score", "p_value", "q_value"]
     return (edges.with_columns(kv=pl.col("reader_head") // group)
             .group_by(keys, maintain_order=True)
             .agg(pl.col("reader_head").sort().alias("readers"), pl.col("baseline_spectrum_mean").first(),
                  pl.col("z_spectrum").first())
-            .sort(["q_value", "p_value", "score"], descending=[False, False, True]))
+            .sort(["score", "q_value"] if by_score else ["q_value", "p_value", "score"],
+                  descending=[True, False] if by_score else [False, False, True]))
 
 
 def readers_cell(layer: int, readers: list[int]) -> str:
@@ -56,24 +59,29 @@ def readers_cell(layer: int, readers: list[int]) -> str:
 
 def floor_summary(con: q.Con, model: str, checkpoint: str, group: int) -> pl.DataFrame:
     """Per metric x space x comp: ``m`` (the tests Benjamini-Hochberg counted), ``n_null``,
-    ``k`` (tests beyond every null pair: p at most the counting floor 1 / (n_null + 1)) and
-    ``q_k`` (the largest q among them). A row is its own test unless the calibration says a KV
-    head's test is shared by its ``group`` query heads (``test_unit``): then one row stands for
-    it. Every metric x space in one scan: the page has a table (and this note) for each."""
+    ``k`` (tests beyond every null pair: p at most the counting floor 1 / (n_null + 1)), of them
+    ``k_tail`` (p below the floor: the tail model's) with the smallest p ``p_min``, and ``q_k``
+    (the largest q among the k). A row is its own test unless the calibration says a KV head's
+    test is shared by its ``group`` query heads (``test_unit``): then one row stands for it.
+    Every metric x space in one scan: the page has a table (and this note) for each."""
     if not q.has(con, "calibration", "p_value", "q_value", "n_null"):
         return pl.DataFrame()
     one = (f"(test_unit IS DISTINCT FROM 'kv_head' OR reader_head % {int(group)} = 0)"
            if "test_unit" in q.columns(con, "calibration") else "true")
+    beyond = "p_value <= (1 + 1e-9) / (n_null + 1)"  # the floor, or the tail model's p below it
     return q._pl(con, f"""SELECT metric, space, comp, count(*) AS m, max(n_null)::BIGINT AS n_null,
-                               count_if(p_value <= (1 + 1e-9) / (n_null + 1))::BIGINT AS k,
-                               max(q_value) FILTER (WHERE p_value <= (1 + 1e-9) / (n_null + 1)) AS q_k
+                               count_if({beyond})::BIGINT AS k, max(q_value) FILTER (WHERE {beyond}) AS q_k,
+                               count_if(p_value < (1 - 1e-9) / (n_null + 1))::BIGINT AS k_tail, min(p_value) AS p_min
                         FROM calibration WHERE model = ? AND checkpoint = ? AND {one}
                         GROUP BY ALL""", [model, checkpoint])
 
 
 def floor_note(floor: pl.DataFrame, q_cut: float | None) -> str:
-    """Per comp with pairs beyond every null pair: how many, how many chance alone would put there
-    (m / (N + 1)), and what their q then says."""
+    """What p at or below the null's floor 1 / (N + 1) means, with this cell's numbers: per comp
+    with tests beyond every null pair, how many, how many chance alone would put there
+    (m / (N + 1)), how many sit at the floor and what their q then says, and how many the tail
+    model puts further out (p below the floor: the counting floor holds only below the null's
+    largest score, calibration.empirical_p_values)."""
     if floor.is_empty() or q_cut is None:
         return ""
     parts = []
@@ -81,21 +89,32 @@ def floor_note(floor: pl.DataFrame, q_cut: float | None) -> str:
         m, n, k = r["m"], r["n_null"], r["k"]
         if not k or not n or 1 / (n + 1) > q_cut:
             continue
+        tail = int(r.get("k_tail") or 0)
         chance = m / (n + 1)
-        parts.append(f"<b>{html.escape(r['comp'])}</b>: {k:,} of the {m:,} tests score above every one of the "
-                     f"N = {n:,} null pairs; chance alone would put about m/(N+1) = {fmt(chance)} there, so their "
-                     f"q is about {fmt(chance)}/{k:,} = {fmt(chance / k)} (largest q among them {fmt(r['q_k'])}): "
-                     f"of these {k:,}, about {fmt(chance)} {'is' if round(chance) == 1 else 'are'} expected by chance.")
+        text = (f"<b>{html.escape(r['comp'])}</b>: {k:,} of the {m:,} tests score above every one of the N = {n:,} "
+                f"null pairs, where chance alone would put about m/(N+1) = {fmt(chance)}")
+        if k > tail:
+            sit = "sits" if k - tail == 1 else "sit"
+            text += (f"; {k - tail:,} of them {sit} at the floor 1/(N+1) = {fmt(1 / (n + 1))}, where q is about "
+                     f"{fmt(chance)}/{k:,} = {fmt(chance / k)} (largest q among the {k:,}: {fmt(r['q_k'])}): of those, "
+                     f"about {fmt(chance)} {'is' if round(chance) == 1 else 'are'} expected by chance")
+        if tail:
+            text += (f"; {tail:,} {'lies' if tail == 1 else 'lie'} far enough beyond the null's largest score for its "
+                     "tail model to give a p below "
+                     f"the floor (down to {fmt(r.get('p_min'))})")
+        parts.append(text + ".")
     if not parts:
         return ""
     ns = sorted({int(n) for n in floor["n_null"].drop_nulls()})
     # a KV head's tests have a smaller null (one test per writer x KV head) than a query head's
-    at = fmt(1 / (ns[0] + 1)) if len(ns) == 1 else "the floor"
-    bound = f"1/(N+1) = 1/{ns[0] + 1:,}" if len(ns) == 1 else "1/(N+1), N per comp below"
-    return note(f"<b>Why so many p sit at {at}:</b> with N null pairs the counting p-value cannot go below "
-                f"{bound}: a pair beyond every null pair gets that p whatever its score, and its z "
-                "against the spectrum-kept null says how far beyond. What such pairs show is their number against "
-                "chance. " + " ".join(parts))
+    bound = f"1/(N+1) = 1/{ns[0] + 1:,} = {fmt(1 / (ns[0] + 1))}" if len(ns) == 1 else "1/(N+1) (N per comp below)"
+    return note(f"<b>p at the null's floor:</b> with N null pairs the counting p, (1 + #null pairs scoring as high)/(N+1), "
+                f"cannot go below {bound}; it is the p of every pair below the null's largest score. Beyond that "
+                "score the null's tail is modelled (a generalised Pareto fit to its largest scores, its shape at the "
+                "upper end of its 95% interval, so that p errs large: docs/statistics.md) and p is the smaller of the "
+                "floor and the model's: a p at the floor is a pair beyond every null pair that the model puts no "
+                "further out, a p below it the model's. What the pairs beyond every null pair show is their number "
+                "against chance. " + " ".join(parts))
 
 
 def combo_key(metric: str, space: str) -> str:
@@ -111,26 +130,33 @@ def top_discoveries(edges: pl.DataFrame, info: dict, model: str, combos: list[tu
     if edges.is_empty() or lead is None:
         return ""
     group = kv_group(info)
-    what = "Pairs with the smallest p (no discoveries)" if candidates else "Top discoveries"
     blocks = []
     for metric, space in combos or [lead]:
         key = combo_key(metric, space)
         cell = floor.filter((pl.col("metric") == metric) & (pl.col("space") == space)) if floor.height else floor
-        body = _one_cell(edges.filter((pl.col("metric") == metric) & (pl.col("space") == space)), group, model,
-                         metric, space, what, candidates, cell, q_cut)
+        mine = edges.filter((pl.col("metric") == metric) & (pl.col("space") == space))
+        # a magnitude's rows are its largest scores (model.circuit_edges_of), said so
+        largest = "kind" in mine.columns and mine.height > 0 and (mine["kind"] == LARGEST).all()
+        what = ("Largest scores" if largest else "Pairs with the smallest p (no discoveries)" if candidates
+                else "Top discoveries")
+        body = _one_cell(mine, group, model, metric, space, what, candidates or largest, cell, q_cut, largest)
         blocks.append(f"<div data-combo='{html.escape(key, quote=True)}'{'' if (metric, space) == lead else ' hidden'}>"
                       f"{body}</div>")
     return "".join(blocks)
 
 
 def _one_cell(edges: pl.DataFrame, group: int, model: str, metric: str, space: str, what: str, candidates: bool,
-              floor: pl.DataFrame, q_cut: float | None) -> str:
+              floor: pl.DataFrame, q_cut: float | None, largest: bool = False) -> str:
     head_line = f"<h3>{what}: {html.escape(metric)}, {html.escape(space)} space</h3>"
+    if largest:
+        head_line += note(f"<b>{html.escape(metric)} is a magnitude: its largest scores, not discoveries</b> (in its own "
+                          "units; its non-causal null is heavy-tailed, so few or none of its pairs pass the false "
+                          "discovery rate, though its largest K scores can be the circuit). Their p and q stand beside them.")
     if edges.is_empty():
         return head_line + note("No calibrated pairs in this metric x space." if candidates or q_cut is None else
                                 f"No discoveries in {html.escape(metric)}, {html.escape(space)} space: no head pair "
                                 f"composes beyond this model's own non-causal pairs there at q <= {q_cut:g}.")
-    e = findings(edges, group)
+    e = findings(edges, group, by_score=largest)
     parts, shared = [], None
     for comp in [c for c in COMPS if c in set(e["comp"])]:
         top = e.filter(pl.col("comp") == comp).head(TOP_N)
@@ -143,7 +169,9 @@ def _one_cell(edges: pl.DataFrame, group: int, model: str, metric: str, space: s
     gqa = (f" Readers listed together (<code>{html.escape(shared)}</code>) are query heads of one key/value head "
            f"({group} query heads each): one finding, the same score, p and q." if shared else "")
     return (head_line
-            + note(f"One row per finding, smallest q first (ties: smaller p, then larger z); at most {TOP_N} per comp.{gqa} "
+            + note(("One row per finding, largest score first" if largest else
+                    "One row per finding, smallest q first (ties: smaller p, then larger z)")
+                   + f"; at most {TOP_N} per comp.{gqa} "
                    f"All discoveries: <code>SELECT * FROM discoveries WHERE model = '{html.escape(model)}' AND latest "
                    f"AND metric = '{html.escape(metric)}' AND space = '{html.escape(space)}'</code>.")
             + "<div class='side'>" + "".join(parts) + "</div>" + ("" if candidates else floor_note(floor, q_cut)))

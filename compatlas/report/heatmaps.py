@@ -16,6 +16,7 @@ from compatlas.tables import integer, number
 from compatlas.vocab import COMPS
 
 HEATMAP_DATA = "heatmap"  # name of the heatmap's dataset in the spec's top-level "datasets"
+HEATMAP_FOUND = "heatmap_found"  # and of its discoveries (``heatmap_found``): decided on the exact q
 # Above this many cells a heatmap gets no PNG file (drawing it takes vl-convert about 13 s per
 # 200k cells); the page's figure menu exports one on request.
 PNG_MAX_CELLS = 60_000
@@ -42,16 +43,39 @@ def _scaled(col: str, k: float) -> pl.Expr:
     return pl.when(c.is_finite()).then((c * k).round(0).cast(pl.Int64)).otherwise(None)
 
 
-def heatmap_rows(df: pl.DataFrame, H: int) -> list[dict[str, Any]]:
+def score_scale(df: pl.DataFrame) -> float:
+    """The factor the heatmap stores scores and null means by, as integers: three significant
+    digits of the largest |score| (1e3 for the normalised metrics' [0, 1]; 10 for a magnitude of
+    tens, whose scores at 1e3 would be five-digit integers, and whose small values at a fixed
+    1e3 would read 0)."""
+    top = number(df["score"].abs().max()) if df.height else 1.0
+    return float(10 ** (2 - math.floor(math.log10(top)))) if finite(top) and top > 0 else 1e3
+
+
+def _neg_log10(col: str) -> pl.Expr:
+    return -pl.col(col).cast(pl.Float64).clip(1e-300).log10()
+
+
+def heatmap_rows(df: pl.DataFrame, H: int, q_cut: float | None = None) -> list[dict[str, Any]]:
     """The heatmap's data, compact: one row per (comp, writer head index w = layer * H + head) with
-    arrays over reader heads r0, r0 + 1, ...: score (s, 1e-3), spectrum-kept null mean (m, 1e-3),
-    z (1e-1), -log10 p (lp, 1e-2), -log10 q (lq, 1e-2); null where missing."""
+    arrays over reader heads r0, r0 + 1, ...: score and spectrum-kept null mean (s, m, in 1 /
+    ``score_scale``), z (1e-1), -log10 p (lp, 1e-2), -log10 q (lq, 1e-2); null where missing.
+
+    lq is rounded away from the false discovery rate ``q_cut``: up (a smaller q) for a
+    discovery, down for the rest, so that the q a tooltip decodes is on the same side of the
+    threshold as the exact q. Which pairs are discoveries is never decided from lq: ``heatmap_found``
+    carries them, decided on the exact q."""
+    k = score_scale(df)
+    lq = pl.col("lq") * 100
+    found = pl.col("q_value") <= q_cut if q_cut is not None else pl.lit(False)
     d = df.with_columns(
         w=pl.col("writer_layer") * H + pl.col("writer_head"), r=pl.col("reader_layer") * H + pl.col("reader_head"),
         z=(pl.col("score") - pl.col("baseline_spectrum_mean")) / pl.col("baseline_spectrum_std"),
-        lp=-pl.col("p_value").cast(pl.Float64).log10(), lq=-pl.col("q_value").cast(pl.Float64).log10(),
-    ).with_columns(s=_scaled("score", 1e3), m=_scaled("baseline_spectrum_mean", 1e3), zz=_scaled("z", 10),
-                   lpp=_scaled("lp", 100), lqq=_scaled("lq", 100))
+        lp=_neg_log10("p_value"), lq=_neg_log10("q_value"),
+    ).with_columns(s=_scaled("score", k), m=_scaled("baseline_spectrum_mean", k), zz=_scaled("z", 10),
+                   lpp=_scaled("lp", 100),
+                   lqq=pl.when(pl.col("lq").is_finite()).then(
+                       pl.when(found).then(lq.ceil()).otherwise(lq.floor()).cast(pl.Int64)).otherwise(None))
     out: list[dict[str, Any]] = []
     nn = df["n_null"].max() if "n_null" in df.columns else None
     for (comp, w), g in d.sort(["comp", "w", "r"]).group_by(["comp", "w"], maintain_order=True):
@@ -69,7 +93,31 @@ def heatmap_rows(df: pl.DataFrame, H: int) -> list[dict[str, Any]]:
     return out
 
 
+def heatmap_found(df: pl.DataFrame, H: int, q_cut: float | None) -> list[dict[str, Any]]:
+    """The heatmap's discoveries (dataset HEATMAP_FOUND): a row per pair whose exact q is at most
+    ``q_cut`` (the ``discoveries`` view's rule, a query head's row of a key/value head's test
+    included), with its exact score, z, p and q: the cyan squares and their tooltips."""
+    if q_cut is None or "q_value" not in df.columns:
+        return []
+    d = df.filter(pl.col("q_value") <= q_cut).with_columns(
+        z=(pl.col("score") - pl.col("baseline_spectrum_mean")) / pl.col("baseline_spectrum_std"))
+    return [{"c": r["comp"], "w": r["writer_layer"] * H + r["writer_head"], "r": r["reader_layer"] * H + r["reader_head"],
+             "score": r["score"], "zval": r["z"] if finite(r["z"]) else None, "p": r["p_value"], "q": r["q_value"]}
+            for r in d.sort("comp", "writer_layer", "writer_head", "reader_layer", "reader_head").iter_rows(named=True)]
+
+
+HEAD_LABEL_PX = 40  # px: cells at least this large get a label per head ("L0.H1"), not per layer
+
+
 def _layer_axis(title: str, lo: int, hi: int, H: int, x: bool, side: int) -> alt.Axis:
+    """Labels per layer ("L3", at its first head) or, where a head's cell has room, per head
+    ("L0.H1", at the cell's middle): a 2-layer, 2-head model's map is four large cells, which
+    per-layer labels and no borders drew as one block."""
+    if side / max((hi - lo) * H, 1) >= HEAD_LABEL_PX:
+        return alt.Axis(title=title, values=[i + 0.5 for i in range(lo * H, hi * H)],
+                        labelExpr=f"'L' + floor(datum.value / {H}) + '.H' + floor(datum.value % {H})", grid=False,
+                        ticks=False, labelFontSize=10, labelAngle=0, labelAlign="center" if x else "right",
+                        labelBaseline="top" if x else "middle", labelOverlap=True)
     every = max(1, math.ceil((hi - lo) * 18 / side))  # a label at most every 18 px
     return alt.Axis(title=title, values=[layer * H for layer in range(lo, hi, every)],
                     labelExpr=f"'L' + round(datum.value / {H})", grid=True, gridColor="white", gridWidth=0.5,
@@ -90,12 +138,16 @@ def heatmap_chart(df: pl.DataFrame, model: str, checkpoint: str, metric: str, sp
     width, height = max(120, round(side * n_r / max(n_w, n_r))), max(120, round(side * n_w / max(n_w, n_r)))
     comps = order(df["comp"].unique().to_list(), ("K", "Q", "V"))
     pick = alt.param(name="comp", value=comps[0], bind=alt.binding_radio(options=comps, name="composition: "))
+    k = score_scale(df)
     if calibrated:  # p rather than q: BH's step-up flattens q over most pairs, p keeps their order
         top = float(np.nanmax(-np.log10(df["p_value"].drop_nulls().to_numpy().clip(1e-300)))) if df.height else 1.0
         cmax = max(2.0, math.ceil(min(top, 10.0)))
+        # a clamped top (p below 1e-10) is labelled as such: "≥ 10"
         colour = alt.Color("col:Q", title=["-log10 p", "(vs non-causal pairs)"],
                            scale=alt.Scale(scheme="inferno", reverse=True, domain=[0, cmax], clamp=True),
-                           legend=alt.Legend(gradientLength=min(height, 220), titleFontSize=11))
+                           legend=alt.Legend(gradientLength=min(height, 220), titleFontSize=11,
+                                             labelExpr=f"datum.value >= {cmax:g} ? '≥ ' + datum.label : datum.label"
+                                             if top > cmax else alt.Undefined))
         what = ("Colour: -log10 p of the pair's score against this model's own non-causal pairs (a reader in a "
                 "layer below its writer's); q (Benjamini-Hochberg) in the tooltip"
                 + (f", discoveries: q <= {q_cut:g}." if q_cut is not None else "."))
@@ -109,23 +161,25 @@ def heatmap_chart(df: pl.DataFrame, model: str, checkpoint: str, metric: str, sp
                            legend=alt.Legend(titleFontSize=11))
         what = "Colour: z against the pair's spectrum-kept null (this atlas has no calibration)."
         col_expr = "datum.z / 10"
+    labels = {"writer": f"'L' + floor(datum.w / {H}) + '.H' + (datum.w % {H})",
+              "reader": f"'L' + floor(datum.r / {H}) + '.H' + (datum.r % {H})"}
     base = (
         alt.Chart(alt.Data(name=HEATMAP_DATA))
         .transform_filter("datum.c == comp")
         .transform_flatten(["s", "m", "z", "lp", "lq"])
         .transform_window(i="row_number()", groupby=["c", "w"])
         .transform_filter("isValid(datum.s)")
-        .transform_calculate(r="datum.r0 + datum.i - 1", col=col_expr, score="datum.s / 1000",
-                             null_mean="datum.m / 1000", zval="datum.z / 10",
+        .transform_calculate(r="datum.r0 + datum.i - 1", col=col_expr, score=f"datum.s / {k:g}",
+                             null_mean=f"datum.m / {k:g}", zval="datum.z / 10",
                              p="isValid(datum.lp) ? pow(10, -datum.lp / 100) : null",
                              q="isValid(datum.lq) ? pow(10, -datum.lq / 100) : null")
-        .transform_calculate(w1="datum.w + 1", r1="datum.r + 1",
-                             writer=f"'L' + floor(datum.w / {H}) + '.H' + (datum.w % {H})",
-                             reader=f"'L' + floor(datum.r / {H}) + '.H' + (datum.r % {H})",
+        .transform_calculate(w1="datum.w + 1", r1="datum.r + 1", **labels,
                              null_sd="datum.zval ? (datum.score - datum.null_mean) / datum.zval : null")
     )
+    cell = max(width / max(n_r, 1), height / max(n_w, 1))
     rect = (
-        base.mark_rect(strokeWidth=0)
+        # cells of 8 px and more are parted by a white line: four equal cells of a 2 x 2 model read as four
+        base.mark_rect(strokeWidth=1 if cell >= 8 else 0, stroke="white")
         .encode(
             x=alt.X("r:Q", scale=alt.Scale(domain=[r_lo * H, r_hi * H], nice=False, zero=False),
                     axis=_layer_axis("reader head (layer, then head)", r_lo, r_hi, H, True, width)),
@@ -134,26 +188,29 @@ def heatmap_chart(df: pl.DataFrame, model: str, checkpoint: str, metric: str, sp
                     axis=_layer_axis("writer head (layer, then head)", w_lo, w_hi, H, False, height)),
             y2="w1:Q", color=colour,
             tooltip=[alt.Tooltip("writer:N"), alt.Tooltip("reader:N"), alt.Tooltip("c:N", title="comp"),
-                     alt.Tooltip("score:Q", format=".4~g"),
-                     alt.Tooltip("null_mean:Q", title="spectrum-kept null mean", format=".3f"),
+                     alt.Tooltip("score:Q", format=".3~g"),
+                     alt.Tooltip("null_mean:Q", title="spectrum-kept null mean", format=".3~g"),
                      alt.Tooltip("null_sd:Q", title="spectrum-kept null sd", format=".3g"),
                      alt.Tooltip("gm:Q", title="Gaussian null mean", format=".3f"),
                      alt.Tooltip("zval:Q", title="z", format=".1f"),
                      alt.Tooltip("nn:Q", title="non-causal null pairs", format=","),
+                     # q rounded away from the FDR (heatmap_rows): never across it
                      alt.Tooltip("p:Q", format=".2e"), alt.Tooltip("q:Q", format=".2e")])
     )
     layers = [rect]
     if calibrated and q_cut is not None:  # the discoveries, marked: colour alone hides a few cells among 35k
-        cell = max(width / max(n_r, 1), height / max(n_w, 1))
+        # from their own dataset, decided on the exact q (a q of 0.0499986 read back from a rounded
+        # -log10 q was 0.0501, and a filter on it drew none of the discoveries)
         layers.append(
-            base.transform_filter(f"isValid(datum.q) && datum.q <= {float(q_cut)}")
-            .transform_calculate(rc="datum.r + 0.5", wc="datum.w + 0.5")
+            alt.Chart(alt.Data(name=HEATMAP_FOUND), name="discoveries")
+            .transform_filter("datum.c == comp")
+            .transform_calculate(rc="datum.r + 0.5", wc="datum.w + 0.5", **labels)
             .mark_point(shape="square", filled=False, color=DISCOVERY_MARK, strokeWidth=1.5, opacity=1,
                         size=max(36.0, (cell + 2) ** 2))
             .encode(x=alt.X("rc:Q"), y=alt.Y("wc:Q"),
                     tooltip=[alt.Tooltip("writer:N"), alt.Tooltip("reader:N"), alt.Tooltip("c:N", title="comp"),
                              alt.Tooltip("score:Q", format=".4~g"), alt.Tooltip("zval:Q", title="z", format=".1f"),
-                             alt.Tooltip("p:Q", format=".2e"), alt.Tooltip("q:Q", format=".2e")]))
+                             alt.Tooltip("p:Q", format=".3~e"), alt.Tooltip("q:Q", title="q (a discovery)", format=".6~g")]))
         what += f" Cyan squares: the discoveries (q <= {q_cut:g})."
     chart = alt.layer(*layers).add_params(pick).properties(width=width, height=height, title=alt.TitleParams(
         f"{model} @ {checkpoint}: {metric}, {space} space",

@@ -18,6 +18,7 @@ from compatlas.report import queries as q
 from compatlas.report.audits import invariance_chart
 from compatlas.report.page import Page, esc, fmt, note, safe_name, step
 from compatlas.tables import integer
+from compatlas.vocab import NORMALISED_METRICS
 
 
 @dataclass
@@ -38,6 +39,7 @@ class ModelData:
     # K discoveries from a previous-token head into an induction head, every metric x space (queries.circuit_edges)
     circuit: pl.DataFrame = field(default_factory=pl.DataFrame)
     counts: pl.DataFrame = field(default_factory=pl.DataFrame)  # circuit.circuit_counts: what chose ``lead``
+    top_recall: pl.DataFrame = field(default_factory=pl.DataFrame)  # model.top_recall of its magnitude metrics
 
     @property
     def stem(self) -> str:
@@ -90,14 +92,48 @@ def load(con: duckdb.DuckDBPyConnection, model: str, ckpts: pl.DataFrame, q_cut:
     candidates = edges.is_empty() and bool(combos)
     if candidates:  # nothing passes the FDR: show where the model comes closest, said as such
         edges = q.strongest(con, model, latest)
+    edges = circuit_edges_of(con, model, latest, edges, candidates, combos)
     heads = q.rows(con, "head_scores", model, latest)
     prev, ind = roles(heads, *cuts)
     # no discoveries at all (candidates): no circuit edge either, and no query for one
     found = pl.DataFrame() if candidates else q.circuit_edges(con, model, latest, q_cut, _heads(prev), _heads(ind))
     counts = circuit.circuit_counts(found, summary)
     lead = circuit.lead_cell(counts, heatmaps.lead_combo(combos)) if combos else None
+    mags = sorted({m for m, _ in combos if m not in NORMALISED_METRICS})
+    recall = top_recall(q.rows(con, "reader_best_composition", model, latest) if mags else pl.DataFrame(), mags)
     return ModelData(model, info, mine, latest, combos, lead, summary, edges, heads,
-                     q.rows(con, "composition_vs_behaviour", model, latest), outcome, candidates, cuts, found, counts)
+                     q.rows(con, "composition_vs_behaviour", model, latest), outcome, candidates, cuts, found, counts, recall)
+
+
+def circuit_edges_of(con: duckdb.DuckDBPyConnection, model: str, checkpoint: str, edges: pl.DataFrame,
+                     candidates: bool, combos: list[tuple[str, str]]) -> pl.DataFrame:
+    """What the circuit view draws, each row with its ``kind`` (circuit.KIND_DASH): the
+    discoveries (``candidates``: the smallest-p pairs) of the normalised metrics, and a magnitude
+    metric's largest scores (queries.strongest by score), never its discoveries alone: its
+    heavy-tailed null leaves it few or none, and its menu showed three empty panels."""
+    mags = sorted({m for m, _ in combos if m not in NORMALISED_METRICS})
+    if edges.is_empty() and not mags:
+        return edges
+    mine = edges.filter(~pl.col("metric").is_in(mags)) if edges.height else edges
+    parts = [mine.with_columns(kind=pl.lit(circuit.SMALLEST_P if candidates else circuit.DISCOVERY))] if mine.height else []
+    if mags and (big := q.strongest(con, model, checkpoint, metrics=mags, by="score")).height:
+        parts.append(big.with_columns(kind=pl.lit(circuit.LARGEST)))
+    return pl.concat(parts, how="diagonal_relaxed") if parts else edges.clear()
+
+
+def top_recall(readers: pl.DataFrame, metrics: list[str]) -> pl.DataFrame:
+    """A magnitude's view of the induction heads, which has no discoveries to count: per metric
+    x space of ``metrics``, of the ``n_ind`` induction heads how many (``hits``) are among the
+    n_ind readers with the largest K score from a previous-token head (reader_best_composition's
+    rows): recall and precision at n_ind, which are one number."""
+    if readers.is_empty() or not metrics:
+        return pl.DataFrame(schema={"metric": pl.Utf8, "space": pl.Utf8, "hits": pl.Int64, "n_ind": pl.Int64})
+    k = readers.filter((pl.col("comp") == "K") & pl.col("metric").is_in(metrics)).with_columns(
+        n_ind=pl.col("is_induction").sum().over("metric", "space"),
+        r=pl.col("best_score").rank("ordinal", descending=True).over("metric", "space"))
+    return (k.group_by("metric", "space").agg(hits=(pl.col("is_induction") & (pl.col("r") <= pl.col("n_ind"))).sum(),
+                                               n_ind=pl.col("n_ind").first()).cast({"hits": pl.Int64, "n_ind": pl.Int64})
+            .sort("metric", "space"))
 
 
 def _heads(df: pl.DataFrame) -> list[tuple[int, int]]:
@@ -189,7 +225,9 @@ def build_page(con: duckdb.DuckDBPyConnection, d: ModelData, out_dir: Path, q_cu
             df = q.pairs(con, d.model, d.latest, metric, space)
             H = max(H, integer(df["writer_head"].max()) + 1, integer(df["reader_head"].max()) + 1)
             page.figure(heatmaps.heatmap_chart(df, d.model, d.latest, metric, space, H, q_cut), f"{s}__heatmap",
-                        datasets={heatmaps.HEATMAP_DATA: heatmaps.heatmap_rows(df, H)}, png=df.height <= heatmaps.PNG_MAX_CELLS)
+                        datasets={heatmaps.HEATMAP_DATA: heatmaps.heatmap_rows(df, H, q_cut),
+                                  heatmaps.HEATMAP_FOUND: heatmaps.heatmap_found(df, H, q_cut)},
+                        png=df.height <= heatmaps.PNG_MAX_CELLS)
         page.add(heatmaps.calibration_table(d.summary))
     if d.outcome is not None:
         page.add("<h2 id='training'>Over training</h2>")

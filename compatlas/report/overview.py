@@ -12,11 +12,12 @@ from typing import Any
 import altair as alt
 import polars as pl
 
+from compatlas.report.circuit import DISCOVERY
 from compatlas.report.findings import why_none
 from compatlas.report.model import ModelData
 from compatlas.report.page import fmt, head, table
 from compatlas.tables import integer
-from compatlas.vocab import COMPS, METRICS, SPACES
+from compatlas.vocab import COMPS, METRICS, NORMALISED_METRICS, SPACES
 
 
 def _link(d: ModelData) -> str:
@@ -67,7 +68,10 @@ def compact_circuit(edges: pl.DataFrame, writers_max: int = 3) -> str:
 def _strongest(d: ModelData, q_cut: float | None = None) -> str:
     """Per comp, the lead metric x space's number of discoveries and its strongest one, and the K
     circuit there (K discoveries from a previous-token head into an induction head) where it has
-    one; or why the model can have none (``findings.why_none``) and where its circuit shows instead."""
+    one; then every metric x space's discoveries per comp (what the ``discoveries`` view holds: a
+    random model's one false discovery in another cell read "Q 0 K 0 V 0" when only the lead was
+    counted) and how many false ones the false discovery rate allows (``false_line``); or why the
+    model can have none (``findings.why_none``) and where its circuit shows instead."""
     if d.lead is None:
         return "no pairs"
     if (why := why_none(d.summary, q_cut)) is not None:
@@ -75,6 +79,8 @@ def _strongest(d: ModelData, q_cut: float | None = None) -> str:
     summ = d.summary.filter((pl.col("metric") == d.lead[0]) & (pl.col("space") == d.lead[1]))
     n = {r["comp"]: r["discoveries"] for r in summ.iter_rows(named=True)}
     e = d.edges.filter((pl.col("metric") == d.lead[0]) & (pl.col("space") == d.lead[1])) if d.edges.height else d.edges
+    if "kind" in e.columns:
+        e = e.filter(pl.col("kind") == DISCOVERY)
     out = []
     for comp in COMPS:
         if comp not in n:
@@ -87,7 +93,45 @@ def _strongest(d: ModelData, q_cut: float | None = None) -> str:
     circ = d.circuit.filter((pl.col("metric") == d.lead[0]) & (pl.col("space") == d.lead[1])) if d.circuit.height else d.circuit
     if circ.height:
         out.append(f"<b>K circuit</b>: {html.escape(compact_circuit(circ))}")
-    return "<br>".join(out) + f"<br><small>({where} space: {html.escape(_why_lead(d))})</small>"
+    out.append(f"<small>({where} space: {html.escape(_why_lead(d))})</small>")
+    if q_cut is not None and "discoveries" in d.summary.columns:
+        out.append(f"<small>{html.escape(all_cells(d.summary))} {html.escape(false_line(d, q_cut))}</small>")
+    return "<br>".join(out)
+
+
+def all_cells(summary: pl.DataFrame) -> str:
+    """Every metric x space's discoveries per comp, and where they are when they are in a few
+    cells: "In all 16 metric · spaces: Q 1 (frobenius · token_norm), K 0, V 0."."""
+    cells = summary.select("metric", "space").unique().height
+    parts = []
+    for comp in COMPS:
+        g = summary.filter((pl.col("comp") == comp) & (pl.col("discoveries").fill_null(0) > 0))
+        if comp not in set(summary["comp"]):
+            continue
+        total = int(g["discoveries"].sum()) if g.height else 0
+        at = ", ".join(f"{r['metric']} · {r['space']}" + (f" {r['discoveries']:,}" if g.height > 1 else "")
+                       for r in g.sort("metric", "space").iter_rows(named=True))
+        parts.append(f"{comp} {total:,}" + (f" ({at})" if 0 < g.height <= 3 else f" (in {g.height} of them)" if g.height else ""))
+    return f"In all {cells} metric · space{'s' if cells != 1 else ''}: {', '.join(parts)}."
+
+
+def false_line(d: ModelData, q_cut: float) -> str:
+    """How many false discoveries the false discovery rate allows. Benjamini-Hochberg at q <= FDR
+    bounds the expected share of false discoveries among D by the FDR (about FDR x D of them);
+    where no pair composes at all (a random-init model) every discovery is a false one, and in
+    each family of tests (a metric x space x comp) the chance of any is at most the FDR, so over
+    F families at most about F x FDR are expected to hold one."""
+    total = int(d.summary["discoveries"].fill_null(0).sum())
+    if d.info.get("source_kind") == "build":  # built from a shape with random weights: nothing composes
+        fams = d.summary.height
+        which = f"each of these {total:,} is" if total > 1 else "this one is" if total else "any would be"
+        return (f"Random init: no pair composes, so {which} a false discovery; at q <= {q_cut:g} each of its {fams} "
+                f"families (metric · space · comp) holds one with a chance of at most {q_cut:g}, so at most about "
+                f"{fams} x {q_cut:g} = {fmt(fams * q_cut)} of them are expected to hold one by chance.")
+    if not total:
+        return ""
+    return (f"At q <= {q_cut:g}, about {q_cut:g} x {total:,} = {fmt(q_cut * total)} of these {total:,} discoveries are "
+            "expected to be false (the rate bounds their expected share).")
 
 
 def _why_lead(d: ModelData) -> str:
@@ -148,11 +192,39 @@ def finds_table(data: list[ModelData], q_cut: float | None = None) -> str:
                 cells.append("<small>no induction heads</small>")
                 continue
             au = fmt(r["auroc"])  # NULL in the atlas below MIN_CLASS heads of a class
+            if m not in NORMALISED_METRICS:  # a magnitude has no discoveries to count: its largest scores
+                hits = _top_hits(d, m, s)
+                cells.append(f"top-{n_ind} recall {fmt(None if hits is None else hits / n_ind)} <small>(a magnitude, no "
+                             f"discoveries: {fmt(hits)} of the {n_ind} readers with the largest score from a "
+                             f"previous-token head are induction heads; AUROC {au}; {n_ind} of {n})</small>")
+                continue
             cells.append(f"recall {fmt(r.get('discovery_recall'))}, precision {fmt(r.get('discovery_precision'))}"
                          f" <small>(AUROC {au}; {n_ind} of {n})</small>")
         rows.append(cells)
     body = table(["metric · space", *[d.model for d in shown]], rows, cls="finds", raw=True) if shown else ""
     return body + "".join(notes)
+
+
+def _top_hits(d: ModelData, metric: str, space: str) -> int | None:
+    t = d.top_recall.filter((pl.col("metric") == metric) & (pl.col("space") == space)) if d.top_recall.height else d.top_recall
+    return int(t["hits"][0]) if t.height else None
+
+
+def recall_rows(d: ModelData) -> list[dict[str, Any]]:
+    """The induction-circuit figure's rows of one model: per metric x space, the share of its
+    induction heads with a K discovery from a previous-token head; for a magnitude metric, which
+    has no discoveries, the share among its n readers with the largest such score (top-n recall)."""
+    out = []
+    for r in d.cvb.filter(pl.col("comp") == "K").iter_rows(named=True) if not d.cvb.is_empty() else []:
+        if not r["n_induction_heads"]:
+            continue
+        magnitude = r["metric"] not in NORMALISED_METRICS
+        hits = _top_hits(d, r["metric"], r["space"]) if magnitude else None
+        rec = (None if hits is None else hits / r["n_induction_heads"]) if magnitude else r.get("discovery_recall")
+        out.append({"model": d.model, "combo": f"{r['metric']} · {r['space']}", "recall": rec,
+                    "precision": rec if magnitude else r.get("discovery_precision"), "induction_heads": r["n_induction_heads"],
+                    "measure": "top-n (a magnitude: its largest scores)" if magnitude else "discoveries"})
+    return out
 
 
 def depth_chart(profile: pl.DataFrame) -> alt.FacetChart:
@@ -178,20 +250,25 @@ def depth_chart(profile: pl.DataFrame) -> alt.FacetChart:
 
 def circuit_chart(recall: pl.DataFrame) -> alt.LayerChart | alt.FacetChart:
     """Per model and metric x space: the share of induction heads with a K-composition discovery
-    from a previous-token head."""
+    from a previous-token head (``recall_rows``; a magnitude's top-n recall)."""
+    mags = sorted({str(c).split(" · ")[0] for c in recall.filter(pl.col("measure") != "discoveries")["combo"]}) \
+        if "measure" in recall.columns else []
     base = alt.Chart(recall).encode(x=alt.X("combo:N", title=None, sort=[f"{m} · {s}" for m in METRICS for s in SPACES],
                                             axis=alt.Axis(labelAngle=-25)),
                                     y=alt.Y("model:N", title=None))
     return alt.layer(
         base.mark_rect().encode(color=alt.Color("recall:Q", title="recall", scale=alt.Scale(domain=[0, 1], scheme="greens")),
                                 tooltip=["model", "combo", alt.Tooltip("recall:Q", format=".2f"), "induction_heads",
-                                         alt.Tooltip("precision:Q", format=".2f")]),
+                                         alt.Tooltip("precision:Q", format=".2f"), alt.Tooltip("measure:N", title="counted")]),
         base.mark_text(fontSize=11).encode(text=alt.Text("recall:Q", format=".2f"),
                                            color=alt.condition("datum.recall > 0.6", alt.value("white"), alt.value("black"))),
     ).properties(width=min(900, 110 * recall["combo"].n_unique()), height=28 * recall["model"].n_unique(),
                  title=alt.TitleParams("K-composition of each model's induction circuit", anchor="start", subtitleColor="#444",
                                        subtitle=["Share of its induction heads (last checkpoint) with a K-composition "
-                                                 "discovery from a previous-token head (discovery recall)."]))
+                                                 "discovery from a previous-token head (discovery recall)."]
+                                       + (["A magnitude (" + ", ".join(mags) + ") has no discoveries: its cell is the share "
+                                           "of the n induction heads among the n readers with the largest K score from a "
+                                           "previous-token head (top-n recall)."] if mags else [])))
 
 
 def footer(config: dict[str, Any] | None, versions: list[str]) -> str:

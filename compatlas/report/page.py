@@ -4,6 +4,8 @@ scrolls into view, and a PNG of it where asked)."""
 
 from __future__ import annotations
 
+import base64
+import gzip
 import html
 import json
 import math
@@ -147,10 +149,19 @@ footer pre { white-space: pre-wrap; font-size: 0.95em; }
 
 JS_EMBED = """(() => {
 const opts = {renderer: "canvas", actions: {export: true, source: false, compiled: false, editor: false}};
+// A spec is JSON, or above GZIP_OVER bytes gzip in base64 (Page.figure), unpacked by the browser
+async function specOf(id) {
+  const el = document.getElementById(id);
+  if (el.type !== "application/gzip") return JSON.parse(el.textContent);
+  const bytes = Uint8Array.from(atob(el.textContent.trim()), c => c.charCodeAt(0));
+  const text = await new Response(new Blob([bytes]).stream().pipeThrough(new DecompressionStream("gzip"))).text();
+  return JSON.parse(text);
+}
 function show(el) {
   if (el.dataset.done) return; el.dataset.done = "1";
-  const spec = JSON.parse(document.getElementById(el.dataset.spec).textContent);
-  vegaEmbed(el, spec, opts).then(res => { follow(res.view); el.dataset.drawn = "1"; })
+  // the drawn view kept on its div (el.vega: vega-embed's result), and when it was drawn (ms after the page opened)
+  specOf(el.dataset.spec).then(spec => vegaEmbed(el, spec, opts))
+    .then(res => { el.vega = res; follow(res.view); el.dataset.drawnMs = Math.round(performance.now()); el.dataset.drawn = "1"; })
     .catch(e => { el.textContent = "Could not draw this figure: " + e; console.error(e); });
 }
 // A chart with a "combo" menu (the circuit's metric · space): the page's parts for one metric · space
@@ -208,6 +219,30 @@ def spec_json(chart: alt.TopLevelMixin, datasets: dict[str, Any] | None = None) 
     return json.dumps(spec, separators=(",", ":"), allow_nan=False, default=float).replace("<", "\\u003c")
 
 
+# A spec's JSON above this many bytes is embedded gzip-compressed, in base64 (the page's script
+# unpacks it): a figure of every head pair of a 30-layer model, or of its 11,745 K edges, is 1 to
+# 2 MB of JSON and a quarter of it compressed.
+GZIP_OVER = 200_000
+SPEC_TAG = re.compile(r'<script type="application/(json|gzip)" id="(spec\d+)">(.*?)</script>', re.S)
+
+
+def embed(spec: str, sid: str) -> str:
+    """The ``<script>`` element that carries a figure's spec (``spec_json``) on the page."""
+    if len(spec) <= GZIP_OVER:
+        return f'<script type="application/json" id="{sid}">{spec}</script>'
+    packed = base64.b64encode(gzip.compress(spec.encode("utf-8"), mtime=0)).decode("ascii")  # mtime 0: the same page every build
+    return f'<script type="application/gzip" id="{sid}">{packed}</script>'
+
+
+def page_specs(text: str) -> dict[str, dict[str, Any]]:
+    """Every figure's Vega-Lite spec of a report page (its HTML), by id, as the page's script reads them."""
+    out = {}
+    for kind, sid, body in SPEC_TAG.findall(text):
+        raw = gzip.decompress(base64.b64decode(body)).decode("utf-8") if kind == "gzip" else body
+        out[sid] = json.loads(raw)
+    return out
+
+
 def render_png(spec: str, path: Path) -> Path:
     """Draw a spec to a PNG (runs in a worker process: vl-convert draws one figure at a time per process)."""
     import vl_convert as vlc
@@ -246,8 +281,7 @@ class Page:
             link = '<div class="png">PNG: the figure\'s ⋯ menu</div>'
         sid = f"spec{self.n_specs}"
         self.n_specs += 1
-        self.add(f'<script type="application/json" id="{sid}">{spec}</script>'
-                 f'<div class="fig" data-spec="{sid}"></div>{link}')
+        self.add(f'{embed(spec, sid)}<div class="fig" data-spec="{sid}"></div>{link}')
 
     def write(self, footer: str = "") -> Path:
         doc = ("<!DOCTYPE html>\n<html lang='en'><head><meta charset='UTF-8'>"

@@ -19,6 +19,8 @@ from compatlas.vocab import COMPS, EDGE_METHODS
 Con = duckdb.DuckDBPyConnection
 EDGE_MAX = 150  # the circuit view draws at most this many discoveries per metric x space (smallest q first)
 STRONGEST_PER_COMP = 10  # where there are no discoveries: the smallest-p pairs drawn per metric x space x comp
+WHERE = "model = ? AND checkpoint = ?"
+KEYS = "metric, space, comp, writer_layer, writer_head, reader_layer, reader_head"  # a pair's, in a model x checkpoint
 
 
 def columns(con: Con, view: str) -> set[str]:
@@ -35,8 +37,7 @@ def columns(con: Con, view: str) -> set[str]:
 
 
 def has(con: Con, view: str, *cols: str) -> bool:
-    c = columns(con, view)
-    return bool(c) and set(cols) <= c
+    return bool(c := columns(con, view)) and set(cols) <= c
 
 
 def _pl(con: Con, sql: str, params: list[Any] | None = None) -> pl.DataFrame:
@@ -147,43 +148,47 @@ def calibration_summary(con: Con, model: str, checkpoint: str, q_cut: float | No
     return scores.join(cal, on=keys, how="left")
 
 
-def strongest(con: Con, model: str, checkpoint: str, limit: int = STRONGEST_PER_COMP) -> pl.DataFrame:
-    """Where nothing is a discovery: the ``limit`` tests per metric x space x comp with the
-    smallest p (ties, as at the null's floor: the largest z), every query head of each (a KV
-    head's test is its query heads' rows), in the columns of ``discoveries``. Per comp, not
-    pooled: pooled, one comp's smallest p-values (toy-llama-gqa's Q and K) took every place and
-    left another comp's panel empty; per test, not per row: a KV head's four rows took four."""
+def strongest(con: Con, model: str, checkpoint: str, limit: int = STRONGEST_PER_COMP,
+              metrics: list[str] | None = None, by: str = "p") -> pl.DataFrame:
+    """Where nothing is a discovery: the ``limit`` tests per metric x space x comp with the smallest p (ties, as at
+    the null's floor: the largest z), every query head of each (a KV head's test is its query heads' rows), in the
+    columns of ``discoveries``. Per comp, not pooled: pooled, one comp's smallest p (toy-llama-gqa's Q and K) took
+    every place and left another comp's panel empty; per test: a KV head's four rows took four. ``by="score"``: the largest scores."""
     if not has(con, "calibration", "p_value") or not has(con, "composition", "score"):
         return pl.DataFrame()
-    # dense_rank: the rows of one test share their p, and count once
-    return _ranked(con, model, checkpoint, f"""SELECT * FROM calibration WHERE model = ? AND checkpoint = ?
-                   QUALIFY dense_rank() OVER (PARTITION BY metric, space, comp ORDER BY p_value) <= {int(limit)}""",
-                   limit, by=("metric", "space", "comp"), per_test=True)
+    only = "" if metrics is None else f" AND metric IN ({', '.join(repr(str(m)) for m in metrics) or 'NULL'})"
+    order, tests = ("p_value", "qt, pt, zt DESC NULLS LAST") if by == "p" else ("score DESC", "st DESC")  # a test: one rank
+    top = f"QUALIFY dense_rank() OVER (PARTITION BY metric, space, comp ORDER BY {order}) <= {int(limit)}"
+    sql = f"SELECT * FROM calibration WHERE model = ? AND checkpoint = ?{only}"
+    if by != "p":  # the calibration rows of the composition's largest scores
+        sql = f"SELECT * FROM ({sql}) c SEMI JOIN (SELECT * FROM composition WHERE {WHERE}{only} {top}) t USING ({KEYS})"
+    return _ranked(con, model, checkpoint, sql if by != "p" else f"{sql} {top}", limit, by=("metric", "space", "comp"),
+                   per_test=tests, args=[] if by == "p" else [model, checkpoint])
 
 
 def _ranked(con: Con, model: str, checkpoint: str, cal_sql: str, limit: int,
-            by: tuple[str, ...] = ("metric", "space"), per_test: bool = False) -> pl.DataFrame:
+            by: tuple[str, ...] = ("metric", "space"), per_test: str = "", args: list[Any] | None = None) -> pl.DataFrame:
     """The p-values chosen by ``cal_sql`` joined to their scores, at most ``limit`` rows per ``by``
-    (a metric x space, or a metric x space x comp), or with ``per_test`` ``limit`` tests, each
-    with all its rows (queries.test_key)."""
-    k = "metric, space, comp, writer_layer, writer_head, reader_layer, reader_head"
+    (a metric x space, or a metric x space x comp), or with ``per_test`` (their order, by a test's
+    q, p, z and score: qt, pt, zt, st) ``limit`` tests, each with all its rows (queries.test_key)."""
+    k = KEYS
     unit = ", test_unit, reader_kv_head" if "test_unit" in columns(con, "calibration") else ""
     part = ", ".join(by)
     test = test_key(con)
-    # per test: its rows share one rank, by the test's q, p and largest z (then by the test, to keep them together)
-    rank = (f"dense_rank() OVER (PARTITION BY {part} ORDER BY q_test, p_test, z_test DESC NULLS LAST, {test})"
+    # per test: its rows share one rank, by the test's q, p and largest z, or score (then by the test: its rows together)
+    rank = (f"dense_rank() OVER (PARTITION BY {part} ORDER BY {per_test}, {test})"
             if per_test else f"row_number() OVER (PARTITION BY {part} ORDER BY q_value, p_value, z_spectrum DESC)")
     return _pl(con, f"""WITH d AS (SELECT {k}{unit}, n_null, p_value, q_value FROM ({cal_sql})),
         s AS (SELECT d.*, c.score, c.baseline_spectrum_mean, c.baseline_spectrum_std,
                      (c.score - c.baseline_spectrum_mean) / NULLIF(c.baseline_spectrum_std, 0) AS z_spectrum
               FROM d JOIN (SELECT * FROM composition WHERE model = ? AND checkpoint = ?) c USING ({k})),
-        t AS (SELECT *, min(q_value) OVER w AS q_test, min(p_value) OVER w AS p_test, max(z_spectrum) OVER w AS z_test
-              FROM s WINDOW w AS (PARTITION BY {part}, {test}))
-        SELECT * EXCLUDE (q_test, p_test, z_test) FROM (SELECT *, count(DISTINCT {test}) OVER (PARTITION BY metric, space) AS n_total,
+        t AS (SELECT *, min(q_value) OVER w AS qt, min(p_value) OVER w AS pt, max(z_spectrum) OVER w AS zt,
+              max(score) OVER w AS st FROM s WINDOW w AS (PARTITION BY {part}, {test}))
+        SELECT * EXCLUDE (qt, pt, zt, st) FROM (SELECT *, count(DISTINCT {test}) OVER (PARTITION BY metric, space) AS n_total,
                                                {rank} AS rank
                                         FROM t) WHERE rank <= {int(limit)}
         ORDER BY metric, space, comp, rank, writer_layer, writer_head, reader_layer, reader_head""",
-               [model, checkpoint, model, checkpoint])  # ordered: a page is the same every build
+               [*(args or []), model, checkpoint, model, checkpoint])  # ordered: a page is the same every build
 
 
 def discoveries(con: Con, model: str, checkpoint: str, q_cut: float | None, limit: int = EDGE_MAX) -> pl.DataFrame:

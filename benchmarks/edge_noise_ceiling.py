@@ -44,8 +44,8 @@ from compatlas.function.edge_attribution import (
     attribution_work,
     induction_task,
     n_kv_heads,
-    split_halves,
 )
+from compatlas.function.edge_measure import split_halves
 from compatlas.models.loading import boot
 from compatlas.plan import build_plan, thaw
 from compatlas.progress import Progress

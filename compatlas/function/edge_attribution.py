@@ -388,16 +388,6 @@ def exact_sample(attribution: dict[Comp, torch.Tensor], composition: dict[Comp, 
     return chosen
 
 
-def split_halves(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The means over the even and over the odd sequences (first axis): two independent estimates
-    of the same edge's function, whose product is unbiased for its square (the sequences are drawn
-    independently) and whose agreement is the measurement's own reliability (its noise ceiling)."""
-    if x.shape[0] < 2:
-        nan = torch.full(x.shape[1:], math.nan, dtype=x.dtype)
-        return nan, nan.clone()
-    return x[0::2].mean(0), x[1::2].mean(0)
-
-
 def mean_stderr(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Mean and standard error over the first axis (sequences); the error is NaN for one sequence."""
     n = x.shape[0]

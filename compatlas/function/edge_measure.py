@@ -22,7 +22,6 @@ from compatlas.function.edge_attribution import (
     induction_task,
     mean_stderr,
     n_kv_heads,
-    split_halves,
 )
 from compatlas.multiple_testing import bh_q_values
 from compatlas.progress import Progress
@@ -48,6 +47,16 @@ def _grid(model, values: dict[str, dict[Comp, torch.Tensor]]) -> dict[str, list]
         for name, per_comp in values.items():
             cols[name] += per_comp[c][lw, hw, lr, r][keep].tolist()
     return cols
+
+
+def split_halves(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The means over the even and over the odd sequences (first axis): two independent estimates
+    of the same edge's function, whose product is unbiased for its square (the sequences are drawn
+    independently) and whose agreement is the measurement's own reliability (its noise ceiling)."""
+    if x.shape[0] < 2:
+        nan = torch.full(x.shape[1:], math.nan, dtype=x.dtype)
+        return nan, nan.clone()
+    return x[0::2].mean(0), x[1::2].mean(0)
 
 
 def _causal(model) -> torch.Tensor:

@@ -18,7 +18,7 @@ import duckdb
 import polars as pl
 
 from compatlas.atlas import connect as atlas_connect
-from compatlas.report import exclusions, function, overview
+from compatlas.report import exclusions, function, function_overview, overview
 from compatlas.report import queries as q
 from compatlas.report.audits import metric_audit_table
 from compatlas.report.findings import why_none
@@ -115,7 +115,7 @@ def _build(con: duckdb.DuckDBPyConnection, out_dir: Path, config: dict[str, Any]
         outcomes = {d.model: d.outcome for d in data if d.outcome is not None}
         if outcomes:
             page.add(runs_table(outcomes, lambda m: f"<a href='model-{safe_name(m)}.html#training'>{html.escape(m)}</a>"))
-        page.add(function.overview_table(con, data, fns))
+        page.add(function_overview.overview_table(con, data, fns))
         page.add(metric_audit_table(q.metric_audit(con)))
     page.write(foot)
     return [*written, *page.written]

@@ -4,13 +4,11 @@ x comp's composition predicts edge attribution (composition_vs_function) with a 
 interval, which cells are best or tied (``agreement.best_and_ties``), the lead cell's edges as a
 scatter with the circuit marked, and how far EAP agrees with exact patching; over training, the
 edge exact patching ranks first, every attribution method and its composition on one step axis;
-on the overview, which metric x space agrees best across the models whose function is
-measurable. An atlas without edge attribution gets none of it and a line saying so."""
+the overview's figure across models is ``function_overview``. An atlas without edge attribution gets none of it and a line saying so."""
 
 from __future__ import annotations
 
 import html
-import warnings
 from dataclasses import dataclass
 from typing import Any
 
@@ -25,7 +23,7 @@ from compatlas.report import queries as q
 from compatlas.report.function_training import cell_order
 from compatlas.report.page import Page, by_metric_space, correlation, fmt, note, order, table
 from compatlas.tables import integer, number
-from compatlas.vocab import COMPS, EDGE_METHODS, WEIGHT_SPACES
+from compatlas.vocab import COMPS, EDGE_METHODS
 
 CIRCUIT, OTHER = "previous-token head → induction head", "other edge"
 MIN_RANKED = 8  # patched edges below which EAP's Spearman against exact patching is not shown
@@ -150,11 +148,11 @@ def model_function(con: duckdb.DuckDBPyConnection, model: str, checkpoint: str) 
     return {c: f for c, f in found.items() if f is not None}
 
 
-def _cell(c: tuple[str, str]) -> str:
+def cell_name(c: tuple[str, str]) -> str:
     return f"{html.escape(c[0])} × {html.escape(c[1])}"
 
 
-def _iv(x: float | None, iv: tuple[float, float] | None) -> str:
+def with_interval(x: float | None, iv: tuple[float, float] | None) -> str:
     return fmt(x) + (f" [{fmt(iv[0], 2)}, {fmt(iv[1], 2)}]" if iv is not None and all(np.isfinite(iv)) else "")
 
 
@@ -174,8 +172,8 @@ def gate_line(fns: dict[str, CompFunction]) -> str:
     return "; ".join(parts) + "."
 
 
-def _names(cells: list[tuple[str, str]], most: int = 6) -> str:
-    return ", ".join(_cell(t) for t in cells[:most]) + (f" and {len(cells) - most} more" if len(cells) > most else "")
+def cell_names(cells: list[tuple[str, str]], most: int = 6) -> str:
+    return ", ".join(cell_name(t) for t in cells[:most]) + (f" and {len(cells) - most} more" if len(cells) > most else "")
 
 
 def best_lines(fns: dict[str, CompFunction], cvf: pl.DataFrame) -> str:
@@ -198,15 +196,15 @@ def best_lines(fns: dict[str, CompFunction], cvf: pl.DataFrame) -> str:
         if f.noise is not None and r is not None:
             best, tied = r
             sp = f.noise.spearman
-            what = f"<b>{_cell(best)}</b> ({_iv(sp[f.cells.index(best)], f.interval(best, 'spearman', True))})"
-            orc = "; ".join(f"{name} oracle {_iv(sp[f.cells.index(o)], f.interval(o, 'spearman', True))}"
+            what = f"<b>{cell_name(best)}</b> ({with_interval(sp[f.cells.index(best)], f.interval(best, 'spearman', True))})"
+            orc = "; ".join(f"{name} oracle {with_interval(sp[f.cells.index(o)], f.interval(o, 'spearman', True))}"
                             for name, o in zip(("scale", "depth"), ORACLES))
             beats, beats_a = f.beats(best), f.beats(best, which="auroc")
             verdict = ("beats the scale oracle beyond the paired interval" if beats else
                        "does <b>not</b> beat the scale oracle beyond the paired interval"
                        + (" (it does by AUROC for the significant edges)" if beats_a else
                           ": no claim that it predicts function"))
-            lead = f"{what}, tied with {_names(tied)}" if tied else f"{what}, beyond every other cell"
+            lead = f"{what}, tied with {cell_names(tied)}" if tied else f"{what}, beyond every other cell"
             out.append(f"{c}{ceil}: best {lead}; {orc}; it {verdict}")
         elif ceil:
             out.append(f"{c}{ceil}: no split halves in this atlas, so no noise-aware figure")
@@ -214,8 +212,8 @@ def best_lines(fns: dict[str, CompFunction], cvf: pl.DataFrame) -> str:
         if rk is not None:
             best, tied = rk
             a = f.agreement.auroc
-            what = f"{_cell(best)} (AUROC {_iv(a[f.cells.index(best)], f.interval(best, 'auroc'))})"
-            scale = f"scale oracle {_iv(a[f.cells.index(SCALE)], f.interval(SCALE, 'auroc'))}"
+            what = f"{cell_name(best)} (AUROC {with_interval(a[f.cells.index(best)], f.interval(best, 'auroc'))})"
+            scale = f"scale oracle {with_interval(a[f.cells.index(SCALE)], f.interval(SCALE, 'auroc'))}"
             old.append(f"{c}: {what}" + (f", tied with {len(tied)} more" if tied else "") + f"; {scale}")
     html_ = ""
     if out:
@@ -244,13 +242,14 @@ def agreement_table(cvf: pl.DataFrame, fns: dict[str, CompFunction]) -> str:
                     else "tied" if rk[0] == cell or cell in rk[1] else "")
             beat, beat_a = f.beats(cell), f.beats(cell, which="auroc")
             rows.append([metric, space, comp, r["n_edges"], r.get("n_significant"),
-                         _iv(r.get("spearman_unbiased"), f.interval(cell, "spearman", True)),
-                         _iv(r.get("auroc_significant"), f.interval(cell, "auroc", True)), mark,
+                         with_interval(r.get("spearman_unbiased"), f.interval(cell, "spearman", True)),
+                         with_interval(r.get("auroc_significant"), f.interval(cell, "auroc", True)), mark,
                          "" if oracle or beat is None else
                          {(True, True): "both", (True, False): "Spearman", (False, True): "AUROC",
                           (False, False): "no"}[(bool(beat), bool(beat_a))],
                          correlation(r.get("spearman_unbiased_within_layer_pair")), correlation(r.get("spearman_t")),
-                         _iv(r.get("auroc"), f.interval(cell, "auroc")), _iv(r.get("spearman"), f.interval(cell, "spearman")),
+                         with_interval(r.get("auroc"), f.interval(cell, "auroc")),
+                         with_interval(r.get("spearman"), f.interval(cell, "spearman")),
                          r["n_discoveries"]])
     return table(["metric", "space", "comp", "edges", "significant", "Spearman, unbiased [95%]",
                   "AUROC, significant edges [95%]", "rank", "beats scale oracle (by)", "unbiased, within a layer pair",
@@ -284,7 +283,7 @@ def exact_line(eve: pl.DataFrame) -> str:
             if n >= MIN_RANKED:
                 lo, hi = r.get("spearman_lo"), r.get("spearman_hi")
                 iv = (float(lo), float(hi)) if lo is not None and hi is not None else None
-                bit += f", Spearman {_iv(correlation(r['spearman']), iv)}"
+                bit += f", Spearman {with_interval(correlation(r['spearman']), iv)}"
                 if k < n:
                     bit += f", top-{k} overlap {fmt(r['top_k_overlap'])}"
             bits.append(bit)
@@ -386,89 +385,3 @@ def section(page: Page, con: duckdb.DuckDBPyConnection, d: Any, cuts: tuple[floa
     elif "K" in fns:
         page.add(note("No scatter of K-composition against function: K has no function to predict here."))
     function_training.section(page, con, d)
-
-
-def overview_table(con: duckdb.DuckDBPyConnection, data: list[Any], fns: dict[str, dict[str, CompFunction]]) -> str:
-    """Which metric x space's K-composition agrees best with function across the models whose K
-    function is measurable, on the noise-aware statistic: the mean over them of the Spearman with
-    the unbiased function estimate, with a bootstrap interval (each model's replicates averaged),
-    best or tied, and whether it beats the scale oracle beyond the paired interval, the two
-    oracles' own rows beside; then, labelled, the mean AUROC against |attribution|; the models
-    left out, and why."""
-    if not q.has(con, "composition_vs_function", "method", "auroc"):
-        return ""
-    head_ = "<h2 id='function'>Which metric x space agrees with function</h2>"
-    k = {d.model: fns[d.model]["K"] for d in data if "K" in fns.get(d.model, {})}
-    if not k:
-        return head_ + note("No model in this atlas has edge attribution.")
-    inn = {m: f for m, f in k.items() if f.agreement is not None and f.noise is not None}
-    out = "".join(f"<li>{html.escape(m)}: {html.escape(f.gate.why or 'no split halves (an atlas built before them)')}</li>"
-                  for m, f in k.items() if m not in inn)
-    left = (f"<p>Left out, no K function to predict:</p><ul class='note'>{out}</ul>" if out else "")
-    intro = note("K-composition against edge attribution (each model page's method, last checkpoint), averaged over the "
-                 "models with a K function to predict. Ranked by the Spearman with the unbiased function estimate (the "
-                 "product of two independent halves' attributions), beside two oracles that know nothing of which edge "
-                 "does what (the edge's own sampling error, the mean |attribution| of its layer pair): a cell predicts "
-                 "function only where it beats the scale oracle beyond the paired interval. " + RULES)
-    if not inn:
-        return head_ + intro + "<p><b>No model in this atlas has a K function to predict</b>: no ranking across models.</p>" + left
-    models = list(inn)
-    cells = cell_order(list(set.intersection(*(set(f.cells) for f in inn.values())) - set(ORACLES))) + list(ORACLES)
-
-    def stack(a_of: str, which: str, boot: bool) -> np.ndarray:
-        rows = []
-        for f in inn.values():
-            a = getattr(f, a_of)
-            src = getattr(a, f"{which}_boot" if boot else which)
-            rows.append(src[[f.cells.index(c) for c in cells]])
-        with warnings.catch_warnings():  # a cell NaN in every model (a constant oracle) stays NaN
-            warnings.simplefilter("ignore", RuntimeWarning)
-            return np.nanmean(np.stack(rows), axis=0)
-
-    point, boot = stack("noise", "spearman", False), stack("noise", "spearman", True)
-    apoint, aboot = stack("agreement", "auroc", False), stack("agreement", "auroc", True)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", RuntimeWarning)
-        lo, hi = np.nanquantile(boot, [0.025, 0.975], axis=1)
-        alo, ahi = np.nanquantile(aboot, [0.025, 0.975], axis=1)
-    scale = cells.index(SCALE)
-
-    def beats(i: int) -> bool:  # a constant scale oracle (NaN) ranks nothing: it counts as 0
-        d = boot[i] - np.nan_to_num(boot[scale], nan=0.0)
-        d = d[np.isfinite(d)]
-        return bool(len(d)) and float(np.quantile(d, (1 - ag.LEVEL) / 2)) > 0
-
-    def verdict(idx: list[int], label: str) -> tuple[str, set[int], int | None]:
-        if not idx:
-            return "", set(), None
-        b, tied = ag.best_and_ties(point[idx], boot[idx])
-        best, tied_cells = idx[b], [idx[t] for t in tied]
-        what = f"<b>{_cell(cells[best])}</b> (mean Spearman {_iv(point[best], (lo[best], hi[best]))})"
-        claim = ("it beats the scale oracle beyond the paired interval" if beats(best) else
-                 "it does <b>not</b> beat the scale oracle beyond the paired interval: no claim that it predicts function")
-        orc = (f"scale oracle {_iv(point[scale], (lo[scale], hi[scale]))}, depth oracle "
-               f"{_iv(point[scale + 1], (lo[scale + 1], hi[scale + 1]))}")
-        if tied_cells:
-            return (f"<p>{label}: no single best; {what} is tied with {_names([cells[t] for t in tied_cells])}; {orc}; "
-                    f"{claim}.</p>"), set(tied_cells), best
-        return f"<p>{label}: {what}, beyond the uncertainty of every other cell; {orc}; {claim}.</p>", set(), best
-
-    n = len(models)
-    over = f"over {n} model{'s' if n != 1 else ''} ({', '.join(html.escape(m) for m in models)})"
-    comp_idx = [i for i, c in enumerate(cells) if c not in ORACLES]
-    all_line, all_tied, all_best = verdict(comp_idx, f"Agrees best across models, {over}")
-    w_line, _, _ = verdict([i for i in comp_idx if cells[i][1] in WEIGHT_SPACES],
-                           "From the weights alone (" + ", ".join(WEIGHT_SPACES) + " spaces)")
-    rows = []
-    for i in [*sorted(comp_idx, key=lambda i: -np.nan_to_num(point[i], nan=-2)), scale, scale + 1]:
-        oracle = cells[i] in ORACLES
-        mark = ("oracle" if oracle else "best" if i == all_best and not all_tied else
-                "tied" if i == all_best or i in all_tied else "")
-        per = [_iv(n_.spearman[inn[m].cells.index(cells[i])], inn[m].interval(cells[i], "spearman", True))
-               for m in models if (n_ := inn[m].noise) is not None]
-        rows.append([cells[i][0], cells[i][1], _iv(point[i], (lo[i], hi[i])), mark,
-                     "" if oracle else "yes" if beats(i) else "no", _iv(apoint[i], (alo[i], ahi[i])), *per])
-    one = note("One model: the mean is that model's figure.") if n == 1 else ""
-    return (head_ + intro + all_line + w_line + one + left
-            + table(["metric", "space", "mean Spearman, unbiased [95%]", "rank", "beats scale oracle",
-                     "mean AUROC, top of |attribution| [95%]", *[f"Spearman {m}" for m in models]], rows))

@@ -319,8 +319,7 @@ def edge_methods(con: Con, model: str, checkpoint: str) -> dict[str, str] | None
 
 
 def function_agreement(con: Con, model: str, checkpoint: str, methods: str | dict[str, str]) -> pl.DataFrame:
-    """composition_vs_function of one model x checkpoint (a row per metric x space x comp), each
-    comp's rows by its method (one method for all, or comp -> method)."""
+    """composition_vs_function of one model x checkpoint, each comp's rows by its method (one for all, or comp -> method)."""
     per_comp = {c: methods for c in COMPS} if isinstance(methods, str) else methods
     pairs = " OR ".join("(comp = ? AND method = ?)" for _ in per_comp)
     return _pl(con, f"SELECT * FROM composition_vs_function WHERE model = ? AND checkpoint = ? AND ({pairs})",
@@ -329,18 +328,16 @@ def function_agreement(con: Con, model: str, checkpoint: str, methods: str | dic
 
 def function_edges(con: Con, model: str, checkpoint: str, method: str, comp: str) -> pl.DataFrame:
     """Every edge of one comp as composition_vs_function counts it (a K/V edge into a KV group is
-    one edge, its composition the largest of the group's query heads'), in the view's tie order:
-    its attribution, standard error, split halves, q-value and number of sequences, and its
-    composition score in every metric x space (long: a row per edge x metric x space).
-    ``compatlas.function.agreement`` bootstraps it."""
+    one edge, its composition the largest of the group's query heads'), in the view's tie order: its
+    attribution, standard error, split halves, q, sequences, and composition in every metric x space
+    (a row per edge x metric x space). ``compatlas.function.agreement`` bootstraps it."""
     if not has(con, "edge_attribution", "reader_kv_head", "score_stderr", "n_sequences") or not has(con, "composition", "score"):
         return pl.DataFrame()
     unit = "reader_head" if comp == "Q" else "reader_kv_head"
     return _pl(con, f"""
         WITH e AS (SELECT writer_layer, writer_head, reader_layer, {unit} AS reader_unit, any_value(score) AS attribution,
-                          any_value(score_stderr) AS stderr, any_value(n_sequences) AS n_sequences,
-                          any_value(score_half_a) AS half_a, any_value(score_half_b) AS half_b,
-                          any_value(q_value) AS q_value, list(reader_head) AS heads
+                          any_value(score_stderr) AS stderr, any_value(n_sequences) AS n_sequences, any_value(score_half_a)
+                          AS half_a, any_value(score_half_b) AS half_b, any_value(q_value) AS q_value, list(reader_head) AS heads
                    FROM edge_attribution WHERE model = ? AND checkpoint = ? AND method = ? AND comp = ? GROUP BY ALL),
              u AS (SELECT writer_layer, writer_head, reader_layer, reader_unit, unnest(heads) AS reader_head FROM e),
              c AS (SELECT metric, space, writer_layer, writer_head, reader_layer, reader_head, score FROM composition

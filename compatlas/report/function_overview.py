@@ -1,0 +1,105 @@
+"""The overview's composition against function (docs/edge_attribution.md#noise-aware-agreement):
+which metric x space's K-composition agrees best with function across the models whose K
+function is measurable, each model's paired bootstrap (``function.CompFunction``) averaged."""
+
+from __future__ import annotations
+
+import html
+import warnings
+from typing import Any
+
+import duckdb
+import numpy as np
+
+from compatlas.function import agreement as ag
+from compatlas.report import queries as q
+from compatlas.report.function import ORACLES, RULES, SCALE, CompFunction, cell_name, cell_names, with_interval
+from compatlas.report.function_training import cell_order
+from compatlas.report.page import note, table
+from compatlas.vocab import WEIGHT_SPACES
+
+
+def overview_table(con: duckdb.DuckDBPyConnection, data: list[Any], fns: dict[str, dict[str, CompFunction]]) -> str:
+    """Which metric x space's K-composition agrees best with function across the models whose K
+    function is measurable, on the noise-aware statistic: the mean over them of the Spearman with
+    the unbiased function estimate, with a bootstrap interval (each model's replicates averaged),
+    best or tied, and whether it beats the scale oracle beyond the paired interval, the two
+    oracles' own rows beside; then, labelled, the mean AUROC against |attribution|; the models
+    left out, and why."""
+    if not q.has(con, "composition_vs_function", "method", "auroc"):
+        return ""
+    head_ = "<h2 id='function'>Which metric x space agrees with function</h2>"
+    k = {d.model: fns[d.model]["K"] for d in data if "K" in fns.get(d.model, {})}
+    if not k:
+        return head_ + note("No model in this atlas has edge attribution.")
+    inn = {m: f for m, f in k.items() if f.agreement is not None and f.noise is not None}
+    out = "".join(f"<li>{html.escape(m)}: {html.escape(f.gate.why or 'no split halves (an atlas built before them)')}</li>"
+                  for m, f in k.items() if m not in inn)
+    left = (f"<p>Left out, no K function to predict:</p><ul class='note'>{out}</ul>" if out else "")
+    intro = note("K-composition against edge attribution (each model page's method, last checkpoint), averaged over the "
+                 "models with a K function to predict. Ranked by the Spearman with the unbiased function estimate (the "
+                 "product of two independent halves' attributions), beside two oracles that know nothing of which edge "
+                 "does what (the edge's own sampling error, the mean |attribution| of its layer pair): a cell predicts "
+                 "function only where it beats the scale oracle beyond the paired interval. " + RULES)
+    if not inn:
+        return head_ + intro + "<p><b>No model in this atlas has a K function to predict</b>: no ranking across models.</p>" + left
+    models = list(inn)
+    cells = cell_order(list(set.intersection(*(set(f.cells) for f in inn.values())) - set(ORACLES))) + list(ORACLES)
+
+    def stack(a_of: str, which: str, boot: bool) -> np.ndarray:
+        rows = []
+        for f in inn.values():
+            a = getattr(f, a_of)
+            src = getattr(a, f"{which}_boot" if boot else which)
+            rows.append(src[[f.cells.index(c) for c in cells]])
+        with warnings.catch_warnings():  # a cell NaN in every model (a constant oracle) stays NaN
+            warnings.simplefilter("ignore", RuntimeWarning)
+            return np.nanmean(np.stack(rows), axis=0)
+
+    point, boot = stack("noise", "spearman", False), stack("noise", "spearman", True)
+    apoint, aboot = stack("agreement", "auroc", False), stack("agreement", "auroc", True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        lo, hi = np.nanquantile(boot, [0.025, 0.975], axis=1)
+        alo, ahi = np.nanquantile(aboot, [0.025, 0.975], axis=1)
+    scale = cells.index(SCALE)
+
+    def beats(i: int) -> bool:  # a constant scale oracle (NaN) ranks nothing: it counts as 0
+        d = boot[i] - np.nan_to_num(boot[scale], nan=0.0)
+        d = d[np.isfinite(d)]
+        return bool(len(d)) and float(np.quantile(d, (1 - ag.LEVEL) / 2)) > 0
+
+    def verdict(idx: list[int], label: str) -> tuple[str, set[int], int | None]:
+        if not idx:
+            return "", set(), None
+        b, tied = ag.best_and_ties(point[idx], boot[idx])
+        best, tied_cells = idx[b], [idx[t] for t in tied]
+        what = f"<b>{cell_name(cells[best])}</b> (mean Spearman {with_interval(point[best], (lo[best], hi[best]))})"
+        claim = ("it beats the scale oracle beyond the paired interval" if beats(best) else
+                 "it does <b>not</b> beat the scale oracle beyond the paired interval: no claim that it predicts function")
+        orc = (f"scale oracle {with_interval(point[scale], (lo[scale], hi[scale]))}, depth oracle "
+               f"{with_interval(point[scale + 1], (lo[scale + 1], hi[scale + 1]))}")
+        if tied_cells:
+            return (f"<p>{label}: no single best; {what} is tied with {cell_names([cells[t] for t in tied_cells])}; {orc}; "
+                    f"{claim}.</p>"), set(tied_cells), best
+        return f"<p>{label}: {what}, beyond the uncertainty of every other cell; {orc}; {claim}.</p>", set(), best
+
+    n = len(models)
+    over = f"over {n} model{'s' if n != 1 else ''} ({', '.join(html.escape(m) for m in models)})"
+    comp_idx = [i for i, c in enumerate(cells) if c not in ORACLES]
+    all_line, all_tied, all_best = verdict(comp_idx, f"Agrees best across models, {over}")
+    w_line, _, _ = verdict([i for i in comp_idx if cells[i][1] in WEIGHT_SPACES],
+                           "From the weights alone (" + ", ".join(WEIGHT_SPACES) + " spaces)")
+    rows = []
+    for i in [*sorted(comp_idx, key=lambda i: -np.nan_to_num(point[i], nan=-2)), scale, scale + 1]:
+        oracle = cells[i] in ORACLES
+        mark = ("oracle" if oracle else "best" if i == all_best and not all_tied else
+                "tied" if i == all_best or i in all_tied else "")
+        per = [with_interval(n_.spearman[inn[m].cells.index(cells[i])], inn[m].interval(cells[i], "spearman", True))
+               for m in models if (n_ := inn[m].noise) is not None]
+        rows.append([cells[i][0], cells[i][1], with_interval(point[i], (lo[i], hi[i])), mark,
+                     "" if oracle else "yes" if beats(i) else "no", with_interval(apoint[i], (alo[i], ahi[i])), *per])
+    one = note("One model: the mean is that model's figure.") if n == 1 else ""
+    return (head_ + intro + all_line + w_line + one + left
+            + table(["metric", "space", "mean Spearman, unbiased [95%]", "rank", "beats scale oracle",
+                     "mean AUROC, top of |attribution| [95%]", *[f"Spearman {m}" for m in models]], rows))

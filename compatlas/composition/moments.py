@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import json
 import logging
-import math
 import os
 import time
 from dataclasses import dataclass, field
@@ -32,6 +31,7 @@ from typing import Any
 
 import torch
 
+from compatlas.composition.pattern_output import attention_scale
 from compatlas.progress import Progress
 from compatlas.storage import atomic_path, file_sha256
 
@@ -56,12 +56,6 @@ class Moments:
     def layers(self, layers: list[int]) -> Moments:
         idx = torch.tensor(layers, dtype=torch.long)
         return Moments(**{k: getattr(self, k)[idx] for k in MOMENT_KEYS}, attn_scale=self.attn_scale, meta=self.meta)
-
-
-def attention_scale(hf_config: Any, d_head: int) -> float:
-    """What the model divides q . k by: sqrt(query_pre_attn_scalar) where the config sets one
-    (Gemma), else sqrt(d_head)."""
-    return math.sqrt(getattr(hf_config, "query_pre_attn_scalar", None) or d_head)
 
 
 def _heads_last(x: torch.Tensor, heads_first: bool) -> torch.Tensor:

@@ -1,6 +1,6 @@
 """The ``pattern_output`` metric: the first-order change of a reader head's *output* when a writer
 head's actual output is added to one of its inputs, through its attention pattern (Q, K) or its
-values (V), on the model's own text sample (docs/math.md#pattern_output-the-readers-output-through-its-pattern).
+values (V), on the model's own text sample (docs/math.md#pattern-output-the-readers-output-through-its-pattern).
 
 Writer u (layer lw, any head), reader query head v (layer lr, any layer: pairs with lw >= lr are
 not causal and are computed the same way, for the null; u with itself too). On the moments rule's
@@ -180,12 +180,23 @@ def _rotate(x: torch.Tensor, c: dict[str, torch.Tensor]) -> torch.Tensor:
     return torch.cat([xr * cos + half * sin, rest], -1)
 
 
-def _qk_norm(dx: torch.Tensor, pre: torch.Tensor, sigma: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
-    """JVP of a per-head RMSNorm at ``pre`` [b, T, h, dh] (scale ``sigma`` [b, T, h], gain g [dh])
-    on tangents ``dx`` [b, T, w, h, dh]: g (dx - m (m . dx) / dh) / sigma, m = pre / sigma."""
-    m = (pre / sigma[..., None])[:, :, None]
-    s = sigma[:, :, None, :, None]
-    return g * (dx - m * (m * dx).sum(-1, keepdim=True) / dx.shape[-1]) / s
+def _input_map(c: dict[str, torch.Tensor], which: str, gain: torch.Tensor | None) -> torch.Tensor | None:
+    """The per-position linear map [b | 1, T, heads | 1, dh, dh] from a change of the projected query
+    or key (row vector) to the change of the one the logit is made of: QK-norm's Jacobian at the
+    model's own point, ``(I - m^T m / dh) diag(g) / sigma`` with ``m = pre / sigma``, then rotary
+    (``_rotate`` of the identity's rows). None: the identity (neither)."""
+    pre = c[f"{which}_pre"]
+    dh = pre.shape[-1]
+    eye = torch.eye(dh, dtype=pre.dtype, device=pre.device)
+    E = None
+    if gain is not None and f"{which}_sigma" in c:
+        sigma = c[f"{which}_sigma"][..., None, None]
+        m = pre / c[f"{which}_sigma"][..., None]
+        E = (eye - m[..., :, None] * m[..., None, :] / dh) * gain / sigma
+    if "cos" in c:
+        rot = _rotate(eye.expand(1, pre.shape[1], dh, dh), c)[:, :, None]  # row d: the rotation of e_d
+        E = rot if E is None else E @ rot
+    return E
 
 
 def _final(c: dict[str, torch.Tensor], which: str) -> torch.Tensor:
@@ -240,59 +251,64 @@ def _normalised(c: dict[str, torch.Tensor], wt: _Weights, d: int) -> tuple[torch
 
 def _batch(caps: list[dict[str, torch.Tensor]], wt: _Weights, start: int, sums: dict[Comp, torch.Tensor],
            budget: int) -> None:
-    """Add one batch's sum over windows and positions i >= start of ||do_i||^2 to ``sums``."""
-    L, H, Hkv = len(caps), wt.H, wt.Hkv
+    """Add one batch's sum over windows and positions i >= start of ||do_i||^2 to ``sums``
+    ([writer, reader layer, reader head])."""
+    H, Hkv = wt.H, wt.Hkv
     b, T, d = caps[0]["x"].shape
-    dh, g = wt.W_O.shape[2], H // Hkv
+    dh, g, LH = wt.W_O.shape[2], H // Hkv, len(caps) * wt.H
     norms = [_normalised(c, wt, d) for c in caps]
     n_all = torch.stack([n for n, _ in norms])  # [L, b, T, d]
     # writers: a_u = zs_u W_O^u diag(g_post), zs = z / rms of the post-attention norm's input
     zs = torch.stack([c["z"] / c["post_sigma"][..., None, None] if "post_sigma" in c else c["z"] for c in caps], 2)
-    zs = zs.reshape(b, T, L * H, dh)
-    WOg = (wt.W_O * wt.g_post[:, None, None, :]).reshape(L * H, dh, d)
-    # the norm's rank-one term: a_u(i) . n_i / d for every writer and reader layer [b, T, L H, L]
-    sdot = torch.cat([torch.einsum("bthd,lbtd->bthl", torch.einsum("bthe,hed->bthd", zs[:, :, w:w + H], WOg[w:w + H]),
-                                   n_all) / d for w in range(0, L * H, H)], 2)
+    zs = zs.reshape(b, T, LH, dh).permute(2, 0, 1, 3).contiguous()  # [LH, b, T, dh]
+    WOg = (wt.W_O * wt.g_post[:, None, None, :]).reshape(LH, dh, d)
+    # the norm's rank-one term: a_u(i) . n_i / d for every writer and reader layer [LH, b, T, L]
+    sdot = torch.cat([torch.einsum("hbtd,lbtd->hbtl", torch.einsum("hbte,hed->hbtd", zs[w:w + H], WOg[w:w + H]), n_all)
+                      for w in range(0, LH, H)]) / d
     keep = torch.zeros(T, dtype=zs.dtype, device=zs.device)
     keep[start:] = 1
     chunk = max(1, budget // (b * H * T * T))
     for lr, c in enumerate(caps):
         n, sigma = norms[lr]
-        gain = wt.g1[lr]
-        A = gain[:, None] * wt.W_in[lr]
-        W_read = A - A.mean(0, keepdim=True) if wt.centre else A  # P diag(g) W
-        r = (n * gain) @ wt.W_in[lr]  # [b, T, F]
+        A = wt.g1[lr][:, None] * wt.W_in[lr]
+        W_read = A - A.mean(0, keepdim=True) if wt.centre else A  # P diag(g) W: [d, F]
+        r = (n * wt.g1[lr]) @ wt.W_in[lr]  # [b, T, F]
+        zs_l, sdot_l = zs / sigma[None, :, :, None], sdot[..., lr] / sigma[None]
         q, k, v, z, p = _final(c, "q"), _final(c, "k"), c["v"], c["z"], c["pattern"]
         Rt = torch.linalg.qr(wt.W_O[lr].transpose(-2, -1)).R.transpose(-2, -1).reshape(Hkv, g, dh, dh)  # R_v^T
         pg = p.reshape(b, Hkv, g, T, T)
-        zg = z.reshape(b, T, Hkv, g, dh)
-        # Q: dz_i = dq_i A_i / scale, A_i = sum_j p_ij k_j^T (v_j - z_i): once per reader, R_v^T folded in
+        # Q: dz_i R^T = dq_i E_i A_i R^T / scale, A_i = sum_j p_ij k_j^T (v_j - z_i): once per reader
         A_i = (torch.einsum("bkgij,bjkde->bikgde", pg, k[..., :, None] * v[..., None, :])
-               - torch.einsum("bkgij,bjkd->bikgd", pg, k)[..., None] * zg[..., None, :])
-        B = torch.einsum("bikgde,kgef->bikgdf", A_i, Rt).reshape(b, T, H, dh, dh) / wt.scale
-        vR = torch.einsum("bjkd,kgde->bjkge", v, Rt)
-        zR = torch.einsum("bikgd,kgde->bikge", zg, Rt)
-        qg = q.reshape(b, T, Hkv, g, dh)
-        for w0 in range(0, L * H, chunk):
-            w1 = min(w0 + chunk, L * H)
-            M = torch.einsum("wed,df->wef", WOg[w0:w1], W_read)
-            pre = torch.einsum("btwe,wef->btwf", zs[:, :, w0:w1], M) - sdot[:, :, w0:w1, lr, None] * r[:, :, None]
-            pre = pre / sigma[:, :, None, None]
+               - torch.einsum("bkgij,bjkd->bikgd", pg, k)[..., None] * z.reshape(b, T, Hkv, g, 1, dh))
+        B = (A_i @ Rt / wt.scale).reshape(b, T, H, dh, dh)
+        Eq, Ek = _input_map(c, "q", wt.gq[lr] if wt.gq is not None else None), \
+            _input_map(c, "k", wt.gk[lr] if wt.gk is not None else None)
+        B = B if Eq is None else Eq @ B
+        # K: values and z per query head times R^T, a column of ones for sum_j p_ij ds_ij
+        vR = v.permute(0, 2, 1, 3)[:, :, None] @ Rt  # [b, Hkv, g, T, dh]
+        vR1 = torch.cat([vR, torch.ones_like(vR[..., :1])], -1)
+        zR = (z.reshape(b, T, Hkv, g, dh).permute(0, 2, 3, 1, 4) @ Rt)[:, :, :, :, None]  # [b, Hkv, g, T, 1, dh]
+        qs = (q.reshape(b, T, Hkv, g, dh).permute(0, 2, 3, 1, 4) / wt.scale).reshape(b, Hkv, g * T, dh)
+        for w0 in range(0, LH, chunk):
+            w1 = min(w0 + chunk, LH)
             W = w1 - w0
-            dq, dk, dv = (t.reshape(b, T, W, -1, dh) for t in pre.split([H * dh, Hkv * dh, Hkv * dh], -1))
-            if wt.gq is not None and wt.gk is not None and "q_sigma" in c:
-                dq = _qk_norm(dq, c["q_pre"], c["q_sigma"], wt.gq[lr])
-                dk = _qk_norm(dk, c["k_pre"], c["k_sigma"], wt.gk[lr])
-            dq, dk = _rotate(dq, c), _rotate(dk, c)
-            sq_q = torch.einsum("btwhd,bthde->btwhe", dq, B).square().sum(-1)  # [b, T, W, H]
-            ds = torch.einsum("bikgd,bjwkd->bkgwij", qg, dk) / wt.scale
-            wgt = pg[:, :, :, None] * ds
-            dz_k = torch.einsum("bkgwij,bjkge->bkgwie", wgt, vR) - wgt.sum(-1)[..., None] * zR.permute(0, 2, 3, 1, 4)[:, :, :, None]
-            del ds, wgt
-            dz_v = torch.einsum("bkgwid,kgde->bkgwie", torch.einsum("bkgij,bjwkd->bkgwid", pg, dv), Rt)
-            for comp, sq in (("Q", torch.einsum("btwh,t->wh", sq_q, keep)),
-                             ("K", torch.einsum("bkgwi,i->wkg", dz_k.square().sum(-1), keep).reshape(W, H)),
-                             ("V", torch.einsum("bkgwi,i->wkg", dz_v.square().sum(-1), keep).reshape(W, H))):
+            pre = (zs_l[w0:w1].reshape(W, b * T, dh) @ (WOg[w0:w1] @ W_read)).view(W, b, T, -1)
+            pre.addcmul_(sdot_l[w0:w1, :, :, None], r, value=-1)  # [W, b, T, F]
+            dq, dk, dv = (t.unflatten(-1, (-1, dh)) for t in pre.split([H * dh, Hkv * dh, Hkv * dh], -1))
+            sq_q = (dq.permute(1, 2, 3, 0, 4) @ B).pow(2).sum(-1)  # [b, T, H, W]
+            dk = dk.permute(1, 2, 3, 0, 4) if Ek is None else dk.permute(1, 2, 3, 0, 4) @ Ek  # [b, T, Hkv, W, dh]
+            ds = (qs @ dk.permute(0, 2, 4, 3, 1).reshape(b, Hkv, dh, W * T)).view(b, Hkv, g, T, W, T)
+            ds.mul_(pg[:, :, :, :, None])  # p_ij ds_ij
+            out = (ds.view(b, Hkv, g, T * W, T) @ vR1).view(b, Hkv, g, T, W, dh + 1)
+            del ds
+            x = out[..., :dh].sub_(out[..., dh:] * zR)  # sum_j p_ij ds_ij (v_j - z_i) R^T
+            sq_k = x.pow(2).sum(-1)  # [b, Hkv, g, T, W]
+            del out, x
+            mixed = pg.reshape(b, Hkv, g * T, T) @ dv.permute(1, 3, 2, 0, 4).reshape(b, Hkv, T, W * dh)
+            sq_v = (mixed.view(b, Hkv, g, T * W, dh) @ Rt).pow(2).sum(-1).view(b, Hkv, g, T, W)
+            for comp, sq in (("Q", torch.einsum("bthw,t->wh", sq_q, keep)),
+                             ("K", torch.einsum("bkgtw,t->wkg", sq_k, keep).reshape(W, H)),
+                             ("V", torch.einsum("bkgtw,t->wkg", sq_v, keep).reshape(W, H))):
                 sums[comp][w0:w1, lr] += sq.double().cpu()
 
 

@@ -1,7 +1,7 @@
 """The ``pattern_output`` metric (compatlas.composition.pattern_output): the first-order change of a
 reader head's output when a writer's actual output moves its query, key or value input, checked
 against forward-mode autodiff of the model's own forward pass on tiny GPT-2, Llama (GQA) and
-Gemma-3 (QK-norm, sandwich norms) bridges, and its identities."""
+Gemma-3 (QK-norm, sandwich norms) bridges; its identities; its place in the moments file."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ import torch
 import torch.autograd.forward_ad as fwAD
 from conftest import tiny_hf_model
 
+from compatlas.composition.moments import load_moments, measure_moments, own_output_rms, save_moments
 from compatlas.composition.pattern_output import pattern_output_scores
 from compatlas.function.edge_attribution import split_inputs
 from compatlas.models.loading import boot
@@ -148,3 +149,28 @@ def test_an_unassumed_form_is_refused_by_name(tmp_path):
             pattern_output_scores(m, _tokens(), batch_size=3)
     finally:
         m.cfg.rmsnorm_uses_offset = cfg.rmsnorm_uses_offset
+
+
+def test_scores_travel_with_the_moments_and_are_sealed(tmp_path):
+    """Saved beside the moments (pattern_output_Q/K/V, pattern_output_own) under the same sha256;
+    a moments file without them reads back as None."""
+    m = _boot("llama-gqa", tmp_path / "model")
+    tokens = _tokens()
+    mo = measure_moments(m, tokens, skip_first=True)
+    mo.meta = {"positions": mo.meta["positions"]}
+    save_moments(mo, tmp_path / "plain.safetensors", tmp_path / "plain.json")
+    assert load_moments(tmp_path / "plain.safetensors", tmp_path / "plain.json").pattern_output is None
+    mo.pattern_output = pattern_output_scores(m, tokens, batch_size=3)
+    mo.pattern_output_own = own_output_rms(mo.z, m.W_O.detach())
+    save_moments(mo, tmp_path / "m.safetensors", tmp_path / "m.json")
+    back = load_moments(tmp_path / "m.safetensors", tmp_path / "m.json")
+    assert back.pattern_output is not None and back.pattern_output_own is not None
+    for c in COMPS:
+        torch.testing.assert_close(back.pattern_output[c], mo.pattern_output[c].float().double())
+    # the own output RMS is the reader's z W_O over the same positions
+    _, cache = m.run_with_cache(tokens, names_filter=lambda n: n.endswith("hook_z"))
+    z = cache["blocks.2.attn.hook_z"][:, 1:]
+    want = torch.einsum("bthd,hde->bthe", z, m.W_O[2].detach()).pow(2).sum(-1).mean((0, 1)).sqrt()
+    torch.testing.assert_close(back.pattern_output_own[2], want.float().double())
+    sub = back.layers([1, 2])
+    torch.testing.assert_close(sub.pattern_output["K"][1, :, 0], back.pattern_output["K"][2, :, 1])

@@ -1,12 +1,14 @@
 """The ``pattern_output`` metric (compatlas.composition.pattern_output): the first-order change of a
 reader head's output when a writer's actual output moves its query, key or value input, checked
 against forward-mode autodiff of the model's own forward pass on tiny GPT-2, Llama (GQA) and
-Gemma-3 (QK-norm, sandwich norms) bridges; its identities; its place in the moments file."""
+Gemma-3 (QK-norm, sandwich norms) bridges; its identities; its place in the moments file, the
+composition table and the plan."""
 
 from __future__ import annotations
 
 import copy
 
+import polars as pl
 import pytest
 import torch
 import torch.autograd.forward_ad as fwAD
@@ -174,3 +176,45 @@ def test_scores_travel_with_the_moments_and_are_sealed(tmp_path):
     torch.testing.assert_close(back.pattern_output_own[2], want.float().double())
     sub = back.layers([1, 2])
     torch.testing.assert_close(sub.pattern_output["K"][1, :, 0], back.pattern_output["K"][2, :, 1])
+
+
+def test_the_composition_table_reads_the_scores_from_the_moments(tmp_path):
+    """score_block for pattern_output x activation emits the moments' scores as composition rows
+    (a head never paired with itself), score_share over the reader's own output RMS, both baselines
+    null; any other space, or moments without the scores, is refused by name."""
+    from compatlas.composition.table import score_block
+    from compatlas.models.loading import extract
+
+    m = _boot("llama-gqa", tmp_path)
+    tokens = _tokens()
+    mo = measure_moments(m, tokens)
+    mo.pattern_output = pattern_output_scores(m, tokens, batch_size=3)
+    mo.pattern_output_own = own_output_rms(mo.z, m.W_O.detach())
+    w = extract(m, "none")
+    pairs = [(0, 1), (0, 2), (1, 2), (1, 0), (2, 0), (2, 1), (1, 1)]
+    df, _ = score_block(w, "pattern_output", "activation", pairs, moments=mo)
+    assert df.height == 3 * (6 * 16 + 12) and set(df["metric"]) == {"pattern_output"}
+    assert df.select(pl.col("baseline_gaussian_mean", "baseline_spectrum_mean", "baseline_spectrum_std")
+                     .null_count()).row(0) == (df.height,) * 3
+    for r in df.iter_rows(named=True):
+        key = (r["writer_layer"], r["writer_head"], r["reader_layer"], r["reader_head"])
+        assert key[:2] != key[2:]
+        assert r["score"] == pytest.approx(float(mo.pattern_output[r["comp"]][key]), rel=1e-12)
+        assert r["score_share"] == pytest.approx(r["score"] / float(mo.pattern_output_own[key[2:]]), rel=1e-12)
+    with pytest.raises(ValueError, match="activation space only"):
+        score_block(w, "pattern_output", "residual", pairs)
+    mo.pattern_output = None
+    with pytest.raises(ValueError, match="rerun the moments rule with pattern_output"):
+        score_block(w, "pattern_output", "activation", pairs, moments=mo)
+
+
+def test_the_invariance_audit_leaves_pattern_output_out():
+    """A run scoring pattern_output hands its metrics to the invariance audit, which audits weight
+    spaces only: pattern_output's rows are not there, and nothing fails."""
+    from conftest import random_weights
+
+    from compatlas.audits.invariance import audit
+
+    w = random_weights(0, L=2, H=2, Hkv=2, d=8, dh=2)
+    df = audit(w, ["frobenius", "pattern_output"], ["residual", "activation"], transforms=("orthogonal",))
+    assert set(df["metric"]) == {"frobenius"} and set(df["space"]) == {"residual"}

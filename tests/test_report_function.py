@@ -19,7 +19,7 @@ from synthetic_atlas import TRACKING, Spec, as_older_atlas, write_suite
 from compatlas.atlas import connect as atlas_connect
 from compatlas.report import build_report
 from compatlas.report.function import CIRCUIT, OTHER, edge_points, model_function
-from compatlas.vocab import METRICS
+from compatlas.vocab import KERNEL_METRICS
 
 STEPS = [0, 4, 64, 200, 400]
 SUITE = [Spec("wide", 6, 4, edges=True), Spec("run", 3, 3, steps=STEPS, edges=True), Spec("plain", 4, 4),
@@ -59,7 +59,7 @@ def test_model_page_shows_only_the_measurable_comp_with_intervals_and_names_the_
         assert re.search(rf"<b>{c}</b>: no function to predict: 0 of its \d+ edges carry an attribution", part), part[:3000]
     body = part.split("<tbody>")[1].split("</tbody>")[0]
     rows = re.findall(r"<tr>(.*?)</tr>", body)
-    assert len(rows) == len(METRICS) * 2 and all("<td>K</td>" in r for r in rows)  # metric x space, K only
+    assert len(rows) == len(KERNEL_METRICS) * 2 and all("<td>K</td>" in r for r in rows)  # metric x space, K only
     assert all(len(re.findall(INTERVAL, r)) == 2 for r in rows)  # AUROC and Spearman, each with its interval
     # the one cell whose K score follows the K function is the best, beyond the others' uncertainty
     best = re.search(r"K: best <b>(\w+) × (\w+)</b> \(AUROC (" + INTERVAL + r")\), beyond the uncertainty", part)

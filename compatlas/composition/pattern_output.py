@@ -306,9 +306,10 @@ def _batch(caps: list[dict[str, torch.Tensor]], wt: _Weights, start: int, sums: 
             del out, x
             mixed = pg.reshape(b, Hkv, g * T, T) @ dv.permute(1, 3, 2, 0, 4).reshape(b, Hkv, T, W * dh)
             sq_v = (mixed.view(b, Hkv, g, T * W, dh) @ Rt).pow(2).sum(-1).view(b, Hkv, g, T, W)
-            for comp, sq in (("Q", torch.einsum("bthw,t->wh", sq_q, keep)),
-                             ("K", torch.einsum("bkgtw,t->wkg", sq_k, keep).reshape(W, H)),
-                             ("V", torch.einsum("bkgtw,t->wkg", sq_v, keep).reshape(W, H))):
+            parts: dict[Comp, torch.Tensor] = {"Q": torch.einsum("bthw,t->wh", sq_q, keep),
+                                               "K": torch.einsum("bkgtw,t->wkg", sq_k, keep).reshape(W, H),
+                                               "V": torch.einsum("bkgtw,t->wkg", sq_v, keep).reshape(W, H)}
+            for comp, sq in parts.items():
                 sums[comp][w0:w1, lr] += sq.double().cpu()
 
 

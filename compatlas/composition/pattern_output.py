@@ -134,7 +134,8 @@ def _names(model, layer: int) -> dict[str, str]:
             "q_sigma": f"{a}.q_norm.hook_scale", "k_sigma": f"{a}.k_norm.hook_scale",
             "q_normed": f"{a}.hook_q_normed", "k_normed": f"{a}.hook_k_normed",
             "q_rot": f"{a}.hook_rot_q", "k_rot": f"{a}.hook_rot_k", "cos": f"{a}.hook_cos", "sin": f"{a}.hook_sin",
-            "pattern": f"{a}.hook_pattern", "z": f"{a}.hook_z", "out": f"{blk}.hook_attn_out",
+            "pattern": f"{a}.hook_pattern", "scores": f"{a}.hook_attn_scores", "z": f"{a}.hook_z",
+            "out": f"{blk}.hook_attn_out",
             "post_in": f"{blk}.ln1_post.hook_in", "post_sigma": f"{blk}.ln1_post.hook_scale"}
     names = {k: n for k, n in want.items() if n in model.hook_dict}
     if "x" not in names:
@@ -144,7 +145,7 @@ def _names(model, layer: int) -> dict[str, str]:
     return names
 
 
-CHECK_ONLY = ("ln_out", "out", "post_in")  # captured for the first batch's checks only
+CHECK_ONLY = ("ln_out", "out", "post_in", "scores")  # captured for the first batch's checks only
 
 
 def _capture(model, tokens: torch.Tensor, ct: torch.dtype, check: bool) -> list[dict[str, torch.Tensor]]:
@@ -231,7 +232,10 @@ def _check(c: dict[str, torch.Tensor], wt: _Weights, layer: int, n: torch.Tensor
         rel(_rotate(k, c), c["k_rot"], "rotary")
     p = c["pattern"]
     logits = torch.einsum("bihd,bjhd->bhij", _final(c, "q"), _final(c, "k").repeat_interleave(H // Hkv, 2)) / wt.scale
-    rel(logits.masked_fill(p == 0, float("-inf")).softmax(-1), p, "attention pattern (softmax of q . k / scale)")
+    if "scores" in c:  # the logits, then the softmax of the model's own (robust to a low-precision forward)
+        rel(logits[p > 0], c["scores"][p > 0], "attention logits (q . k / scale)")
+        logits = c["scores"]
+    rel(logits.masked_fill(p == 0, float("-inf")).softmax(-1), p, "attention pattern (softmax of the logits)")
     rel(torch.einsum("bhij,bjhd->bihd", p, c["v"].repeat_interleave(H // Hkv, 2)), c["z"], "z (pattern times values)")
     out = torch.einsum("bihd,hde->bie", c["z"], wt.W_O[layer])
     if "post_in" in c:

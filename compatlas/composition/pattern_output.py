@@ -41,10 +41,14 @@ Before any of it, the first batch checks every assumed form against the model's 
 projection, QK-norm, rotary, logits -> pattern, z, W_O, post-attention norm) and raises naming
 the one that differs (ALiBi, logit soft-capping, a whole-layer QK-norm are not handled).
 
-Cost: ~ L^2 H (4 H T^2 d_head (K) + 2 H T^2 d_head (V) + T d_head (H + 2 H_kv) d_head (the
-projections)) per window, plus per reader layer H T^2 d_head^2 (Q's A_i). On SmolLM2-135M
-(30 layers, 9 / 3 heads, d_head 64, float32, the CPU's 2 cores, shared): 8 windows x 128 tokens
-TBD s, 32 windows TBD s (the default sample); on a GPU it is seconds.
+Cost, in multiply-adds: per window ``L^2 H^2 T d_head (3 T + 2 d_head)`` (K: ds and its mixing,
+V: the mixing and R_v^T, Q: the d_head x d_head product) plus ``L^2 H T d_head^2 (H + 2 H_kv)`` (the
+projections of z) plus ``L H T^2 d_head^2`` (Q's A_i); per batch ``L^2 H d_head^2 d_model (H + 2 H_kv)``
+(the folded maps M). Quadratic in depth and window length: SmolLM2-135M (30 layers, 9 / 3 heads,
+d_head 64, T 128) is about 0.4 T multiply-adds a window. Measured there (GGUF, float32, batch 8,
+ONE CPU thread, as a Snakemake job runs; a shared 2-core machine at load ~6): 8 windows 371 s of
+CPU (888 s wall), 32 windows (the default sample) 1201 s of CPU (2184 s wall). Not measured on
+a GPU (the same code runs there, on the model's device).
 """
 
 from __future__ import annotations

@@ -181,8 +181,9 @@ def test_scores_travel_with_the_moments_and_are_sealed(tmp_path):
 def test_the_composition_table_reads_the_scores_from_the_moments(tmp_path):
     """score_block for pattern_output x activation emits the moments' scores as composition rows
     (a head never paired with itself), score_share over the reader's own output RMS, both baselines
-    null; any other space, or moments without the scores, is refused by name."""
-    from compatlas.composition.table import score_block
+    null; score_space takes it beside a kernel metric; any other space, or moments without the
+    scores, is refused by name."""
+    from compatlas.composition.table import score_block, score_space
     from compatlas.models.loading import extract
 
     m = _boot("llama-gqa", tmp_path)
@@ -201,6 +202,9 @@ def test_the_composition_table_reads_the_scores_from_the_moments(tmp_path):
         assert key[:2] != key[2:]
         assert r["score"] == pytest.approx(float(mo.pattern_output[r["comp"]][key]), rel=1e-12)
         assert r["score_share"] == pytest.approx(r["score"] / float(mo.pattern_output_own[key[2:]]), rel=1e-12)
+    both, _ = score_space(w, ("frobenius", "pattern_output"), "activation", pairs, baseline_samples=4, moments=mo)
+    assert list(both) == ["frobenius", "pattern_output"] and both["pattern_output"].equals(df)
+    assert set(both["frobenius"]["metric"]) == {"frobenius"} and both["frobenius"].height == df.height
     with pytest.raises(ValueError, match="activation space only"):
         score_block(w, "pattern_output", "residual", pairs)
     mo.pattern_output = None

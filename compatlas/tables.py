@@ -34,7 +34,7 @@ COMPOSITION_SCHEMA: Schema = {
     "comp": pl.Utf8, "writer_layer": pl.Int32, "writer_head": pl.Int32, "reader_layer": pl.Int32,
     "reader_head": pl.Int32, "score": pl.Float64, "baseline_gaussian_mean": pl.Float64,
     "baseline_gaussian_std": pl.Float64, "baseline_spectrum_mean": pl.Float64, "baseline_spectrum_std": pl.Float64,
-    # contribution only: the score over the reader's own logit (Q, K) or output (V) RMS
+    # contribution and pattern_output only: the score over the reader's own logit (Q, K) or output (V) RMS
     "score_share": pl.Float64,
 }
 

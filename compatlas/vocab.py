@@ -19,9 +19,25 @@ NormalisedMetric = Literal["frobenius", "svd_bound", "subspace"]
 """The metrics in [0, 1] that Lieberum's axioms and a Gaussian null are about (a magnitude has neither)."""
 NORMALISED_METRICS: tuple[NormalisedMetric, ...] = get_args(NormalisedMetric)
 
-Metric = Literal[NormalisedMetric, "contribution"]
-"""How a writer/reader head pair's composition is scored (``compatlas.composition.scores``): the three
-normalised scores and one magnitude, ``contribution``."""
+KernelMetric = Literal[NormalisedMetric, "contribution"]
+"""The metrics the composition kernel computes from the weights (and, in the activation space, the
+moments), in every space (``compatlas.composition.scores``): the normalised three and ``contribution``."""
+KERNEL_METRICS: tuple[KernelMetric, ...] = get_args(KernelMetric)
+
+ActivationOnlyMetric = Literal["pattern_output"]
+"""Metrics of the model's own forward pass, which exist only in the ``activation`` space: a
+composition job of another space has nothing to score (the plan leaves those cells out)."""
+ACTIVATION_ONLY_METRICS: tuple[ActivationOnlyMetric, ...] = get_args(ActivationOnlyMetric)
+
+MagnitudeMetric = Literal["contribution", "pattern_output"]
+"""The magnitudes (no Gaussian null, a ``score_share``): ``contribution``, the RMS of what a writer
+adds to the reader's logit or output, and ``pattern_output``, the first-order change of the reader's
+output through its attention pattern (Q, K) or values (V) (``compatlas.composition.pattern_output``)."""
+MAGNITUDE_METRICS: tuple[MagnitudeMetric, ...] = get_args(MagnitudeMetric)
+
+Metric = Literal[KernelMetric, ActivationOnlyMetric]
+"""How a writer/reader head pair's composition is scored: the three normalised scores and two
+magnitudes, ``contribution`` and ``pattern_output`` (activation space only)."""
 METRICS: tuple[Metric, ...] = get_args(Metric)
 
 TokenSpace = Literal["token", "token_norm"]

@@ -11,7 +11,7 @@ from compatlas.logs import exit_now, setup
 log = setup(snakemake.log[0], snakemake.threads)
 p = snakemake.params
 moments, _ = boot_and_measure_moments(snakemake.wildcards.model, p.entry, p.checkpoint, p.settings, p.forward,
-                                      snakemake.input.meta, Path(p.workdir), p.device)
+                                      snakemake.input.meta, Path(p.workdir), p.device, pattern_output=p.pattern_output)
 save_moments(moments, snakemake.output.moments, snakemake.output.meta)
 log.info("wrote %s", snakemake.output.moments)
 exit_now()  # outputs written: skip the interpreter's teardown

@@ -45,7 +45,7 @@ from compatlas.tables import (
     METRIC_AUDIT_SCHEMA,
     TRAINING_LOSS_SCHEMA,
 )
-from compatlas.vocab import COMPS, METRICS
+from compatlas.vocab import COMPS, KERNEL_METRICS
 
 
 @dataclass
@@ -226,9 +226,11 @@ def _tokens(s: Spec, ck: str, rng, n_tokens: int = 16) -> pl.DataFrame:
     return pl.DataFrame(rows, schema=INDUCTION_TOKENS_SCHEMA)
 
 
-def write_suite(root: Path, specs: list[Spec], metrics=METRICS,
+def write_suite(root: Path, specs: list[Spec], metrics=KERNEL_METRICS,
                 spaces=("residual", "token"), seed: int = 0) -> Path:
-    """Shards, meta.json files and ``root/atlas.duckdb`` for ``specs``; returns the database path."""
+    """Shards, meta.json files and ``root/atlas.duckdb`` for ``specs``; returns the database path.
+    The metrics default to the kernel's: the default spaces are weight spaces, where pattern_output
+    (activation space only) never is."""
     rng = np.random.default_rng(seed)
     shards: dict[str, list[Path]] = {k: [] for k in ("composition", "calibration", "head_scores", "induction_tokens",
                                                       "invariance", "metric_audit", "training_loss", "edge_attribution")}

@@ -34,7 +34,7 @@ from compatlas.composition.scores import block_pairs, layer_pairs, null_pairs
 from compatlas.composition.table import score_block
 from compatlas.models.weights import AttentionWeights
 from compatlas.storage import write_shard
-from compatlas.vocab import COMPS, METRICS, NORMALISED_METRICS, SPACES
+from compatlas.vocab import COMPS, KERNEL_METRICS, NORMALISED_METRICS, SPACES
 
 
 def test_empirical_p_is_the_counting_formula():
@@ -173,7 +173,7 @@ def test_random_models_are_calibrated_in_every_metric_space_and_comp():
     rows = []
     for seed in range(n_models):
         w = random_weights(seed)
-        for metric in METRICS:
+        for metric in KERNEL_METRICS:
             for space in SPACES:
                 for design, pq in score_and_calibrate(w, metric, space, NULL_PAIRS).items():
                     assert (pq["n_null"] == n_nulls[design]).all()
@@ -181,7 +181,7 @@ def test_random_models_are_calibrated_in_every_metric_space_and_comp():
                                 .with_columns(pl.lit(metric).alias("metric"), pl.lit(space).alias("space"),
                                               pl.lit(design).alias("design")))
     cells = pl.concat(rows).group_by("design", "metric", "space", "comp").agg(pl.col("m").sum(), pl.col("k").sum())
-    assert cells.height == 2 * len(METRICS) * len(SPACES) * len(COMPS) and (cells["m"] == n_models * m).all()
+    assert cells.height == 2 * len(KERNEL_METRICS) * len(SPACES) * len(COMPS) and (cells["m"] == n_models * m).all()
     for design, n_null in n_nulls.items():
         a = math.floor(alpha * (n_null + 1))
         per_model = stats.betabinom(m, a, n_null + 1 - a)
@@ -305,7 +305,7 @@ def test_every_cell_tests_the_unit_its_scores_have_in_a_gqa_model():
     causal = pl.col("writer_layer") < pl.col("reader_layer")
     n_layer_pairs = L * (L - 1) // 2
     units = {}
-    for metric in METRICS:
+    for metric in KERNEL_METRICS:
         for space in SPACES:
             df, _ = score_block(w, metric, space, layer_pairs(layers) + null_pairs(layers, 1, 0), baseline_samples=2,
                                 device="cpu", dtype="float64", moments=moments_of(w) if space == "activation" else None)
@@ -339,7 +339,7 @@ def test_every_cell_tests_the_unit_its_scores_have_in_a_gqa_model():
                     np.testing.assert_allclose(tests["q_value"].to_numpy(), bh_q_values(tests["p_value"].to_numpy()))
     assert {k for k, u in units.items() if u == "kv_head"} == {("subspace", s, c) for s in SPACES for c in ("K", "V")}
     # without grouped-query attention every cell's test is its query head's
-    assert all(hypothesis_unit(m, c, 1) == "query_head" for m in METRICS for c in COMPS)
+    assert all(hypothesis_unit(m, c, 1) == "query_head" for m in KERNEL_METRICS for c in COMPS)
 
 
 def test_a_kv_head_test_whose_scores_differ_is_refused():

@@ -17,7 +17,7 @@ from conftest import random_weights, tiny_hf_model
 
 from compatlas.composition.scores import gaussian_baseline, haar_overlap_blocks, head_factors, layer_pair_scores
 from compatlas.models.weights import AttentionWeights
-from compatlas.vocab import COMPS, METRICS
+from compatlas.vocab import COMPS, KERNEL_METRICS
 
 F64 = torch.float64
 TOL = 1e-10
@@ -280,7 +280,7 @@ def gqa_model() -> AttentionWeights:
     return random_model(5, L=3, H=4, Hkv=2, d=32, dh=8)
 
 
-@pytest.mark.parametrize("metric", METRICS)
+@pytest.mark.parametrize("metric", KERNEL_METRICS)
 @pytest.mark.parametrize("comp", COMPS)
 def test_dense_reference_agreement_gqa(gqa_model, metric, comp):
     w = gqa_model
@@ -302,7 +302,7 @@ def test_dense_reference_agreement_gqa(gqa_model, metric, comp):
 # ----------------------------------------------------------------------------- 6. GQA
 
 
-@pytest.mark.parametrize("metric", METRICS)
+@pytest.mark.parametrize("metric", KERNEL_METRICS)
 @pytest.mark.parametrize("comp", COMPS)
 def test_gqa_equals_repeat_interleaved_kv(gqa_model, metric, comp):
     w = gqa_model

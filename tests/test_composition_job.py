@@ -23,7 +23,7 @@ from compatlas.composition.scores import (
 from compatlas.composition.table import score_block, score_space
 from compatlas.composition.token_space import add_space_factors
 from compatlas.runtime import stable_seed
-from compatlas.vocab import COMPS, METRICS, NORMALISED_METRICS
+from compatlas.vocab import COMPS, KERNEL_METRICS, NORMALISED_METRICS
 
 KEY = ["comp", "writer_layer", "writer_head", "reader_layer", "reader_head"]
 N = 6  # null draws
@@ -59,10 +59,10 @@ def gqa():
 def test_score_space_equals_the_per_pair_kernel(gqa, tile_bytes):
     layers = list(range(4))
     pairs = block_pairs(layers, 2, 1) + null_pairs(layers, 2, 1)
-    tables, facts = score_space(gqa, METRICS, "residual", pairs, baseline_samples=N, device="cpu", dtype="float64",
+    tables, facts = score_space(gqa, KERNEL_METRICS, "residual", pairs, baseline_samples=N, device="cpu", dtype="float64",
                                 tile_bytes=tile_bytes)
     assert set(facts["seconds_by_phase"]) >= {"transfer", "factors", "gemms", "scores", "nulls", "table"}
-    for metric in METRICS:
+    for metric in KERNEL_METRICS:
         got, want = tables[metric].sort(KEY), reference_table(gqa, metric, pairs)
         assert got.select(KEY).equals(want.select(KEY)), metric
         assert (got["metric"] == metric).all()
@@ -79,8 +79,8 @@ def test_score_space_equals_the_per_pair_kernel(gqa, tile_bytes):
 
 def test_float32_job_equals_the_float64_kernel_to_float_tolerance(gqa):
     pairs = block_pairs(list(range(4)), 1, 0) + null_pairs(list(range(4)), 1, 0)
-    tables, _ = score_space(gqa, METRICS, "residual", pairs, baseline_samples=N, device="cpu", dtype="float32")
-    for metric in METRICS:
+    tables, _ = score_space(gqa, KERNEL_METRICS, "residual", pairs, baseline_samples=N, device="cpu", dtype="float32")
+    for metric in KERNEL_METRICS:
         got, want = tables[metric].sort(KEY), reference_table(gqa, metric, pairs)
         scale = want["score"].abs().max()  # contribution is a magnitude: its error relative to its size
         np.testing.assert_allclose(got["score"].to_numpy(), want["score"].to_numpy(), rtol=2e-4, atol=1e-6 * scale)
@@ -103,8 +103,8 @@ def test_token_space_job_equals_one_metric_jobs():
     add_space_factors(w)
     pairs = [(0, 1), (1, 2), (2, 0)]
     kw = dict(baseline_samples=N, device="cpu", dtype="float64")
-    tables, facts = score_space(w, METRICS, "token", pairs, **kw)
-    for metric in METRICS:  # all three: frobenius and svd_bound from subspace's cores; alone: their own
+    tables, facts = score_space(w, KERNEL_METRICS, "token", pairs, **kw)
+    for metric in KERNEL_METRICS:  # all three: frobenius and svd_bound from subspace's cores; alone: their own
         one = score_block(w, metric, "token", pairs, **kw)[0]
         assert tables[metric].drop("score", "score_share").equals(one.drop("score", "score_share"))
         for col in ("score", "score_share"):
@@ -128,9 +128,9 @@ def test_round_tf32_keeps_ten_mantissa_bits_rounded_to_nearest():
 def test_reduced_precision_scores_stay_near_float32(gqa, dtype, tol):
     pairs = [(0, 1), (1, 2), (2, 3)]
     kw = dict(baseline_samples=N, device="cpu")
-    ref = score_space(gqa, METRICS, "residual", pairs, dtype="float32", **kw)[0]
-    low = score_space(gqa, METRICS, "residual", pairs, dtype=dtype, **kw)[0]
-    for metric in METRICS:
+    ref = score_space(gqa, KERNEL_METRICS, "residual", pairs, dtype="float32", **kw)[0]
+    low = score_space(gqa, KERNEL_METRICS, "residual", pairs, dtype=dtype, **kw)[0]
+    for metric in KERNEL_METRICS:
         d = (low[metric]["score"] - ref[metric]["score"]).abs().max() / ref[metric]["score"].abs().max()
         assert 0 < d < tol, (metric, d)  # changed (rounded), but only a little
         assert low[metric]["baseline_spectrum_mean"].equals(ref[metric]["baseline_spectrum_mean"])
@@ -143,10 +143,10 @@ def test_gpu_job_equals_the_cpu_job(gqa, dtype):
     drawn by the GPU's generator, so that baseline agrees within its Monte Carlo error."""
     pairs = block_pairs(list(range(4)), 1, 0) + null_pairs(list(range(4)), 1, 0)
     kw = dict(baseline_samples=N, dtype=dtype)
-    cpu = score_space(gqa, METRICS, "residual", pairs, device="cpu", **kw)[0]
-    gpu = score_space(gqa, METRICS, "residual", pairs, device="cuda", **kw)[0]
+    cpu = score_space(gqa, KERNEL_METRICS, "residual", pairs, device="cpu", **kw)[0]
+    gpu = score_space(gqa, KERNEL_METRICS, "residual", pairs, device="cuda", **kw)[0]
     tol = {"float32": 1e-5, "tf32": 5e-3, "bf16": 3e-2}[dtype]
-    for metric in METRICS:
+    for metric in KERNEL_METRICS:
         for col in ("score", "baseline_spectrum_mean", "baseline_spectrum_std"):
             scale = max(1.0, cpu[metric][col].abs().max())
             np.testing.assert_allclose(gpu[metric][col].to_numpy(), cpu[metric][col].to_numpy(), atol=tol * scale, rtol=0)
@@ -192,10 +192,10 @@ def test_factors_made_one_layer_at_a_time_score_the_same(gqa, monkeypatch):
 
     pairs = block_pairs(list(range(4)), 1, 0) + null_pairs(list(range(4)), 1, 0)
     kw = dict(baseline_samples=N, device="cpu", dtype="float64")
-    whole = score_space(gqa, METRICS, "residual", pairs, **kw)[0]
+    whole = score_space(gqa, KERNEL_METRICS, "residual", pairs, **kw)[0]
     monkeypatch.setattr(job_factors, "CHUNK_BYTES", 1)  # one layer per chunk
-    chunked = score_space(gqa, METRICS, "residual", pairs, **kw)[0]
-    for metric in METRICS:
+    chunked = score_space(gqa, KERNEL_METRICS, "residual", pairs, **kw)[0]
+    for metric in KERNEL_METRICS:
         for col in ("score", "score_share"):
             np.testing.assert_allclose(chunked[metric][col].to_numpy().astype(float),
                                        whole[metric][col].to_numpy().astype(float), rtol=1e-12)
@@ -209,8 +209,8 @@ def test_activation_space_all_metrics_in_one_pass_equal_one_metric_jobs(gqa):
     m = random_moments(4, 4, 2, 4, 4)
     pairs = [(0, 1), (1, 3), (3, 0), (2, 2)]
     kw = dict(baseline_samples=N, device="cpu", dtype="float64", moments=m)
-    tables, _ = score_space(gqa, METRICS, "activation", pairs, **kw)
-    for metric in METRICS:
+    tables, _ = score_space(gqa, KERNEL_METRICS, "activation", pairs, **kw)
+    for metric in KERNEL_METRICS:
         one = score_block(gqa, metric, "activation", pairs, **kw)[0]
         assert tables[metric].drop("score", "score_share").equals(one.drop("score", "score_share"))
         for col in ("score", "score_share"):

@@ -219,6 +219,24 @@ def test_overrides_are_resolved_per_model():
     assert trained.induction["prepend_bos"] is True and trained.induction["pool"] == 32
 
 
+def test_pattern_output_is_scored_in_the_activation_space_only():
+    """The metrics are the run's and the spaces each model's: pattern_output's cells outside the
+    activation space are left out (a run may score residual space beside it), and a run where no
+    model has the activation space, so that pattern_output would score nothing, is refused."""
+    cfg = tiny()
+    cfg["metrics"] = ["frobenius", "pattern_output"]
+    cfg["models"]["tiny-llama"]["spaces"] = ["residual", "activation"]
+    plan = build_plan(cfg, check_sources=False)
+    assert plan.models["tiny-llama"].cells(plan.metrics) == (
+        ("frobenius", "residual"), ("frobenius", "activation"), ("pattern_output", "activation"))
+    assert plan.models["tiny-gpt2"].cells(plan.metrics) == (("frobenius", "residual"), ("frobenius", "token"))
+    del cfg["models"]["tiny-llama"]["spaces"]
+    with pytest.raises(ConfigError) as e:
+        build_plan(cfg, check_sources=False)
+    assert one_line(e) == ("config error at metrics: pattern_output is scored in the activation space only, and no "
+                           "model has it (add activation to spaces)")
+
+
 def test_training_runs_become_models_with_checkpoints():
     plan = build_plan(tiny(), check_sources=False)
     m = plan.models["tiny-trained"]

@@ -358,33 +358,38 @@ def test_lint_is_clean(tmp_path: Path):
 
 
 def test_adding_the_activation_space_and_contribution_runs_only_their_jobs(pipeline_run: Path, tmp_path: Path):
-    """A metric and a space added to a finished run: the moments of the one model that asks for
-    the activation space, its composition jobs and the new metric's, nothing else of the old
-    grid; the new rows reach the views (score_share, the within-layer-pair agreement)."""
+    """Metrics and a space added to a finished run: the moments of the one model that asks for
+    the activation space, its composition jobs and the new metrics', nothing else of the old
+    grid; pattern_output only in the activation space, measured by the moments job; the new rows
+    reach the views (score_share, the within-layer-pair agreement)."""
     import json
 
     work = tmp_path / "act"
     shutil.copytree(pipeline_run, work)
     before = {p: sha(p) for p in (work / "results" / "composition").rglob("*.parquet")}
     cfg = tiny_config()
-    cfg["metrics"] = [*cfg["metrics"], "contribution"]
+    cfg["metrics"] = [*cfg["metrics"], "contribution", "pattern_output"]
     cfg["models"]["tiny-llama"]["spaces"] = ["residual", "token", "activation"]
     cfg["models"]["tiny-llama"]["activation"] = {"text": {"kind": "induction"}, "chunks": 4, "length": 16}
     proc = run_snakemake(work, cfg)
     ran = [line.split("rule ")[1].rstrip(":") for line in proc.stderr.splitlines() if line.strip().startswith(("rule ", "localrule "))]
-    # tiny-llama: 4 metrics x activation + contribution x 2 old spaces; tiny-gpt2: contribution x 2 spaces;
+    # tiny-llama: 5 metrics x activation + contribution x 2 old spaces; tiny-gpt2: contribution x 2 spaces;
     # tiny-trained: contribution x 3 checkpoints; 2 blocks but for the trained model's 1
-    assert ran.count("moments") == 1 and ran.count("composition") == (4 + 2 + 2) * 2 + 3, ran
+    assert ran.count("moments") == 1 and ran.count("composition") == (5 + 2 + 2) * 2 + 3, ran
     assert "induction" not in ran and "edge_attribution" not in ran, ran
     assert all(sha(p) == h for p, h in before.items()), "old shards were rewritten"
     meta = json.loads((work / "results" / "moments" / "tiny-llama" / "final" / "moments.json").read_text())
     assert meta["text"]["kind"] == "induction" and meta["positions"] == 4 * 15 and meta["model"] == "tiny-llama"
+    assert meta["pattern_output_seconds"] >= 0
     con = connect(work / "results" / "atlas.duckdb")
     got = con.execute("""SELECT metric, count(*), count(score_share), count(baseline_gaussian_mean) FROM composition
                          WHERE model = 'tiny-llama' AND space = 'activation' GROUP BY ALL ORDER BY ALL""").fetchall()
     n = 3 * 4 * 4 * 3  # causal layer pairs x writer heads x reader heads x comps
     assert {m: (rows, share, gauss) for m, rows, share, gauss in got} == {
-        "contribution": (n, n, 0), "frobenius": (n, 0, n), "subspace": (n, 0, n), "svd_bound": (n, 0, n)}
+        "contribution": (n, n, 0), "frobenius": (n, 0, n), "pattern_output": (n, n, 0), "subspace": (n, 0, n),
+        "svd_bound": (n, 0, n)}
+    assert con.execute("SELECT count(*) FROM composition WHERE metric = 'pattern_output' AND space <> 'activation'"
+                       ).fetchone() == (0,)
     agree = con.execute("""SELECT comp, n_edges, n_layer_pairs FROM composition_vs_function WHERE model = 'tiny-llama'
                            AND metric = 'contribution' AND space = 'activation' AND method = 'eap' ORDER BY comp""").fetchall()
     assert agree == [("K", 24, 3), ("Q", 48, 3), ("V", 24, 3)]

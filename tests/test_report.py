@@ -17,7 +17,7 @@ from compatlas.atlas import connect as atlas_connect
 from compatlas.report import build_report
 from compatlas.report.heatmaps import heatmap_found, heatmap_rows, score_scale
 from compatlas.report.page import fmt, page_specs, step
-from compatlas.vocab import METRICS
+from compatlas.vocab import KERNEL_METRICS
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 SUITE = [Spec("toy-a", 4, 4), Spec("org/run", 3, 3, steps=[0, 1, 4, 16, 64, 100, 200]), Spec("solo", 1, 2)]
@@ -455,7 +455,7 @@ def test_a_circuit_in_another_cell_leads_every_part_of_the_page(tmp_path):
     assert "Here 2 of its 2 K discoveries are such edges." in page
     assert json.dumps("aside @ final: frobenius, residual space") in page  # the heatmap's title
     tables = re.findall(r"<div data-combo='([^']*)'( hidden)?>", page)
-    assert len(tables) == len(METRICS) * 2 and [c for c, hidden in tables if not hidden] == ["frobenius · residual"]
+    assert len(tables) == len(KERNEL_METRICS) * 2 and [c for c, hidden in tables if not hidden] == ["frobenius · residual"]
     shown = page.split("<div data-combo='frobenius · residual'>")[1].split("<div data-combo=")[0]
     assert "<td>L0.H1</td><td>L4.H0</td>" in shown and "<td>L0.H1</td><td>L5.H0</td>" in shown
     index = (tmp_path / "report" / "index.html").read_text(encoding="utf-8")
@@ -465,7 +465,7 @@ def test_a_circuit_in_another_cell_leads_every_part_of_the_page(tmp_path):
     con = atlas_connect(db)
     top = q.strongest(con, "aside", "final")
     per = top.group_by("metric", "space", "comp").len()
-    assert per.height == len(METRICS) * 2 * 3 and (per["len"] == q.STRONGEST_PER_COMP).all()
+    assert per.height == len(KERNEL_METRICS) * 2 * 3 and (per["len"] == q.STRONGEST_PER_COMP).all()
 
 
 def test_the_smallest_p_pairs_are_per_comp_and_per_test(tmp_path):

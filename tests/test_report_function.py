@@ -19,7 +19,7 @@ from synthetic_atlas import TRACKING, Spec, as_older_atlas, write_suite
 from compatlas.atlas import connect as atlas_connect
 from compatlas.report import build_report
 from compatlas.report.function import CIRCUIT, OTHER, edge_points, model_function
-from compatlas.vocab import METRICS
+from compatlas.vocab import KERNEL_METRICS
 
 STEPS = [0, 4, 64, 200, 400]
 SUITE = [Spec("wide", 6, 4, edges=True), Spec("run", 3, 3, steps=STEPS, edges=True), Spec("plain", 4, 4),
@@ -60,7 +60,7 @@ def test_model_page_shows_only_the_measurable_comp_with_intervals_and_names_the_
     body = part.split("<tbody>")[1].split("</tbody>")[0]
     rows = re.findall(r"<tr>(.*?)</tr>", body)
     # metric x space and the two oracles, K only
-    assert len(rows) == len(METRICS) * 2 + 2 and all("<td>K</td>" in r for r in rows)
+    assert len(rows) == len(KERNEL_METRICS) * 2 + 2 and all("<td>K</td>" in r for r in rows)
     assert sum("<td>oracle</td>" in r for r in rows) == 2
     # noise-aware Spearman and AUROC, and against |attribution| AUROC and Spearman: each with its interval
     assert all(len(re.findall(INTERVAL, r)) == 4 for r in rows)
@@ -80,7 +80,7 @@ def test_model_page_shows_only_the_measurable_comp_with_intervals_and_names_the_
     noise = {(m, s_, c): (a, r) for m, s_, c, a, r in con.execute(
         """SELECT metric, space, comp, auroc_significant, spearman_unbiased FROM composition_vs_function
            WHERE model = 'wide' AND checkpoint = 'final' AND method = ?""", [k.method]).fetchall()}
-    assert k.noise is not None and len(k.cells) == len(METRICS) * 2 + 2  # the oracles too
+    assert k.noise is not None and len(k.cells) == len(KERNEL_METRICS) * 2 + 2  # the oracles too
     for i, (m, s_) in enumerate(k.cells):
         assert (k.agreement.auroc[i], k.agreement.spearman[i]) == pytest.approx(view[(m, s_, "K")], abs=1e-12)
         assert (k.noise.auroc[i], k.noise.spearman[i]) == pytest.approx(noise[(m, s_, "K")], abs=1e-12)

@@ -10,7 +10,7 @@ from conftest import random_weights
 from compatlas.composition.table import score_block
 from compatlas.composition.token_space import embedding_basis, to_space
 from compatlas.models.weights import AttentionWeights
-from compatlas.vocab import COMPS, METRICS
+from compatlas.vocab import COMPS, KERNEL_METRICS
 
 L, H, HKV, D, DH, VOCAB = 3, 4, 2, 16, 4, 300
 
@@ -54,7 +54,7 @@ def brute_token_scores(w: AttentionWeights, metric: str, comp: str, l1: int, l2:
     return out
 
 
-@pytest.mark.parametrize("metric", METRICS)
+@pytest.mark.parametrize("metric", KERNEL_METRICS)
 def test_token_space_equals_brute_force(metric):
     w = random_model()
     df, facts = score_block(w, metric, "token", [(0, 1), (0, 2), (1, 2)], baseline_samples=4, device="cpu", dtype="float64")
@@ -103,7 +103,7 @@ def random_T(kind: str, seed: int) -> torch.Tensor:
     return O @ torch.diag(torch.logspace(-1.5, 1.5, D)) @ O2  # general GL(n)
 
 
-@pytest.mark.parametrize("metric", METRICS)
+@pytest.mark.parametrize("metric", KERNEL_METRICS)
 @pytest.mark.parametrize("kind", ["permutation", "orthogonal_scale", "diagonal", "gl"])
 def test_invariance_classes(metric, kind):
     w = random_model(1)
@@ -129,7 +129,7 @@ def test_bad_conditioning_drops_directions_and_reports():
     assert facts["embedding_dropped"] == 1 and ws.W_O.shape[-1] == D - 1 and torch.isfinite(ws.W_O).all()
 
 
-@pytest.mark.parametrize("metric", METRICS)
+@pytest.mark.parametrize("metric", KERNEL_METRICS)
 def test_rank_deficient_embedding_equals_pseudo_inverse_brute_force(metric):
     """compat processing centres W_E (rank d - 1): token space is W_E OV W_E^+ exactly."""
     w = random_model(2)
@@ -150,12 +150,12 @@ def test_centred_embedding_and_writers_keep_token_space_invariant():
     w.W_E = w.W_E - w.W_E.mean(-1, keepdim=True)
     w.W_O = w.W_O - w.W_O.mean(-1, keepdim=True)
     wt = transform(w, random_T("gl", 11))
-    for metric in METRICS:
+    for metric in KERNEL_METRICS:
         assert change(scores(w, metric, "token"), scores(wt, metric, "token")) < 1e-8
 
 
 @pytest.mark.parametrize("norm", ["RMS", "LN"])
-@pytest.mark.parametrize("metric", METRICS)
+@pytest.mark.parametrize("metric", KERNEL_METRICS)
 def test_token_norm_equals_brute_force_on_normalised_rows(metric, norm):
     """token_norm is token space of W_E's rows as the first attention norm sees them: each row
     centred (LayerNorm only), divided by its root mean square, times the norm's weight. The rows

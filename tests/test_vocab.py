@@ -75,8 +75,11 @@ def test_every_schema_enum_is_a_vocabulary_set():
 
 
 def test_defaults_of_list_settings_are_the_whole_vocabulary_in_its_order():
+    """The metrics' default is every metric the kernel scores in any space; pattern_output (activation
+    space only, a forward-pass cost per model) is asked for by name."""
     props = SCHEMA["properties"]
-    assert tuple(props["metrics"]["default"]) == vocab.METRICS
+    assert tuple(props["metrics"]["default"]) == vocab.KERNEL_METRICS
+    assert vocab.METRICS == vocab.KERNEL_METRICS + vocab.ACTIVATION_ONLY_METRICS
     assert tuple(props["invariance"]["properties"]["transforms"]["default"]) == vocab.TRANSFORMS
 
 

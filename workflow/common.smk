@@ -131,9 +131,9 @@ def grid_shards(path, model, ckpt):
     The DAG is static (blocks come from the config, not from the model's layer count), so dry
     runs and incremental reruns see every job."""
     m = PLAN.models[model]
-    # (a line may not start with `checkpoint=` in a .smk file: it is a keyword)
-    grid = dict(model=model, checkpoint=ckpt, metric=PLAN.metrics, space=m.spaces)
-    return expand(path, block=range(m.blocks), **grid)
+    # the model's (metric, space) cells: pattern_output is scored in the activation space only
+    return [path.format(model=model, checkpoint=ckpt, metric=metric, space=space, block=b)
+            for metric, space in m.cells(PLAN.metrics) for b in range(m.blocks)]
 
 
 def model_composition_shards(path):

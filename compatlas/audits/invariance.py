@@ -23,7 +23,7 @@ from compatlas.models.weights import AttentionWeights
 from compatlas.progress import Progress
 from compatlas.runtime import stable_seed
 from compatlas.tables import INVARIANCE_SCHEMA
-from compatlas.vocab import COMPS, TRANSFORMS, WEIGHT_SPACES, Metric, Space, Transform
+from compatlas.vocab import COMPS, KERNEL_METRICS, TRANSFORMS, WEIGHT_SPACES, Metric, Space, Transform
 
 log = logging.getLogger(__name__)
 
@@ -128,6 +128,7 @@ def audit(w: AttentionWeights, metrics: list[Metric], spaces: list[Space], *,
     w64.extras = {k: v for k, v in w64.extras.items() if k != "R_token_norm"}
     # the untransformed scores once; then one transformed model at a time (memory: two models)
     spaces = [s for s in spaces if s in WEIGHT_SPACES]  # activation's invariance: tests/test_activation_space.py
+    metrics = [m for m in metrics if m in KERNEL_METRICS]  # pattern_output is no weight space's
     base = {s: scores_all_metrics(to_space(w64, s, max_condition)[0], metrics) for s in spaces}
     rows = []
     progress = Progress(log, "invariance audit", total=len(transforms) * len(spaces), unit="transform x space")

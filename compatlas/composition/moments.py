@@ -15,6 +15,12 @@ moment (80 of those at Llama-2-70B shapes would be 21 GB):
 - ``q_inv_rms`` [L, H], ``k_inv_rms`` [L, Hkv]: the same for QK-norm (1 without), ``out_inv_rms``
   [L] for the post-attention (sandwich) norm a writer's output passes (1 without).
 
+Where the run scores ``pattern_output`` (``boot_and_measure_moments(..., pattern_output=True)``),
+the same windows also give its scores (``compatlas.composition.pattern_output``), saved beside the
+moments in the same file, under the same checksum: ``pattern_output_Q`` / ``_K`` / ``_V``
+[L, H, L, H] and ``pattern_output_own`` [L, H], each reader head's own output RMS
+``sqrt(tr(Z_v W_O^v W_O^vT))`` (the raw W_O, as the scores use it): score_share's denominator.
+
 Moments are means over every position but the first where the model starts with BOS (its
 activations are the attention sink's, not text's).
 """
@@ -23,7 +29,6 @@ from __future__ import annotations
 
 import json
 import logging
-import math
 import os
 import time
 from dataclasses import dataclass, field
@@ -32,12 +37,15 @@ from typing import Any
 
 import torch
 
+from compatlas.composition.pattern_output import attention_scale, pattern_output_scores
 from compatlas.progress import Progress
 from compatlas.storage import atomic_path, file_sha256
+from compatlas.vocab import COMPS, Comp
 
 log = logging.getLogger(__name__)
 
 MOMENT_KEYS = ("query", "key", "value", "z", "inv_rms", "q_inv_rms", "k_inv_rms", "out_inv_rms")
+PATTERN_KEYS = tuple(f"pattern_output_{c}" for c in COMPS)
 
 
 @dataclass
@@ -52,16 +60,17 @@ class Moments:
     out_inv_rms: torch.Tensor
     attn_scale: float  # the logit is q . k / attn_scale
     meta: dict[str, Any] = field(default_factory=dict)
+    # pattern_output's scores [L, H, L, H] per comp and each reader's own output RMS [L, H]; None unless measured
+    pattern_output: dict[Comp, torch.Tensor] | None = None
+    pattern_output_own: torch.Tensor | None = None
 
     def layers(self, layers: list[int]) -> Moments:
+        """These layers only (pattern_output's on both the writer's and the reader's axis)."""
         idx = torch.tensor(layers, dtype=torch.long)
-        return Moments(**{k: getattr(self, k)[idx] for k in MOMENT_KEYS}, attn_scale=self.attn_scale, meta=self.meta)
-
-
-def attention_scale(hf_config: Any, d_head: int) -> float:
-    """What the model divides q . k by: sqrt(query_pre_attn_scalar) where the config sets one
-    (Gemma), else sqrt(d_head)."""
-    return math.sqrt(getattr(hf_config, "query_pre_attn_scalar", None) or d_head)
+        po = None if self.pattern_output is None else {c: t[idx][:, :, idx] for c, t in self.pattern_output.items()}
+        own = None if self.pattern_output_own is None else self.pattern_output_own[idx]
+        return Moments(**{k: getattr(self, k)[idx] for k in MOMENT_KEYS}, attn_scale=self.attn_scale, meta=self.meta,
+                       pattern_output=po, pattern_output_own=own)
 
 
 def _heads_last(x: torch.Tensor, heads_first: bool) -> torch.Tensor:
@@ -130,12 +139,24 @@ def measure_moments(model, tokens: torch.Tensor, batch_size: int = 8, skip_first
                    meta={"positions": count, "first_position_skipped": skip_first})
 
 
+def own_output_rms(z: torch.Tensor, W_O: torch.Tensor) -> torch.Tensor:
+    """Each head's output RMS ``sqrt(E ||z W_O||^2) = sqrt(tr(Z W_O W_O^T))`` [L, H] from the moments'
+    ``Z = E[z^T z]`` [L, H, dh, dh] and W_O [L, H, dh, d_model]."""
+    W = W_O.to(z.device, torch.float64)
+    return torch.einsum("lhij,lhji->lh", z, W @ W.transpose(-2, -1)).clamp_min(0).sqrt()
+
+
 def save_moments(m: Moments, path: str | os.PathLike, meta_path: str | os.PathLike) -> None:
-    """The tensors (float32) and, written last with their checksum, the provenance JSON."""
+    """The tensors (float32; pattern_output's, where measured, beside them) and, written last with
+    their checksum, the provenance JSON."""
     from compatlas.models.weights import write_safetensors
 
+    tensors = {k: getattr(m, k).float().contiguous() for k in MOMENT_KEYS}
+    if m.pattern_output is not None and m.pattern_output_own is not None:
+        tensors |= {f"pattern_output_{c}": t.float().contiguous() for c, t in m.pattern_output.items()}
+        tensors["pattern_output_own"] = m.pattern_output_own.float().contiguous()
     with atomic_path(path) as tmp:
-        write_safetensors({k: getattr(m, k).float().contiguous() for k in MOMENT_KEYS}, tmp)
+        write_safetensors(tensors, tmp)
     meta = {**m.meta, "attn_scale": m.attn_scale, "moments_sha256": file_sha256(path), "moments_file": Path(path).name}
     with atomic_path(meta_path) as tmp:
         Path(tmp).write_text(json.dumps(meta, indent=2, sort_keys=True))
@@ -152,13 +173,18 @@ def load_moments(path: str | os.PathLike, meta_path: str | os.PathLike) -> Momen
         raise CorruptShardError(f"moments file {path} does not match the sha256 in {meta_path}; "
                                 "delete both and rerun the moments rule")
     t = load_file(str(path))
-    return Moments(**{k: t[k].double() for k in MOMENT_KEYS}, attn_scale=float(meta["attn_scale"]), meta=meta)
+    po: dict[Comp, torch.Tensor] | None = {c: t[f"pattern_output_{c}"].double() for c in COMPS} \
+        if all(k in t for k in PATTERN_KEYS) else None
+    return Moments(**{k: t[k].double() for k in MOMENT_KEYS}, attn_scale=float(meta["attn_scale"]), meta=meta,
+                   pattern_output=po, pattern_output_own=t["pattern_output_own"].double() if po is not None else None)
 
 
 def boot_and_measure_moments(model_id: str, entry: dict, checkpoint: dict | None, settings: dict, induction: dict,
-                             meta_path: str, workdir, device: str = "auto") -> tuple[Moments, dict]:
+                             meta_path: str, workdir, device: str = "auto", pattern_output: bool = False
+                             ) -> tuple[Moments, dict]:
     """Boot one model (x checkpoint) as the induction job does and measure its moments over the
-    sample ``settings`` (the model's ``activation`` section) names."""
+    sample ``settings`` (the model's ``activation`` section) names; with ``pattern_output`` (the
+    run scores that metric) its scores too, on the same windows."""
     from compatlas.behaviour.induction import boot_for_forward
     from compatlas.behaviour.tokens import bos_token, clean_tokens, sample_tokens, token_directions
     from compatlas.composition.text_sample import induction_chunks, text_chunks
@@ -183,6 +209,13 @@ def boot_and_measure_moments(model_id: str, entry: dict, checkpoint: dict | None
                     100 * sample.facts["unknown_token_share"])
     moments = measure_moments(m.bridge, sample.tokens, settings["batch_size"], skip_first=bos is not None,
                               progress=Progress(log, "activation moments", chunks, "chunk"))
+    t1 = time.perf_counter()
+    if pattern_output:
+        moments.pattern_output = pattern_output_scores(m.bridge, sample.tokens, settings["batch_size"],
+                                                       skip_first=bos is not None,
+                                                       progress=Progress(log, "pattern_output", chunks, "chunk"))
+        moments.pattern_output_own = own_output_rms(moments.z, m.bridge.W_O.detach())
+        moments.meta["pattern_output_seconds"] = round(time.perf_counter() - t1, 3)
     record = provenance(m.meta, processing="none", weight_processing="none (forward passes on the loaded model)",
                         text=sample.facts, settings=settings, dtype=str(m.dtype).removeprefix("torch."),
                         device=str(m.device), seconds=round(time.perf_counter() - t0, 3), **moments.meta)

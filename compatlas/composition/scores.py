@@ -44,7 +44,7 @@ import torch
 from compatlas.composition.small_linalg import on_host
 from compatlas.models.weights import AttentionWeights
 from compatlas.runtime import one_thread
-from compatlas.vocab import COMPS, METRICS, Comp, Metric
+from compatlas.vocab import COMPS, KERNEL_METRICS, Comp, Metric
 
 
 @dataclass
@@ -152,8 +152,8 @@ def head_factors(w: AttentionWeights, metric: Metric, comps: tuple[Comp, ...] = 
     kernel would take from the weights by measured second moments, [L, H or H / g, d_head, d_head]:
     ``"writer"`` the writer's ``W_V^T W_V``, ``"Q"`` / ``"K"`` the reader's other side (``W_K^T W_K``
     for Q, ``W_Q^T W_Q`` for K). ``subspace`` compares subspaces, which no moment changes."""
-    if metric not in METRICS:
-        raise ValueError(f"unknown metric {metric!r}; choose from {METRICS}")
+    if metric not in KERNEL_METRICS:  # pattern_output is a forward pass's (compatlas.composition.pattern_output)
+        raise ValueError(f"the kernel does not score {metric!r}; it scores {KERNEL_METRICS}")
     grams = grams or {}
     W_Ot = w.W_O.transpose(-2, -1)  # [L, H, d_model, d_head]
     absorb: dict[str, torch.Tensor] = {}

@@ -26,7 +26,7 @@ from compatlas.composition.token_space import EmbeddingBasis, change_basis, spac
 from compatlas.models.weights import AttentionWeights
 from compatlas.runtime import resolve_device
 from compatlas.tables import COMPOSITION_SCHEMA
-from compatlas.vocab import COMPS, NORMALISED_METRICS, Metric, ScoreDtype, Space
+from compatlas.vocab import ACTIVATION_ONLY_METRICS, COMPS, NORMALISED_METRICS, Metric, ScoreDtype, Space
 
 if TYPE_CHECKING:
     from compatlas.composition.moments import Moments
@@ -44,9 +44,10 @@ def score_block(w: AttentionWeights, metric: Metric, space: Space, pairs: list[t
     ``calibration``. A head is never paired with itself. The ``activation`` space needs the
     model's ``moments`` (``compatlas.composition.moments``). ``contribution`` rows carry ``score_share``, the
     score over the reader's own logit (Q, K) or output (V) RMS on the same statistics, and no
-    Gaussian null (random factors of unit scale say nothing of a magnitude's units). Returns the
-    table (columns ``COMPOSITION_SCHEMA``) and facts for the provenance record. One metric of
-    ``score_space``."""
+    Gaussian null (random factors of unit scale say nothing of a magnitude's units).
+    ``pattern_output`` (activation space only) is read from the moments, where the moments rule
+    measured it (``pattern_output_table``). Returns the table (columns ``COMPOSITION_SCHEMA``) and
+    facts for the provenance record. One metric of ``score_space``."""
     tables, facts = score_space(w, (metric,), space, pairs, baseline_samples=baseline_samples, seed=seed,
                                 device=device, dtype=dtype, max_condition=max_condition, moments=moments)
     return tables[metric], facts
@@ -73,6 +74,19 @@ def score_space(w: AttentionWeights, metrics: tuple[Metric, ...], space: Space, 
     products, and the finished block comes back in one copy. Returns each metric's table and the
     job's facts (``seconds_by_phase``: where the time went, ``composition_job.JobClock``)."""
     metrics = tuple(metrics)
+    if forward := [m for m in metrics if m in ACTIVATION_ONLY_METRICS]:  # measured by the moments rule
+        t0 = time.perf_counter()
+        tables: dict[Metric, pl.DataFrame] = {m: pattern_output_table(w, space, pairs, moments) for m in forward}
+        facts: dict = {"pattern_output": "the moments rule's forward pass (compatlas.composition.pattern_output)",
+                       "moments_positions": None if moments is None else moments.meta.get("positions"),
+                       "seconds": round(time.perf_counter() - t0, 3), "layer_pairs": [list(p) for p in pairs]}
+        kernel = tuple(m for m in metrics if m not in forward)
+        if not kernel:
+            return tables, facts
+        more, facts = score_space(w, kernel, space, pairs, baseline_samples=baseline_samples, seed=seed, device=device,
+                                  dtype=dtype, max_condition=max_condition, moments=moments, tile_bytes=tile_bytes)
+        tables |= more
+        return {m: tables[m] for m in metrics}, facts
     dev, dt = resolve_device(device), storage_dtype(dtype)
     clock, t0 = JobClock(dev), time.perf_counter()
     # factor only the layers this job's pairs touch: at 70B shapes all 80 layers' factors are ~86 GB
@@ -146,6 +160,32 @@ def _space(w_t: AttentionWeights, space: Space, max_condition: float, moments: M
         return (chunk if basis is None else change_basis(chunk, basis.R, basis.R_inv)), None
 
     return prepare, facts, w_t.d_model if basis is None else basis.R.shape[0]  # token space may drop directions
+
+
+def pattern_output_table(w: AttentionWeights, space: Space, pairs: list[tuple[int, int]],
+                         moments: Moments | None) -> pl.DataFrame:
+    """``pattern_output``'s rows for the pairs' head pairs, read from the moments (the scores of a
+    forward pass: no weights are scored here), ``score_share`` the score over the reader's own
+    output RMS on the same sample, both baselines null (no null model of a forward pass's change)."""
+    if space != "activation":
+        raise ValueError(f"pattern_output is scored in the activation space only (a forward pass's), not in {space}")
+    if moments is None or moments.pattern_output is None or moments.pattern_output_own is None:
+        raise ValueError("pattern_output needs its scores in the moments: rerun the moments rule with pattern_output "
+                         "in the run's metrics")
+    layers = touched_layers(pairs)
+    local = {layer: i for i, layer in enumerate(layers)}
+    H, P = w.n_heads, len(pairs)
+    block = np.full((len(COMPS), 3, P, H, H), np.nan)
+    for ci, c in enumerate(COMPS):
+        po = moments.pattern_output[c].numpy()
+        for pi, (a, b) in enumerate(pairs):
+            block[ci, 0, pi] = po[a, :, b, :]
+    own = np.broadcast_to(moments.pattern_output_own[layers].numpy(), (len(COMPS), len(layers), H))
+    const = {"model": w.meta.get("model", "?"), "checkpoint": w.meta.get("checkpoint", "final"),
+             "processing": w.meta.get("processing", "none"), "space": space, "metric": "pattern_output"}
+    df = block_table(block, np.full((len(COMPS), 2), np.nan), pairs, H, const,
+                     share=(own, [(local[a], local[b]) for a, b in pairs]))
+    return df.with_columns(pl.col("baseline_spectrum_mean", "baseline_spectrum_std").fill_nan(None))
 
 
 def block_table(block: np.ndarray, gauss: np.ndarray, pairs: list[tuple[int, int]], H: int, const: dict[str, str],

@@ -31,6 +31,7 @@ from typing import Any
 from compatlas.plan.checkpoints import checkpoint_label, checkpoint_step, hub_series, schedule, tokens_per_step
 from compatlas.plan.config import ConfigError, validate_config
 from compatlas.plan.model_checks import check_layers, check_model
+from compatlas.vocab import ACTIVATION_ONLY_METRICS
 
 # what a training segment does not depend on: adding checkpoints, or scoring them otherwise,
 # must not change (and rerun) the segments already trained
@@ -131,6 +132,14 @@ class ModelPlan:
         d_model = dims["n_heads"] * dims["d_head"]
         return dims["n_layers"] * 12 * d_model**2 + 2 * dims["d_vocab"] * d_model
 
+    def cells(self, metrics: Sequence[str]) -> tuple[tuple[str, str], ...]:
+        """The (metric, space) cells the model is scored in, metrics first: every metric in every
+        space of the model's, but an activation-only metric (``pattern_output``: a forward pass's)
+        in the activation space only. The config's metrics are the run's and its spaces the model's,
+        so a run scoring residual space beside pattern_output leaves out the cells that cannot exist
+        (refusing them would forbid that run; ``build_plan`` refuses a metric no model can score)."""
+        return tuple((m, s) for m in metrics for s in self.spaces if m not in ACTIVATION_ONLY_METRICS or s == "activation")
+
     def checkpoint(self, label: str) -> CheckpointPlan:
         for c in self.checkpoints:
             if c.label == label:
@@ -204,6 +213,10 @@ def build_plan(config: Mapping[str, Any], check_sources: bool = True, check_hub:
             # a model's override replaces a key whole: its text source is not merged with the default's
             activation=freeze({**validated["activation"], **entry.get("activation", {})}),
         )
+    for metric in set(ACTIVATION_ONLY_METRICS) & set(validated["metrics"]):
+        if not any("activation" in m.spaces for m in models.values()):
+            raise ConfigError(f"config error at metrics: {metric} is scored in the activation space only, and no "
+                              "model has it (add activation to spaces)")
     notes = _check_hub_sources(resolved) if check_hub else ()
     for m in models.values():  # a block beyond the model's layer pairs is a job that scores nothing
         if m.layers is not None and m.blocks > (pairs := len(m.layers) * (len(m.layers) - 1) // 2):

@@ -28,6 +28,8 @@ METRIC_TEXT = {
     "svd_bound": "||L R||_F / sqrt(sum_i s_i(L)^2 s_i(R)^2): 1 = singular vectors aligned",
     "subspace": "mean cos^2 of the principal angles between write and read subspaces",
     "contribution": "||L R||_F, a magnitude: the RMS of what the writer adds to the reader's logit (Q, K) or output (V)",
+    "pattern_output": "a magnitude: the RMS first-order change of the reader's output when the writer's output moves its "
+                      "query (Q) or key (K), through its pattern, or its value (V), on the model's own text",
 }
 SPACE_TEXT = {
     "residual": "weights acting on the residual stream",

@@ -16,8 +16,12 @@ standard error and split halves). Per comp and cell, with 95% paired-bootstrap i
   beyond its interval; ``depth``: the same against the layer pair's mean |attribution|.
 
     python benchmarks/agreement_candidates.py --atlas results/atlas.duckdb --model smollm2-135m \\
-        --function eap4096.npz --method eap --sequences 4096 [--json out.json]
+        --function eap4096.npz --method eap --sequences 4096 [--json out.json] \
+        [--extra pattern_output=po_stdlib.npz ...]
 
+``--extra NAME=PATH`` adds a candidate score not (yet) in the atlas: an npz of
+``<key>_<comp>`` arrays [L, H, L, H] per query head (``benchmarks/pattern_output_candidate.py``
+writes ``pattern_output_<comp>``), a K/V edge's the largest of its group's, as for the atlas's.
 Prints a markdown table per comp and, with ``--json``, every figure.
 """
 
@@ -73,7 +77,9 @@ def main() -> int:
     p.add_argument("--method", default="eap")
     p.add_argument("--sequences", type=int, required=True, help="the sequences the function was measured over")
     p.add_argument("--json", default="")
+    p.add_argument("--extra", action="append", default=[], help="NAME=PATH of an npz of per-head-pair scores")
     args = p.parse_args()
+    extras = {name: np.load(path) for name, path in (e.split("=", 1) for e in args.extra)}
     fn = np.load(args.function)
     con = connect(args.atlas)
     L, H, n_kv = con.execute("SELECT n_layers, n_heads, n_kv_heads FROM models WHERE model = ? LIMIT 1",
@@ -86,6 +92,11 @@ def main() -> int:
         mean, se, a, b = (fn[f"{args.method}_{c}_{k}"][causal] for k in ("mean", "stderr", "half_a", "half_b"))
         wl, _, rl, _ = edge_grid(L, H, width)
         cells = composition_cells(con, args.model, c, L, H, group)
+        for name, arrays in extras.items():
+            key = next(k for k in arrays.files if k.endswith(f"_{c}"))
+            per_head = arrays[key]  # [L, H, L, H]
+            unit = per_head if c == "Q" else per_head.reshape(L, H, L, n_kv, group).max(-1)
+            cells[(name, "candidate")] = unit[causal]
         depth = np.zeros_like(mean)
         for x, y in set(zip(wl.tolist(), rl.tolist())):
             m = (wl == x) & (rl == y)

@@ -98,6 +98,9 @@ def test_measurability_gate():
     assert not one.measurable and "top of its function is 1 edge" in one.why
     # a single sequence has no standard error: nothing can be told from zero
     assert ag.signal_edges(a, np.zeros(300), 1) == 0
+    # many sequences make a random model's tiny effects significant: the effect floor still says no function
+    tiny = ag.measurability(a * 1e-4, np.full(300, 1e-6), 512)
+    assert tiny.n_signal >= 6 and not tiny.measurable and f"under {ag.MIN_EFFECT:g}" in tiny.why
 
 
 def test_the_gate_rarely_finds_function_in_noise():

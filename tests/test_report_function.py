@@ -66,7 +66,7 @@ def test_model_page_shows_only_the_measurable_comp_with_intervals_and_names_the_
     assert all(len(re.findall(INTERVAL, r)) == 4 for r in rows)
     # the one cell whose K score follows the K function is the best on the noise-aware statistic, beyond the
     # others' uncertainty, and beats the scale oracle (the standard error is the same for every edge here)
-    best = re.search(r"K, noise ceiling [-0-9.]+ \([-0-9.]+ within a layer pair\): best <b>(\w+) × (\w+)</b> \((" + INTERVAL
+    best = re.search(r"<b>K</b>, noise ceiling [-0-9.]+ \([-0-9.]+ within a layer pair\): best <b>(\w+) × (\w+)</b> \((" + INTERVAL
                      + r")\), beyond every other cell; .*?it beats the scale oracle", part)
     assert best and (best.group(1), best.group(2)) == TRACKING, part[:3000]
     # every point figure the bootstrap starts from is the view's (an independent SQL computation)
@@ -109,6 +109,9 @@ def test_scatter_marks_the_circuit_edge(report):
     assert [r["edge"] for r in circ] == ["L0.H1 → L2.H0"]
     assert circ[0]["fn"] == pytest.approx(max(r["fn"] for r in rows))
     assert len(rows) == 3 * 3 * 3  # every causal K edge of 3 layers x 3 heads, once
+    # it draws the cell the section crowns for K (the one whose score follows the function), not the page's lead
+    crowned = re.search(r"<b>K</b>, noise ceiling .*?best <b>(\w+) × (\w+)</b>", section(page)).groups()
+    assert crowned == TRACKING and f"({TRACKING[0]}, {TRACKING[1]} space)" in json.dumps(scatter, ensure_ascii=False)
 
 
 def test_the_edge_exact_patching_ranks_first_over_training_with_every_method(report):

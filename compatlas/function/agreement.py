@@ -10,8 +10,10 @@ module adds what a reader needs before trusting them (docs/statistics.md#agreeme
   by chance alone), at least ``MIN_TOP`` edges whose attribution differs from zero beyond its
   own standard error (a t-test over the attribution's sequences, Benjamini-Hochberg at
   ``SIGNAL_FDR`` over the comp's edges; a random-init model's attribution is all noise and has
-  none), and a top of the function of at least ``MIN_TOP`` edges (with one, an AUROC is the rank
-  of one edge, not a sample: 4 edges and a top set of 1 give an AUROC of 0, 1/3, 2/3 or 1).
+  none), an effect of at least ``MIN_EFFECT`` nats in its largest edge (with enough sequences a
+  random model's tiny effects become significant), and a top of the function of at least
+  ``MIN_TOP`` edges (with one, an AUROC is the rank of one edge, not a sample: 4 edges and a top
+  set of 1 give an AUROC of 0, 1/3, 2/3 or 1).
 - ``bootstrap``: a paired bootstrap of AUROC and Spearman for every cell (metric x space) of one
   comp at once. Each replicate draws the edges with replacement (a multinomial weight per edge),
   re-derives the top of the function among them, and scores every cell on the same draw, so the
@@ -38,6 +40,10 @@ from compatlas.multiple_testing import bh_q_values
 
 MIN_EDGES = 20
 MIN_TOP = 3
+# nats: an edge whose patching moves the induced tokens' mean log-probability by less than this (1%)
+# changes no prediction; with hundreds of sequences a random-init model's edges of 1e-4 nats and
+# less become significant (toy-gpt2's V: 17 of 384 at 512 sequences), and are still not a function
+MIN_EFFECT = 0.01
 SIGNAL_FDR = 0.05
 N_BOOT = 200
 LEVEL = 0.95
@@ -94,7 +100,7 @@ def signal_edges(attribution: np.ndarray, stderr: np.ndarray, n_sequences: int) 
 
 
 def measurability(attribution: np.ndarray, stderr: np.ndarray, n_sequences: int) -> Measurability:
-    """``Measurability`` of one comp's edges (module docstring: the three conditions, in that order)."""
+    """``Measurability`` of one comp's edges (module docstring: the four conditions, in that order)."""
     a = np.asarray(attribution, dtype=float)
     n = len(a)
     n_top = int(top_of_function(np.abs(a)).sum()) if n else 0
@@ -108,6 +114,10 @@ def measurability(attribution: np.ndarray, stderr: np.ndarray, n_sequences: int)
         why = (f"{n_signal} of its {n:,} edges carr{'ies' if n_signal == 1 else 'y'} an attribution distinguishable "
                f"from zero (t-test over {n_sequences} sequences, Benjamini-Hochberg q <= {SIGNAL_FDR:g}); the largest "
                f"|attribution| is {largest:.2g}")
+    elif largest < MIN_EFFECT:
+        why = (f"its largest |attribution| is {largest:.2g} nats, under {MIN_EFFECT:g} (a 1% change in the induced "
+               f"tokens' probability): {n_signal} edge{'s' if n_signal != 1 else ''} distinguishable from zero, but too "
+               "small to be a function")
     elif n_top < MIN_TOP:
         why = (f"the top of its function is {n_top} edge{'s' if n_top != 1 else ''}, fewer than {MIN_TOP}: an AUROC "
                "would be the rank of that edge, not a sample")

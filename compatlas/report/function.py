@@ -45,7 +45,9 @@ WHAT = ("Each edge (writer head → a later reader's query, or its KV head's key
 RULES = (f"A comp has a function to predict when it has at least {ag.MIN_EDGES} edges (with fewer, a rank correlation "
          f"spreads by more than 0.23 by chance alone), at least {ag.MIN_TOP} edges whose attribution differs from zero "
          f"beyond its standard error (t-test over the sequences, Benjamini-Hochberg q <= {ag.SIGNAL_FDR:g}: a "
-         f"random-init model's attribution is noise) and a top of the function of at least {ag.MIN_TOP} edges (with one, "
+         f"random-init model's attribution is noise), a largest |attribution| of at least {ag.MIN_EFFECT:g} nats (with "
+         "hundreds of sequences a random model's tiny effects become significant) and a top of the function of at "
+         f"least {ag.MIN_TOP} edges (with one, "
          "an AUROC is one edge's rank). Intervals: 95% percentile bootstrap over edges "
          f"({ag.N_BOOT} replicates; the edges are treated as a sample, though they share heads and sequences); a cell "
          "is <b>best</b> only when the paired bootstrap difference to every other cell stays above 0, else the cells "
@@ -205,9 +207,9 @@ def best_lines(fns: dict[str, CompFunction], cvf: pl.DataFrame) -> str:
                        + (" (it does by AUROC for the significant edges)" if beats_a else
                           ": no claim that it predicts function"))
             lead = f"{what}, tied with {cell_names(tied)}" if tied else f"{what}, beyond every other cell"
-            out.append(f"{c}{ceil}: best {lead}; {orc}; it {verdict}")
+            out.append(f"<b>{c}</b>{ceil}: best {lead}; {orc}; it {verdict}")
         elif ceil:
-            out.append(f"{c}{ceil}: no split halves in this atlas, so no noise-aware figure")
+            out.append(f"<b>{c}</b>{ceil}: no split halves in this atlas, so no noise-aware figure")
         rk = f.ranking()
         if rk is not None:
             best, tied = rk
@@ -218,7 +220,7 @@ def best_lines(fns: dict[str, CompFunction], cvf: pl.DataFrame) -> str:
     html_ = ""
     if out:
         html_ += ("<p>Agreement with function, noise-aware (Spearman with the unbiased function estimate, 95% "
-                  "interval): " + "; ".join(out) + ".</p>")
+                  "interval):</p><ul>" + "".join(f"<li>{x}.</li>" for x in out) + "</ul>")
     if old:
         html_ += note("Against |attribution| (AUROC for the top of the function; rewards predicting noise scale, "
                       "kept for comparison): " + "; ".join(old) + ".")
@@ -375,13 +377,16 @@ def section(page: Page, con: duckdb.DuckDBPyConnection, d: Any, cuts: tuple[floa
             page.add(note("The comps without a function to predict are left out of the table; the view has them: "
                           f"{query}."))
     page.add(f"<p>{exact_line(q.eap_vs_exact(con, d.model, d.latest))}</p>")
-    if d.lead is not None and "K" in measurable:
-        df = q.edge_scatter(con, d.model, d.latest, methods["K"], *d.lead)
+    # the scatter draws the cell the section crowns for K (noise-aware), else the page's lead cell
+    crowned = fns["K"].noise_ranking() if "K" in measurable else None
+    cell = crowned[0] if crowned is not None else d.lead
+    if cell is not None and "K" in measurable:
+        df = q.edge_scatter(con, d.model, d.latest, methods["K"], *cell)
         if not df.is_empty():
             grouped = d.info.get("n_kv_heads") not in (None, d.info.get("n_heads"))
             prev, ind = d.roles(*cuts)
             pts = edge_points(df, prev, ind, grouped)
-            page.figure(scatter_chart(pts, d.model, d.latest, methods["K"], *d.lead), f"{d.stem}__function_scatter")
+            page.figure(scatter_chart(pts, d.model, d.latest, methods["K"], *cell), f"{d.stem}__function_scatter")
     elif "K" in fns:
         page.add(note("No scatter of K-composition against function: K has no function to predict here."))
     function_training.section(page, con, d)

@@ -214,7 +214,8 @@ def test_compared_values_of_closed_columns_are_read_from_the_where():
     lines = unknown_values(sql, ["smollm2-135m", "toy-gpt2"])
     assert lines == ["model 'smollm2' is not in this atlas; it has: smollm2-135m, toy-gpt2",
                      "comp 'k' is not a value of this atlas's vocabulary; it has: Q, K, V",
-                     "metric \"x'y\" is not a value of this atlas's vocabulary; it has: frobenius, svd_bound, subspace, contribution"]
+                     "metric \"x'y\" is not a value of this atlas's vocabulary; it has: frobenius, svd_bound, subspace, contribution, "
+                     "pattern_output"]
     assert unknown_values("SELECT * FROM models WHERE model = 'toy-gpt2'", ["toy-gpt2"]) == []
 
 

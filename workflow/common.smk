@@ -206,10 +206,12 @@ def edge_attribution_shards(wildcards):
 
 def edge_stratify_shards(wildcards):
     """The composition shards (every block) whose scores exact patching's sample is stratified
-    over: the run's first metric in the model's first space (frobenius x residual by default)."""
+    over: the run's first metric in the model's first space (frobenius x residual by default).
+    Ancient: a remade shard (a cancelled composition job rerun) does not rerun the costly edge
+    attribution; new weights do, through meta.json."""
     m = PLAN.models[wildcards.model]
-    return expand(SHARD, model=wildcards.model, checkpoint=wildcards.checkpoint, metric=PLAN.metrics[0],
-                  space=m.spaces[0], block=range(m.blocks))
+    return [ancient(p) for p in expand(SHARD, model=wildcards.model, checkpoint=wildcards.checkpoint,
+                                       metric=PLAN.metrics[0], space=m.spaces[0], block=range(m.blocks))]
 
 
 def space_moments(wildcards):

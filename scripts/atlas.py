@@ -1,4 +1,8 @@
 """Snakemake adapter: (re)build the DuckDB atlas over every shard."""
+from compatlas.worker import hand_off
+
+hand_off(snakemake)  # run in the run's job server, where torch is already imported
+
 from compatlas.atlas import build_atlas
 from compatlas.logs import setup
 

@@ -1,4 +1,8 @@
 """Snakemake adapter: p- and q-values of one model x checkpoint's causal pairs against its null pairs."""
+from compatlas.worker import hand_off
+
+hand_off(snakemake)  # run in the run's job server, where torch is already imported
+
 import json
 from pathlib import Path
 

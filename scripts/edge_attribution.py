@@ -5,6 +5,10 @@ from pathlib import Path
 if snakemake.params.entry["source"]["kind"] != "hub":
     os.environ["HF_HUB_OFFLINE"] = "1"
 
+from compatlas.worker import hand_off
+
+hand_off(snakemake)  # run in the run's job server, where torch is already imported
+
 import polars as pl
 
 from compatlas.function.edge_measure import boot_and_attribute_edges

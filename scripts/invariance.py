@@ -1,4 +1,8 @@
 """Snakemake adapter: the invariance audit of one model (x checkpoint)."""
+from compatlas.worker import hand_off
+
+hand_off(snakemake)  # run in the run's job server, where torch is already imported
+
 from compatlas.audits.invariance import audit, sample_layers
 from compatlas.logs import exit_now, setup
 from compatlas.models.weights import load_weights

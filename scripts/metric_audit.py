@@ -1,4 +1,8 @@
 """Snakemake adapter: audit every metric in every space against the axioms."""
+from compatlas.worker import hand_off
+
+hand_off(snakemake)  # run in the run's job server, where torch is already imported
+
 from compatlas.audits.metric_audit import run_audit
 from compatlas.logs import exit_now, setup
 from compatlas.storage import write_shard

@@ -1,4 +1,8 @@
 """Snakemake adapter: draw the report (overview + a page per model) from the atlas."""
+from compatlas.worker import hand_off
+
+hand_off(snakemake)  # run in the run's job server, where torch is already imported
+
 from pathlib import Path
 
 from compatlas.logs import setup

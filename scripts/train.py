@@ -1,4 +1,8 @@
 """Snakemake adapter: train one segment of a run, up to this checkpoint's step."""
+from compatlas.worker import hand_off
+
+hand_off(snakemake)  # run in the run's job server, where torch is already imported
+
 from pathlib import Path
 
 from compatlas.logs import exit_now, setup

@@ -10,7 +10,7 @@ from snakemake.exceptions import WorkflowError
 from compatlas.plan.config import ConfigError, load_config_file
 from compatlas.plan import build_plan, thaw
 from compatlas.storage import remove_leftover_temps
-from compatlas.vocab import METRICS, SPACES
+from compatlas.vocab import ACTIVATION_ONLY_METRICS, METRICS, SPACES
 
 # Validate and plan before any job is scheduled: one line naming the config file, the key and the
 # problem (not this file's line, which a WorkflowError would point at). `config` is left as the
@@ -30,6 +30,8 @@ for note in PLAN.notes:
 
 RESULTS = PLAN.results
 LOGS = f"{RESULTS}/logs"
+# the run's metrics that the composition kernel scores from the weights, one job per space for all
+KERNEL_METRICS_RUN = [m for m in PLAN.metrics if m not in ACTIVATION_ONLY_METRICS]
 
 WEIGHTS_TENSORS = f"{RESULTS}/weights/{{model}}/{{checkpoint}}/weights.safetensors"
 WEIGHTS_META = f"{RESULTS}/weights/{{model}}/{{checkpoint}}/meta.json"
@@ -134,6 +136,12 @@ def grid_shards(path, model, ckpt):
     # the model's (metric, space) cells: pattern_output is scored in the activation space only
     return [path.format(model=model, checkpoint=ckpt, metric=metric, space=space, block=b)
             for metric, space in m.cells(PLAN.metrics) for b in range(m.blocks)]
+
+
+def metric_shards(path, metrics, **fixed):
+    """``path`` (SHARD or NULL_SHARD) of each of ``metrics``, its other wildcards left for the job
+    (a composition job's outputs: one shard per metric)."""
+    return expand(path, metric=metrics, **fixed, allow_missing=True)
 
 
 def model_composition_shards(path):
@@ -249,7 +257,10 @@ def report_config():
 # One run at a time on a results folder (compatlas/runlock.py): Snakemake's own lock covers
 # only its working directory. Taken when jobs are about to run (onstart: never for dry runs nor
 # inside jobs), given back when the run ends; --nolock skips it, as it skips Snakemake's.
-_RUN_LOCK = {}
+# A local run also starts the job server (compatlas/worker.py): each job's script runs in a fork
+# of one process that has imported torch and the package, so start-up is paid once per run, not
+# per job. Not on a cluster (a job's node and allocation are its own), nor with COMPATLAS_WORKER=off.
+_RUN = {}
 
 
 onstart:
@@ -257,7 +268,7 @@ onstart:
         from compatlas import runlock
 
         try:
-            _RUN_LOCK["lock"] = runlock.acquire(RESULTS, os.getcwd())
+            _RUN["lock"] = runlock.acquire(RESULTS, os.getcwd())
         except runlock.RunLockError as e:
             print(f"compatlas: {e}", file=sys.stderr)
             raise SystemExit(1)
@@ -266,13 +277,23 @@ onstart:
         if gone:
             print(f"compatlas: removed {len(gone)} temporary files left by killed jobs (e.g. {gone[0]})",
                   file=sys.stderr)
+    if workflow.is_main_process and workflow.local_exec:
+        from compatlas import worker
+
+        _RUN["worker"] = worker.start(os.getcwd(), os.path.join(workflow.basedir, "scripts"),
+                                      ".snakemake/log/compatlas-worker.log")
+
+
+def _end_run():
+    if "worker" in _RUN and _RUN["worker"] is not None:
+        _RUN.pop("worker").stop()
+    if "lock" in _RUN:
+        _RUN.pop("lock").release()
 
 
 onsuccess:
-    if "lock" in _RUN_LOCK:
-        _RUN_LOCK.pop("lock").release()
+    _end_run()
 
 
 onerror:
-    if "lock" in _RUN_LOCK:
-        _RUN_LOCK.pop("lock").release()
+    _end_run()

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import polars as pl
@@ -76,7 +76,7 @@ def score_space(w: AttentionWeights, metrics: tuple[Metric, ...], space: Space, 
     metrics = tuple(metrics)
     if forward := [m for m in metrics if m in ACTIVATION_ONLY_METRICS]:  # measured by the moments rule
         t0 = time.perf_counter()
-        tables: dict[Metric, pl.DataFrame] = {m: pattern_output_table(w, space, pairs, moments) for m in forward}
+        tables: dict[Metric, pl.DataFrame] = {m: pattern_output_table(w.meta, pairs, moments, space) for m in forward}
         facts: dict = {"pattern_output": "the moments rule's forward pass (compatlas.composition.pattern_output)",
                        "moments_positions": None if moments is None else moments.meta.get("positions"),
                        "seconds": round(time.perf_counter() - t0, 3), "layer_pairs": [list(p) for p in pairs]}
@@ -162,11 +162,12 @@ def _space(w_t: AttentionWeights, space: Space, max_condition: float, moments: M
     return prepare, facts, w_t.d_model if basis is None else basis.R.shape[0]  # token space may drop directions
 
 
-def pattern_output_table(w: AttentionWeights, space: Space, pairs: list[tuple[int, int]],
-                         moments: Moments | None) -> pl.DataFrame:
+def pattern_output_table(meta: Mapping[str, Any], pairs: list[tuple[int, int]], moments: Moments | None,
+                         space: Space = "activation") -> pl.DataFrame:
     """``pattern_output``'s rows for the pairs' head pairs, read from the moments (the scores of a
-    forward pass: no weights are scored here), ``score_share`` the score over the reader's own
-    output RMS on the same sample, both baselines null (no null model of a forward pass's change)."""
+    forward pass: no weights are scored here, the weights' ``meta`` names the model and its heads),
+    ``score_share`` the score over the reader's own output RMS on the same sample, both baselines
+    null (no null model of a forward pass's change)."""
     if space != "activation":
         raise ValueError(f"pattern_output is scored in the activation space only (a forward pass's), not in {space}")
     if moments is None or moments.pattern_output is None or moments.pattern_output_own is None:
@@ -174,15 +175,15 @@ def pattern_output_table(w: AttentionWeights, space: Space, pairs: list[tuple[in
                          "in the run's metrics")
     layers = touched_layers(pairs)
     local = {layer: i for i, layer in enumerate(layers)}
-    H, P = w.n_heads, len(pairs)
+    H, P = int(meta["n_heads"]), len(pairs)
     block = np.full((len(COMPS), 3, P, H, H), np.nan)
     for ci, c in enumerate(COMPS):
         po = moments.pattern_output[c].numpy()
         for pi, (a, b) in enumerate(pairs):
             block[ci, 0, pi] = po[a, :, b, :]
     own = np.broadcast_to(moments.pattern_output_own[layers].numpy(), (len(COMPS), len(layers), H))
-    const = {"model": w.meta.get("model", "?"), "checkpoint": w.meta.get("checkpoint", "final"),
-             "processing": w.meta.get("processing", "none"), "space": space, "metric": "pattern_output"}
+    const = {"model": meta.get("model", "?"), "checkpoint": meta.get("checkpoint", "final"),
+             "processing": meta.get("processing", "none"), "space": space, "metric": "pattern_output"}
     df = block_table(block, np.full((len(COMPS), 2), np.nan), pairs, H, const,
                      share=(own, [(local[a], local[b]) for a, b in pairs]))
     return df.with_columns(pl.col("baseline_spectrum_mean", "baseline_spectrum_std").fill_nan(None))

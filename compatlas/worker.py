@@ -1,0 +1,373 @@
+"""A job's start-up paid once per run: a fork server for the pipeline's Python scripts.
+
+Every job of the pipeline is a Snakemake ``script:``, a fresh interpreter that imports torch,
+polars and compatlas before it does any work: about 2 s of a core on an idle 2-core machine, 4 s
+under load, against jobs whose own work is often a tenth of a second (benchmarks/README.md, "Job
+start-up"). For a local run the Snakefile starts one server (``start``): it imports what the
+scripts import, once, and waits on a Unix socket. Each script's first statement is
+``hand_off(snakemake)``: the job's process (its interpreter has only loaded Snakemake's
+preamble) sends the server its script, working directory, environment and standard streams; the
+server forks a child, which runs the script from the top with every module already imported, and
+sends back its exit status, which the job's process exits with. To Snakemake nothing changed: the
+job is a process that runs until its work is done, writes to the same streams and exits with the
+same status.
+
+What keeps it safe:
+
+- the child is a fork of a server that has only imported modules, never run torch nor touched a
+  GPU (a forked CUDA context is unusable: the server refuses to serve if one exists), so each job
+  starts from the same clean state and one job's state never reaches another;
+- a job whose process goes away (Snakemake cancelled it, or was killed) loses its child: the
+  server sees the connection close and kills it; the server and its children stay in Snakemake's
+  process group, so a signal to the group reaches them as it reached the jobs before;
+- the server leaves when Snakemake's run ends (``stop``) or its process disappears;
+- anything that goes wrong before the child starts (no server, a refused connection, a server
+  that died) makes ``hand_off`` return: the script then runs in its own process, as without one.
+
+It is for local runs only: on a cluster each job runs on a node of its own, in its own allocation,
+where a server outside it would escape its limits (the Snakefile starts none; ``hand_off`` finds
+no ``COMPATLAS_WORKER`` and returns). ``COMPATLAS_WORKER=off`` turns it off for a local run.
+"""
+
+from __future__ import annotations
+
+import ast
+import contextlib
+import importlib
+import json
+import os
+import selectors
+import signal
+import socket
+import struct
+import subprocess
+import sys
+import time
+import traceback
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+ENV = "COMPATLAS_WORKER"  # the server's socket path, in the environment Snakemake's jobs inherit
+_IN_CHILD = False  # set in a forked child: its own hand_off runs the script there
+_HEADER = struct.Struct("!I")
+KILL_GRACE_S = 5.0  # after SIGTERM, a cancelled job's child gets this long before SIGKILL
+
+
+# ----------------------------------------------------------------------------- the job's side
+
+
+def hand_off(snakemake: Any = None) -> None:
+    """Run the calling script in the run's server and exit with its status; return at once where
+    there is no server (a cluster job, ``COMPATLAS_WORKER=off``, a test calling the script) or the
+    server could not start it, so the script goes on in this process. ``snakemake`` is the
+    script's global (unused: it makes the call's purpose plain at the call site)."""
+    path = os.environ.get(ENV, "")
+    if _IN_CHILD or not path or path == "off":
+        return
+    try:
+        conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        conn.connect(path)
+        from compatlas.logs import STARTED_ENV, process_started
+
+        env = dict(os.environ) | {STARTED_ENV: str(process_started() or time.time())}
+        request = {"argv": sys.argv, "cwd": os.getcwd(), "env": env, "path": sys.path}
+        body = json.dumps(request).encode()
+        socket.send_fds(conn, [_HEADER.pack(len(body)) + body], [0, 1, 2])
+        if conn.recv(1) != b"S":  # the server could not fork: run here
+            conn.close()
+            return
+    except OSError:
+        return
+    # Snakemake cancels a job by signalling its process: leaving closes the connection, and the
+    # server kills the child
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+        signal.signal(sig, lambda *_: os._exit(1))
+    status = b""
+    while len(status) < 4:
+        chunk = conn.recv(4 - len(status))
+        if not chunk:
+            print(f"compatlas: the job's worker process ({path}) went away before the job ended", file=sys.stderr)
+            os._exit(1)
+        status += chunk
+    os._exit(struct.unpack("!i", status)[0])
+
+
+# ----------------------------------------------------------------------------- the server
+
+
+def script_imports(scripts: list[Path]) -> list[str]:
+    """The modules the pipeline's scripts import at their top level, in first-seen order: what the
+    server imports for every job."""
+    seen: dict[str, None] = {}
+    for script in scripts:
+        for node in ast.parse(script.read_text()).body:
+            if isinstance(node, ast.Import):
+                seen.update(dict.fromkeys(a.name for a in node.names))
+            elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+                seen.update(dict.fromkeys([node.module]))
+    return [m for m in seen if m != "compatlas.worker"]
+
+
+@dataclass
+class _Job:
+    conn: socket.socket
+    pid: int
+    killed_at: float | None = None
+
+
+def import_time_env(env: dict[str, str]) -> dict[str, str]:
+    """The variables the Hugging Face libraries read once, when imported (``HF_HUB_OFFLINE``
+    above all: the scripts set it before loading a model that is not the hub's). A job whose values
+    differ from the server's cannot use modules the server imported with its own."""
+    return {k: v for k, v in env.items() if k.startswith(("HF_", "HUGGINGFACE_", "TRANSFORMERS_"))}
+
+
+@dataclass
+class _Server:
+    sock: socket.socket
+    parent: int
+    preload: list[str]
+    sel: selectors.DefaultSelector = field(default_factory=selectors.DefaultSelector)
+    jobs: dict[int, _Job] = field(default_factory=dict)  # by pid
+    wakeup: tuple[int, int] = (-1, -1)  # a pipe a child's exit writes to (SIGCHLD): its job ends at once
+
+    def run(self) -> None:
+        self.sel.register(self.sock, selectors.EVENT_READ)
+        self.wakeup = os.pipe()
+        for fd in self.wakeup:
+            os.set_blocking(fd, False)
+        signal.set_wakeup_fd(self.wakeup[1])
+        signal.signal(signal.SIGCHLD, lambda *_: None)
+        self.sel.register(self.wakeup[0], selectors.EVENT_READ)
+        while os.getppid() == self.parent:
+            # import one module whenever nothing waits: the first jobs are not held up by all of them
+            events = self.sel.select(timeout=0 if self.preload else 1.0)
+            if not events and self.preload:
+                self._import(self.preload.pop(0))
+            for key, _ in events:
+                if key.fileobj is self.sock:
+                    self._accept()
+                elif key.fileobj == self.wakeup[0]:
+                    while True:
+                        try:
+                            if not os.read(self.wakeup[0], 512):
+                                break
+                        except BlockingIOError:
+                            break
+                else:
+                    self._lost(key.data)
+            self._reap()
+        self.kill_all()
+
+    def close_in_child(self) -> None:
+        """A forked child keeps none of the server's descriptors nor its SIGCHLD wake-up."""
+        signal.set_wakeup_fd(-1)
+        signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+        self.sock.close()
+        for fd in self.wakeup:
+            os.close(fd)
+        for job in self.jobs.values():
+            job.conn.close()
+
+    def _import(self, name: str) -> None:
+        try:
+            importlib.import_module(name)
+        except Exception as e:  # noqa: BLE001 (a job that needs it will say why; the server serves the others)
+            print(f"preload {name}: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
+        if "torch" in sys.modules and sys.modules["torch"].cuda.is_initialized():
+            raise SystemExit(f"importing {name} initialised CUDA, which a forked job cannot use: not serving")
+
+    def _accept(self) -> None:
+        conn, _ = self.sock.accept()
+        try:
+            head, fds, _, _ = socket.recv_fds(conn, _HEADER.size, 3)
+            (size,) = _HEADER.unpack(head)
+            body = b""
+            while len(body) < size:
+                chunk = conn.recv(size - len(body))
+                if not chunk:
+                    raise OSError("the job closed its connection")
+                body += chunk
+            request = json.loads(body)
+        except (OSError, ValueError, struct.error) as e:
+            print(f"a job's request was unreadable: {e}", file=sys.stderr, flush=True)
+            conn.close()
+            return
+        hf_loaded = "huggingface_hub" in sys.modules or "transformers" in sys.modules
+        if hf_loaded and import_time_env(request["env"]) != import_time_env(dict(os.environ)):
+            for fd in fds:  # imported with other settings than the job's: it runs in its own process
+                os.close(fd)
+            conn.sendall(b"N")
+            conn.close()
+            return
+        pid = os.fork()
+        if pid == 0:
+            self.close_in_child()
+            _child(request, fds, keep=conn)
+        for fd in fds:
+            os.close(fd)
+        conn.sendall(b"S")
+        self.jobs[pid] = _Job(conn, pid)
+        self.sel.register(conn, selectors.EVENT_READ, data=pid)
+
+    def _lost(self, pid: int) -> None:
+        """The job's process closed its end (it was cancelled or killed): its child goes too."""
+        job = self.jobs.get(pid)
+        if job is not None and job.killed_at is None:
+            _signal(pid, signal.SIGTERM)
+            job.killed_at = time.monotonic()
+            self.sel.unregister(job.conn)
+
+    def _reap(self) -> None:
+        for pid, job in list(self.jobs.items()):
+            if job.killed_at is not None and time.monotonic() - job.killed_at > KILL_GRACE_S:
+                _signal(pid, signal.SIGKILL)
+            done, status = os.waitpid(pid, os.WNOHANG)
+            if done == 0:
+                continue
+            code = os.waitstatus_to_exitcode(status)
+            try:
+                job.conn.sendall(struct.pack("!i", code if code >= 0 else 128 - code))
+            except OSError:
+                pass
+            if job.killed_at is None:
+                self.sel.unregister(job.conn)
+            job.conn.close()
+            del self.jobs[pid]
+
+    def kill_all(self) -> None:
+        for pid in self.jobs:
+            _signal(pid, signal.SIGKILL)
+
+
+def _signal(pid: int, sig: int) -> None:
+    try:
+        os.kill(pid, sig)
+    except ProcessLookupError:
+        pass
+
+
+def _child(request: dict[str, Any], fds: list[int], keep: socket.socket) -> None:
+    """The forked job: the streams, directory, environment and arguments of the job's process,
+    then its script from the top (this module's ``hand_off`` now returns). Never returns."""
+    global _IN_CHILD
+    _IN_CHILD = True
+    code = 1
+    try:
+        keep.close()
+        for target, fd in zip((0, 1, 2), fds):
+            os.dup2(fd, target)
+            os.close(fd)
+        for sig in (signal.SIGTERM, signal.SIGHUP):
+            signal.signal(sig, signal.SIG_DFL)
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        sys.stdin, sys.stdout, sys.stderr = (open(i, mode, closefd=False, buffering=b)
+                                             for i, mode, b in ((0, "r", -1), (1, "w", 1), (2, "w", 1)))
+        os.chdir(request["cwd"])
+        os.environ.clear()
+        os.environ.update(request["env"])
+        sys.argv = list(request["argv"])
+        sys.path[:] = list(request["path"])
+        script = Path(sys.argv[0])
+        globs = {"__name__": "__main__", "__file__": str(script), "__builtins__": __builtins__}
+        exec(compile(script.read_text(), str(script), "exec"), globs)  # Snakemake's script, its preamble included
+        code = 0
+    except SystemExit as e:
+        code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+        if not isinstance(e.code, int) and e.code is not None:
+            print(e.code, file=sys.stderr)
+    except BaseException:  # noqa: BLE001 (the job's error, reported as its own process would)
+        exc_type, exc, tb = sys.exc_info()
+        if exc_type is not None and exc is not None and sys.excepthook is not sys.__excepthook__:
+            sys.excepthook(exc_type, exc, tb)  # compatlas.logs: into the rule's log and stderr
+        else:
+            traceback.print_exc()
+    finally:
+        try:
+            import logging
+
+            logging.shutdown()
+            sys.stdout.flush()
+            sys.stderr.flush()
+        finally:
+            os._exit(code)
+
+
+def serve(path: str, parent: int, scripts_dir: Path) -> None:
+    """Listen on ``path`` until process ``parent`` (Snakemake's) is gone or stops the server,
+    importing the scripts' modules while it waits."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is Snakemake's to handle; it stops us
+    os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")  # is_available() without a CUDA context
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.bind(path)
+    sock.listen(256)
+    server = _Server(sock, parent, script_imports(sorted(scripts_dir.glob("*.py"))))
+
+    def stop(*_: Any) -> None:
+        server.kill_all()
+        Path(path).unlink(missing_ok=True)
+        os._exit(0)
+
+    signal.signal(signal.SIGTERM, stop)
+    try:
+        server.run()
+    finally:
+        Path(path).unlink(missing_ok=True)
+
+
+# ----------------------------------------------------------------------------- the Snakefile's side
+
+
+@dataclass
+class Worker:
+    """A running server, as ``start`` returns it to the Snakefile."""
+
+    process: subprocess.Popen[bytes]
+    socket_path: str
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(10)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+        Path(self.socket_path).unlink(missing_ok=True)
+        with contextlib.suppress(OSError):
+            os.rmdir(os.path.dirname(self.socket_path))
+
+
+def start(run_dir: str | os.PathLike[str], scripts_dir: str | os.PathLike[str], log: str | os.PathLike[str]) -> Worker | None:
+    """Start the run's server (``COMPATLAS_WORKER`` set in this process's environment, which the
+    jobs inherit), logging to ``log``; None where ``COMPATLAS_WORKER=off`` or no Unix socket fits.
+    The socket lives in a private folder of the system's temporary space: a socket path may not
+    exceed about 100 bytes, which a results folder's often does."""
+    if os.environ.get(ENV) == "off" or not hasattr(os, "fork"):
+        return None
+    import tempfile
+
+    folder = tempfile.mkdtemp(prefix="compatlas-worker-")
+    path = os.path.join(folder, "socket")
+    Path(log).parent.mkdir(parents=True, exist_ok=True)
+    with open(log, "wb") as out:
+        process = subprocess.Popen([sys.executable, "-m", "compatlas.worker", path, str(os.getpid()), str(scripts_dir)],
+                                   stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
+                                   cwd=os.fspath(run_dir))
+    for _ in range(200):  # the socket is bound before the first import: a fraction of a second
+        if os.path.exists(path) or process.poll() is not None:
+            break
+        time.sleep(0.01)
+    if not os.path.exists(path):
+        process.kill()
+        return None
+    os.environ[ENV] = path
+    return Worker(process, path)
+
+
+if __name__ == "__main__":
+    # run as compatlas.worker, not __main__: a child's hand_off must see _IN_CHILD set
+    from compatlas import worker
+
+    worker.serve(sys.argv[1], int(sys.argv[2]), Path(sys.argv[3]))

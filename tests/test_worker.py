@@ -1,0 +1,166 @@
+"""The job server (compatlas/worker.py): a script handed off runs in a fork of the server with the
+job's streams, directory, environment and arguments, and its process exits with the script's
+status; a cancelled job's fork dies with it; without a server the script runs in its own process.
+
+Each test starts a server on a scripts folder of its own (what it imports: a small module, so the
+tests do not wait for torch) and runs "job" scripts that stand for what Snakemake runs: a file
+that calls ``hand_off`` first, run by a fresh interpreter."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from compatlas import worker
+
+pytestmark = pytest.mark.skipif(not hasattr(os, "fork"), reason="the job server forks: POSIX only")
+
+JOB = """
+import os, sys
+from compatlas.worker import hand_off
+hand_off(None)
+import json
+print(json.dumps({{"pid": os.getpid(), "ppid": os.getppid(), "cwd": os.getcwd(), "argv": sys.argv,
+                  "var": os.environ.get("JOB_VAR"), "json_loaded_before": {loaded}}}))
+sys.stderr.write("to stderr\\n")
+{tail}
+"""
+
+
+@pytest.fixture
+def server(tmp_path: Path):
+    scripts = tmp_path / "scripts"
+    scripts.mkdir()
+    (scripts / "a.py").write_text("import json\nimport colorsys\n")  # what the server imports for its jobs
+    w = worker.start(tmp_path, scripts, tmp_path / "worker.log")
+    assert w is not None, (tmp_path / "worker.log").read_text()
+    os.environ.pop(worker.ENV)  # start() sets it for Snakemake's jobs; the tests pass it explicitly
+    yield w
+    w.stop()
+    assert w.process.poll() is not None and not Path(w.socket_path).exists()
+
+
+def job(tmp_path: Path, tail: str = "", name: str = "job.py") -> Path:
+    path = tmp_path / name
+    path.write_text(textwrap.dedent(JOB.format(loaded="'colorsys' in sys.modules", tail=tail)))
+    return path
+
+
+def run(script: Path, socket_path: str | None, cwd: Path, **kw) -> subprocess.CompletedProcess:
+    env = {**os.environ, "JOB_VAR": "x1"}
+    env.pop(worker.ENV, None)
+    if socket_path:
+        env[worker.ENV] = socket_path
+    return subprocess.run([sys.executable, str(script), "arg"], cwd=cwd, env=env, capture_output=True, text=True,
+                          timeout=120, **kw)
+
+
+def test_a_handed_off_job_runs_in_the_server_with_its_own_streams_directory_and_environment(server, tmp_path):
+    import json
+
+    time.sleep(0.5)  # let the server import its modules
+    elsewhere = tmp_path / "cwd"
+    elsewhere.mkdir()
+    proc = run(job(tmp_path, "sys.exit(3)"), server.socket_path, elsewhere)
+    assert proc.returncode == 3, proc.stderr
+    out = json.loads(proc.stdout)
+    assert out["ppid"] == server.process.pid  # a fork of the server, not the job's own process
+    assert out["cwd"] == str(elsewhere) and out["argv"] == [str(tmp_path / "job.py"), "arg"] and out["var"] == "x1"
+    assert out["json_loaded_before"]  # imported by the server, before the job's own imports
+    assert proc.stderr == "to stderr\n"
+
+
+def test_the_exit_status_and_the_traceback_of_a_failing_job_come_back(server, tmp_path):
+    proc = run(job(tmp_path, "raise ValueError('bad input')"), server.socket_path, tmp_path)
+    assert proc.returncode == 1
+    assert "ValueError: bad input" in proc.stderr and "Traceback" in proc.stderr
+    killed = run(job(tmp_path, "os.kill(os.getpid(), 9)", "k.py"), server.socket_path, tmp_path)
+    assert killed.returncode == 128 + 9  # a shell's convention for a job killed by a signal
+
+
+def test_without_a_server_the_job_runs_in_its_own_process(tmp_path):
+    import json
+
+    alone = run(job(tmp_path), None, tmp_path)
+    gone = run(job(tmp_path, name="j2.py"), str(tmp_path / "no-such-socket"), tmp_path)
+    for proc in (alone, gone):
+        assert proc.returncode == 0, proc.stderr
+        assert json.loads(proc.stdout)["ppid"] != 1 and not json.loads(proc.stdout)["json_loaded_before"]
+
+
+def test_a_cancelled_job_takes_its_fork_with_it(server, tmp_path):
+    marker = tmp_path / "child.pid"
+    script = job(tmp_path, f"open({str(marker)!r}, 'w').write(str(os.getpid()))\nimport time\ntime.sleep(300)")
+    env = {**os.environ, worker.ENV: server.socket_path}
+    proc = subprocess.Popen([sys.executable, str(script)], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 60
+    while not marker.exists() or not marker.read_text():
+        assert time.monotonic() < deadline, "the job never started"
+        time.sleep(0.05)
+    child = int(marker.read_text())
+    proc.send_signal(signal.SIGTERM)  # what Snakemake does to a job it cancels
+    proc.wait(30)
+    deadline = time.monotonic() + 30
+    while alive(child):
+        assert time.monotonic() < deadline, "the job's fork outlived its job"
+        time.sleep(0.05)
+
+
+def test_a_job_whose_hub_settings_differ_from_the_servers_runs_in_its_own_process(tmp_path):
+    """The Hugging Face libraries read HF_HUB_OFFLINE when imported: a server that imported them
+    cannot serve a job that set it otherwise."""
+    import json
+
+    scripts = tmp_path / "scripts"
+    scripts.mkdir()
+    (scripts / "a.py").write_text("import huggingface_hub\n")
+    w = worker.start(tmp_path, scripts, tmp_path / "worker.log")
+    assert w is not None
+    os.environ.pop(worker.ENV)
+    try:
+        time.sleep(3)  # the import
+        env_same = {**os.environ, worker.ENV: w.socket_path}
+        env = {**env_same, "HF_HUB_OFFLINE": "0" if os.environ.get("HF_HUB_OFFLINE") == "1" else "1"}
+        outs = [subprocess.run([sys.executable, str(job(tmp_path, name=f"h{i}.py"))], env=e, capture_output=True, text=True,
+                               timeout=120) for i, e in enumerate((env, env_same))]
+        assert [json.loads(o.stdout)["ppid"] == w.process.pid for o in outs] == [False, True], [o.stderr for o in outs]
+    finally:
+        w.stop()
+
+
+def test_the_server_leaves_when_its_snakemake_is_gone(tmp_path):
+    scripts = tmp_path / "scripts"
+    scripts.mkdir()
+    code = (f"from compatlas import worker; w = worker.start({str(tmp_path)!r}, {str(scripts)!r}, {str(tmp_path / 'w.log')!r}); "
+            "print(w.process.pid, flush=True); import os; os._exit(0)")  # Snakemake killed: no stop()
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    pid = int(out.stdout.split()[0])
+    deadline = time.monotonic() + 30
+    while alive(pid):
+        assert time.monotonic() < deadline, "the server outlived its Snakemake"
+        time.sleep(0.1)
+
+
+def test_the_server_imports_what_the_pipeline_scripts_import():
+    modules = worker.script_imports(sorted((Path(__file__).parents[1] / "scripts").glob("*.py")))
+    assert {"compatlas.composition.table", "polars", "compatlas.logs"} <= set(modules)
+    assert "compatlas.worker" not in modules
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # a zombie (exited, not yet reaped by its parent) is gone for our purpose
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False

@@ -22,7 +22,11 @@ median of the per-round ratios, so that load from other processes hits both side
   without nulls);
 - **job**: ``composition_table.score_space`` from host weights to the three metrics' tables:
   transfer, factors, GEMMs, scores, both nulls (32 draws), one copy back, the tables; its split
-  by phase is the job's own clock (``seconds_by_phase``, the device synchronised per phase).
+  by phase is the job's own clock (``seconds_by_phase``, the device synchronised per phase);
+- **rule job** (float32): the composition rule's job as ``scripts/composition.py`` runs it
+  (``shard_job.composition_job``): the block's layers read from a weight shard on disk (written by
+  ``save_weights``, as the extract rule writes it), every kernel metric of the residual space (the
+  three and ``contribution``) scored, and each metric's causal and null shards written.
 
 Then the estimate for a whole Llama-2-70B checkpoint (80 layers; every metric x space, causal and
 null pairs) from the ``llama2-70b-8`` shape: per-layer costs (transfer, factors) times the layers
@@ -229,6 +233,7 @@ def measure_shape(key: str, dev: torch.device, repeats: int, dtypes: tuple[str, 
     parts["kernel float32"] = lambda: score_tiles(job_factors(w_dev, METRICS), METRICS, pairs, None, "float32", JobClock(dev))
     for dt in dtypes:
         parts[f"job {dt}"] = job(dt)
+    parts["rule float32"] = rule_job(w, dev, layers)
     for fn in parts.values():  # warm-up: library initialisation, cuBLAS heuristics, allocator
         fn()
     for dt in dtypes:
@@ -253,12 +258,34 @@ def measure_shape(key: str, dev: torch.device, repeats: int, dtypes: tuple[str, 
                           "share_of_own_floor": med([f / j for f, j in zip(fl[dt], t[f"job {dt}"])]),
                           "share_of_its_products": med([f / j for f, j in zip(t[f"own {dt}"], t[f"job {dt}"])]),
                           "split_s": facts[dt][i]["seconds_by_phase"], "gpu_peak_bytes": facts[dt][i].get("gpu_peak_bytes")}
+    out["rule_job"] = {"s": med(t["rule float32"]),
+                       "share_of_fp32_floor": med([f / j for f, j in zip(fl["float32"], t["rule float32"])])}
     out["host_peak_rss_bytes"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     if dev.type == "cuda":
         out["factors_s"] = factor_times(w_dev)
     if key in ("llama3-8b", "llama2-70b-8") and dev.type == "cuda":
         out["basis_change"] = measure_basis_change(w_dev)
     return out  # the device weights and the floor's operands go with this frame
+
+
+def rule_job(w: AttentionWeights, dev: torch.device, layers: list[int]) -> Callable[[], object]:
+    """The composition rule's job on ``w`` written as a weight shard: what scripts/composition.py runs."""
+    import tempfile
+
+    from compatlas.composition.shard_job import composition_job
+    from compatlas.models.weights import save_weights
+    from compatlas.vocab import KERNEL_METRICS
+
+    folder = Path(tempfile.mkdtemp(prefix="bench-rule-job-"))
+    save_weights(w, folder / "weights.safetensors", folder / "meta.json")
+    causal = [folder / "composition" / f"metric={m}" / "space=residual" / "block=0.parquet" for m in KERNEL_METRICS]
+    null = [folder / "composition_null" / f"metric={m}" / "space=residual" / "block=0.parquet" for m in KERNEL_METRICS]
+    settings = {"baseline_samples": 32, "seed": 0, "max_condition": 1e6}
+
+    def run() -> None:
+        composition_job(folder / "weights.safetensors", folder / "meta.json", "residual", causal, null, layers=layers,
+                        blocks=1, block=0, settings=settings, device=dev.type, dtype="float32")
+    return run
 
 
 def factor_times(w_dev: AttentionWeights) -> dict:
@@ -371,6 +398,12 @@ def report(results: dict) -> None:
                 + (f"  (target >= {tgt}: {'met' if j['share_of_fp32_floor'] >= tgt else 'NOT met'})" if tgt else ""))
             log("      split: " + ", ".join(f"{k} {v:.3f}" for k, v in j["split_s"].items())
                 + (f"; GPU peak {j['gpu_peak_bytes'] / 1e9:.1f} GB" if j["gpu_peak_bytes"] else ""))
+        if "rule_job" in m:
+            r = m["rule_job"]
+            tgt = (TARGETS_GPU if dev != "cpu" else TARGET_CPU).get(key)
+            log(f"  rule job (scripts/composition.py: shard read, 4 kernel metrics, 8 shards written) {r['s']:8.3f} s: "
+                f"{r['share_of_fp32_floor']:.2f} of the fp32 floor"
+                + (f"  (target >= {tgt}: {'met' if r['share_of_fp32_floor'] >= tgt else 'NOT met'})" if tgt else ""))
         if "factors_s" in m:
             log("  head_factors: " + ", ".join(f"{k} {v:.3f} s" for k, v in m["factors_s"].items()))
         if "basis_change" in m:

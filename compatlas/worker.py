@@ -57,11 +57,13 @@ KILL_GRACE_S = 5.0  # after SIGTERM, a cancelled job's child gets this long befo
 # ----------------------------------------------------------------------------- the job's side
 
 
-def hand_off(snakemake: Any = None) -> None:
+def hand_off(snakemake: Any = None, network: bool = False) -> None:
     """Run the calling script in the run's server and exit with its status; return at once where
     there is no server (a cluster job, ``COMPATLAS_WORKER=off``, a test calling the script) or the
     server could not start it, so the script goes on in this process. ``snakemake`` is the
-    script's global (unused: it makes the call's purpose plain at the call site)."""
+    script's global (unused: it makes the call's purpose plain at the call site). ``network``:
+    the job loads a model from the hub, which the server's Hugging Face libraries, imported
+    offline, cannot: it runs in its own process."""
     path = os.environ.get(ENV, "")
     if _IN_CHILD or not path or path == "off":
         return
@@ -71,7 +73,7 @@ def hand_off(snakemake: Any = None) -> None:
         from compatlas.logs import STARTED_ENV, process_started
 
         env = dict(os.environ) | {STARTED_ENV: str(process_started() or time.time())}
-        request = {"argv": sys.argv, "cwd": os.getcwd(), "env": env, "path": sys.path}
+        request = {"argv": sys.argv, "cwd": os.getcwd(), "env": env, "path": sys.path, "network": network}
         body = json.dumps(request).encode()
         socket.send_fds(conn, [_HEADER.pack(len(body)) + body], [0, 1, 2])
         if conn.recv(1) != b"S":  # the server could not fork: run here
@@ -116,11 +118,20 @@ class _Job:
     killed_at: float | None = None
 
 
+# Imported first: what every script needs, then (after the scripts' own imports) what the model
+# scripts import inside their functions, transformers above all (about 4 s of a job on the idle
+# machine, 17 s under load)
+PRELOAD_FIRST = ("torch", "numpy", "polars")
+PRELOAD_LAST = ("transformers", "transformer_lens", "transformer_lens.model_bridge")
+
+
 def import_time_env(env: dict[str, str]) -> dict[str, str]:
-    """The variables the Hugging Face libraries read once, when imported (``HF_HUB_OFFLINE``
-    above all: the scripts set it before loading a model that is not the hub's). A job whose values
-    differ from the server's cannot use modules the server imported with its own."""
-    return {k: v for k, v in env.items() if k.startswith(("HF_", "HUGGINGFACE_", "TRANSFORMERS_"))}
+    """The variables the Hugging Face libraries read once, when imported (their caches, tokens,
+    endpoints). A job whose values differ from the server's cannot use modules the server imported
+    with its own. ``HF_HUB_OFFLINE`` is left out: the server imports them offline (a model not
+    from the hub needs no network, and its script says so before ``hand_off``), and a job that
+    needs the hub says so (``hand_off(network=True)``)."""
+    return {k: v for k, v in env.items() if k.startswith(("HF_", "HUGGINGFACE_", "TRANSFORMERS_")) and k != "HF_HUB_OFFLINE"}
 
 
 @dataclass
@@ -131,6 +142,7 @@ class _Server:
     sel: selectors.DefaultSelector = field(default_factory=selectors.DefaultSelector)
     jobs: dict[int, _Job] = field(default_factory=dict)  # by pid
     wakeup: tuple[int, int] = (-1, -1)  # a pipe a child's exit writes to (SIGCHLD): its job ends at once
+    t0: float = field(default_factory=time.monotonic)
 
     def run(self) -> None:
         self.sel.register(self.sock, selectors.EVENT_READ)
@@ -145,6 +157,8 @@ class _Server:
             events = self.sel.select(timeout=0 if self.preload else 1.0)
             if not events and self.preload:
                 self._import(self.preload.pop(0))
+                if not self.preload:
+                    print(f"imported the jobs' modules in {time.monotonic() - self.t0:.1f}s", file=sys.stderr, flush=True)
             for key, _ in events:
                 if key.fileobj is self.sock:
                     self._accept()
@@ -195,7 +209,7 @@ class _Server:
             conn.close()
             return
         hf_loaded = "huggingface_hub" in sys.modules or "transformers" in sys.modules
-        if hf_loaded and import_time_env(request["env"]) != import_time_env(dict(os.environ)):
+        if hf_loaded and (request.get("network") or import_time_env(request["env"]) != import_time_env(dict(os.environ))):
             for fd in fds:  # imported with other settings than the job's: it runs in its own process
                 os.close(fd)
             conn.sendall(b"N")
@@ -294,15 +308,18 @@ def _child(request: dict[str, Any], fds: list[int], keep: socket.socket) -> None
             os._exit(code)
 
 
-def serve(path: str, parent: int, scripts_dir: Path) -> None:
+def serve(path: str, parent: int, scripts_dir: Path, common: bool = True) -> None:
     """Listen on ``path`` until process ``parent`` (Snakemake's) is gone or stops the server,
-    importing the scripts' modules while it waits."""
+    importing the scripts' modules while it waits (with ``common``, PRELOAD_FIRST and _LAST too)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is Snakemake's to handle; it stops us
     os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")  # is_available() without a CUDA context
+    os.environ["HF_HUB_OFFLINE"] = "1"  # the Hugging Face libraries imported offline (import_time_env)
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     sock.bind(path)
     sock.listen(256)
-    server = _Server(sock, parent, script_imports(sorted(scripts_dir.glob("*.py"))))
+    first, last = (PRELOAD_FIRST, PRELOAD_LAST) if common else ((), ())
+    preload = list(dict.fromkeys([*first, *script_imports(sorted(scripts_dir.glob("*.py"))), *last]))
+    server = _Server(sock, parent, preload)
 
     def stop(*_: Any) -> None:
         server.kill_all()
@@ -339,9 +356,11 @@ class Worker:
             os.rmdir(os.path.dirname(self.socket_path))
 
 
-def start(run_dir: str | os.PathLike[str], scripts_dir: str | os.PathLike[str], log: str | os.PathLike[str]) -> Worker | None:
+def start(run_dir: str | os.PathLike[str], scripts_dir: str | os.PathLike[str], log: str | os.PathLike[str],
+          common: bool = True) -> Worker | None:
     """Start the run's server (``COMPATLAS_WORKER`` set in this process's environment, which the
-    jobs inherit), logging to ``log``; None where ``COMPATLAS_WORKER=off`` or no Unix socket fits.
+    jobs inherit), logging to ``log``, importing what ``scripts_dir``'s scripts import (and, with
+    ``common``, torch and transformers); None where ``COMPATLAS_WORKER=off`` or no Unix socket fits.
     The socket lives in a private folder of the system's temporary space: a socket path may not
     exceed about 100 bytes, which a results folder's often does."""
     if os.environ.get(ENV) == "off" or not hasattr(os, "fork"):
@@ -352,7 +371,8 @@ def start(run_dir: str | os.PathLike[str], scripts_dir: str | os.PathLike[str], 
     path = os.path.join(folder, "socket")
     Path(log).parent.mkdir(parents=True, exist_ok=True)
     with open(log, "wb") as out:
-        process = subprocess.Popen([sys.executable, "-m", "compatlas.worker", path, str(os.getpid()), str(scripts_dir)],
+        process = subprocess.Popen([sys.executable, "-m", "compatlas.worker", path, str(os.getpid()), str(scripts_dir),
+                                    str(int(common))],
                                    stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
                                    cwd=os.fspath(run_dir))
     for _ in range(200):  # the socket is bound before the first import: a fraction of a second
@@ -370,4 +390,4 @@ if __name__ == "__main__":
     # run as compatlas.worker, not __main__: a child's hand_off must see _IN_CHILD set
     from compatlas import worker
 
-    worker.serve(sys.argv[1], int(sys.argv[2]), Path(sys.argv[3]))
+    worker.serve(sys.argv[1], int(sys.argv[2]), Path(sys.argv[3]), sys.argv[4] == "1")

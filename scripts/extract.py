@@ -8,7 +8,8 @@ if snakemake.params.entry["source"]["kind"] != "hub":
 
 from compatlas.worker import hand_off
 
-hand_off(snakemake)  # run in the run's job server, where torch is already imported
+# run in the run's job server, where torch and transformers are already imported (offline: a hub model's job runs in its own process)
+hand_off(snakemake, network=snakemake.params.entry["source"]["kind"] == "hub")
 
 from compatlas.composition.token_space import add_space_factors
 from compatlas.logs import exit_now, setup

@@ -39,7 +39,7 @@ def server(tmp_path: Path):
     scripts = tmp_path / "scripts"
     scripts.mkdir()
     (scripts / "a.py").write_text("import json\nimport colorsys\n")  # what the server imports for its jobs
-    w = worker.start(tmp_path, scripts, tmp_path / "worker.log")
+    w = worker.start(tmp_path, scripts, tmp_path / "worker.log", common=False)
     assert w is not None, (tmp_path / "worker.log").read_text()
     os.environ.pop(worker.ENV)  # start() sets it for Snakemake's jobs; the tests pass it explicitly
     yield w
@@ -65,7 +65,7 @@ def run(script: Path, socket_path: str | None, cwd: Path, **kw) -> subprocess.Co
 def test_a_handed_off_job_runs_in_the_server_with_its_own_streams_directory_and_environment(server, tmp_path):
     import json
 
-    time.sleep(0.5)  # let the server import its modules
+    ready(tmp_path / "worker.log")
     elsewhere = tmp_path / "cwd"
     elsewhere.mkdir()
     proc = run(job(tmp_path, "sys.exit(3)"), server.socket_path, elsewhere)
@@ -113,24 +113,27 @@ def test_a_cancelled_job_takes_its_fork_with_it(server, tmp_path):
         time.sleep(0.05)
 
 
-def test_a_job_whose_hub_settings_differ_from_the_servers_runs_in_its_own_process(tmp_path):
-    """The Hugging Face libraries read HF_HUB_OFFLINE when imported: a server that imported them
-    cannot serve a job that set it otherwise."""
+def test_a_hub_job_and_one_whose_hub_settings_differ_run_in_their_own_process(tmp_path):
+    """The Hugging Face libraries read their settings when imported, and the server imports them
+    offline: a job that needs the hub, or sets another cache, cannot use them."""
     import json
 
     scripts = tmp_path / "scripts"
     scripts.mkdir()
     (scripts / "a.py").write_text("import huggingface_hub\n")
-    w = worker.start(tmp_path, scripts, tmp_path / "worker.log")
+    w = worker.start(tmp_path, scripts, tmp_path / "worker.log", common=False)
     assert w is not None
     os.environ.pop(worker.ENV)
     try:
-        time.sleep(3)  # the import
-        env_same = {**os.environ, worker.ENV: w.socket_path}
-        env = {**env_same, "HF_HUB_OFFLINE": "0" if os.environ.get("HF_HUB_OFFLINE") == "1" else "1"}
-        outs = [subprocess.run([sys.executable, str(job(tmp_path, name=f"h{i}.py"))], env=e, capture_output=True, text=True,
-                               timeout=120) for i, e in enumerate((env, env_same))]
-        assert [json.loads(o.stdout)["ppid"] == w.process.pid for o in outs] == [False, True], [o.stderr for o in outs]
+        ready(tmp_path / "worker.log")
+        same = {**os.environ, worker.ENV: w.socket_path}
+        hub = job(tmp_path, name="hub.py")
+        hub.write_text(hub.read_text().replace("hand_off(None)", "hand_off(None, network=True)"))
+        runs = [(job(tmp_path, name="same.py"), same), (job(tmp_path, name="home.py"), {**same, "HF_HOME": str(tmp_path)}),
+                (hub, same)]
+        outs = [subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=120)
+                for script, env in runs]
+        assert [json.loads(o.stdout)["ppid"] == w.process.pid for o in outs] == [True, False, False], [o.stderr for o in outs]
     finally:
         w.stop()
 
@@ -138,7 +141,8 @@ def test_a_job_whose_hub_settings_differ_from_the_servers_runs_in_its_own_proces
 def test_the_server_leaves_when_its_snakemake_is_gone(tmp_path):
     scripts = tmp_path / "scripts"
     scripts.mkdir()
-    code = (f"from compatlas import worker; w = worker.start({str(tmp_path)!r}, {str(scripts)!r}, {str(tmp_path / 'w.log')!r}); "
+    log = tmp_path / "w.log"
+    code = (f"from compatlas import worker; w = worker.start({str(tmp_path)!r}, {str(scripts)!r}, {str(log)!r}, common=False); "
             "print(w.process.pid, flush=True); import os; os._exit(0)")  # Snakemake killed: no stop()
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     pid = int(out.stdout.split()[0])
@@ -152,6 +156,14 @@ def test_the_server_imports_what_the_pipeline_scripts_import():
     modules = worker.script_imports(sorted((Path(__file__).parents[1] / "scripts").glob("*.py")))
     assert {"compatlas.composition.table", "polars", "compatlas.logs"} <= set(modules)
     assert "compatlas.worker" not in modules
+
+
+def ready(log: Path) -> None:
+    """Wait until the server has imported its modules (its log says so)."""
+    deadline = time.monotonic() + 300
+    while "imported the jobs' modules" not in log.read_text():
+        assert time.monotonic() < deadline, log.read_text()
+        time.sleep(0.1)
 
 
 def alive(pid: int) -> bool:

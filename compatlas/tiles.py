@@ -27,9 +27,10 @@ once per pair it scores, so a job should score many pairs of few layers.
   (``layer_pairs``), then the mirrors in the same order and the same-layer pairs in layer order,
   as the composition job has always scored a whole model.
 
-Within a job the causal pairs are sorted by writer, then reader (a writer's readers together: one
-GEMM per writer tile), the null pairs are their mirrors in that order followed by the job's
-same-layer pairs in layer order.
+Within a job the causal pairs are sorted by writer, then reader (a writer's readers together, as
+the job's GEMMs take them), the null pairs are their mirrors in that order followed by the job's
+same-layer pairs in layer order. (These tiles of the layer grid are jobs; ``composition.job``'s
+tiles are the GEMMs inside one job, writer layers stacked.)
 
 ``blocks: auto`` (``auto_blocks``): the fewest jobs whose largest fits ``composition.job_memory_gb``,
 a job holding about its touched layers' float32 attention weights, their per-head factors (about as

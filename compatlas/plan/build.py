@@ -23,9 +23,8 @@ and the plan keeps read-only views of it (``freeze``; ``thaw`` gives back plain 
 from __future__ import annotations
 
 import copy
-import dataclasses
 from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from types import MappingProxyType
 from typing import Any
 
@@ -85,7 +84,8 @@ class ModelPlan:
     for it, without the checkpoint list (adding a checkpoint must not rerun the jobs of the
     others). ``layer_range`` is the ``[first, last]`` the config gave, if any; ``layers`` the
     layers to score where the model's size is known without loading it (``n_layers``: a built
-    or trained model, a local or GGUF one whose files were read), else None."""
+    or trained model, a local or GGUF one whose files were read), else None. ``blocks``: its
+    composition jobs per cell, ``auto`` resolved (``compatlas.plan.blocks``)."""
 
     name: str
     entry: Mapping[str, Any]
@@ -241,7 +241,7 @@ def build_plan(config: Mapping[str, Any], check_sources: bool = True, check_hub:
     for name, m in list(models.items()):
         blocks, why = resolve_blocks(name, m.kind, m.layers, m.shape, resolved[name].get("blocks", composition["blocks"]),
                                      composition.get("job_memory_gb", JOB_MEMORY_GB))
-        models[name] = dataclasses.replace(m, blocks=blocks)
+        models[name] = replace(m, blocks=blocks)
         notes += why
     return Plan(config=freeze(validated), models=MappingProxyType(models), notes=notes)
 

@@ -148,3 +148,26 @@ def test_auto_blocks_is_the_fewest_whose_jobs_fit():
     assert auto_blocks(80, LLAMA_70B, 200e9)[0] == 1
     blocks, need = auto_blocks(6, LLAMA_70B, 1e9)  # nothing fits: the finest tiling, and its bytes
     assert blocks == 21 and need > 1e9
+
+
+def test_the_blocks_benchmark_runs_at_a_tiny_shape(tmp_path, capsys):
+    """``benchmarks/bench_blocks.py`` on a tiny shape (its times mean nothing): both schemes score
+    the same pairs as the one job, and every figure is there."""
+    import importlib.util
+    import json
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_blocks.py"
+    spec = importlib.util.spec_from_file_location("bench_blocks", path)
+    assert spec is not None and spec.loader is not None
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    bench.main(["--shape", "tiny", "--layers", "5", "--blocks", "8", "--metrics", "frobenius,subspace",
+                "--json", str(tmp_path / "r.json")])
+    r = json.loads((tmp_path / "r.json").read_text())
+    assert r["layer_pairs"] == 25 and r["one_job_s"] > 0 and r["floor"]["s"] > 0
+    for scheme in ("tiles", "contiguous"):
+        rows = r["schemes"][scheme]["rows"]
+        assert len(rows) == 8 and sum(x["pairs"] for x in rows) == 25 and r["schemes"][scheme]["ratio"] > 0
+    out = capsys.readouterr().out
+    assert "tiles      B=8: sum" in out and "contiguous B=8: sum" in out and "x the fp32 floor" in out

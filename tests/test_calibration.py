@@ -134,8 +134,10 @@ def distinct_tests(pq: pl.DataFrame) -> pl.DataFrame:
 
 
 def test_null_pairs_mirror_each_block_and_share_the_same_layer_pairs():
+    """Each job's null is the mirror of its causal pairs plus the same-layer pairs of its diagonal
+    tiles (compatlas/tiles.py): pooled over a model's jobs, every same-layer pair once."""
     layers = [0, 2, 3, 5]
-    for blocks in (1, 2, 4):
+    for blocks in (1, 2, 3, 4, 7, 10, 12):
         jobs = [null_pairs(layers, blocks, b) for b in range(blocks)]
         for b, job in enumerate(jobs):
             assert {(r, w) for w, r in job if w != r} == set(block_pairs(layers, blocks, b))

@@ -1,5 +1,6 @@
-"""A job factors only the layers its block touches; splitting a model into blocks must give
-exactly the table of one whole-model job (scores and both nulls)."""
+"""A job factors only the layers its block touches; splitting a model into blocks (tiles of the
+layer grid, compatlas/tiles.py) must give exactly the table of one whole-model job (scores and
+both nulls)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import polars as pl
 import pytest
 from conftest import random_weights
 
-from compatlas.composition.scores import block_pairs, layer_pairs
+from compatlas.composition.scores import block_pairs, layer_pairs, null_pairs
 from compatlas.composition.table import score_block
 from compatlas.composition.token_space import add_space_factors
 
@@ -16,22 +17,26 @@ KEY = ["comp", "writer_layer", "writer_head", "reader_layer", "reader_head"]
 
 @pytest.mark.parametrize("space", ["residual", "token"])
 def test_blocks_equal_one_whole_job(space):
+    """Every block count's jobs (tiles of the layer grid, some empty past its 15 tiles) together
+    give the one job's causal and null rows."""
     w = random_weights(0, L=5, H=4, Hkv=2, d=16, dh=4, vocab=80, meta={"norm_type": "RMS"})
     add_space_factors(w)
     layers = list(range(5))
     kw = dict(baseline_samples=8, device="cpu", dtype="float64")
-    whole = score_block(w, "svd_bound", space, layer_pairs(layers), **kw)[0].sort(KEY)
-    parts = pl.concat([score_block(w, "svd_bound", space, block_pairs(layers, 3, b), **kw)[0] for b in range(3)]).sort(KEY)
-    assert parts.height == whole.height == 10 * 3 * 16
-    assert parts.select(KEY).equals(whole.select(KEY))
-    for col in ("score", "baseline_gaussian_mean", "baseline_spectrum_mean", "baseline_spectrum_std"):
-        assert (parts[col] - whole[col]).abs().max() < 1e-12, col
+    whole = score_block(w, "svd_bound", space, layer_pairs(layers) + null_pairs(layers, 1, 0), **kw)[0].sort(KEY)
+    assert whole.height == (10 * 16 + 10 * 16 + 5 * 12) * 3  # causal, mirrored, same-layer (no head with itself)
+    for blocks in (3, 7, 17):
+        parts = pl.concat([score_block(w, "svd_bound", space, block_pairs(layers, blocks, b) + null_pairs(layers, blocks, b),
+                                       **kw)[0] for b in range(blocks)]).sort(KEY)
+        assert parts.select(KEY).equals(whole.select(KEY)), blocks
+        for col in ("score", "baseline_gaussian_mean", "baseline_spectrum_mean", "baseline_spectrum_std"):
+            assert (parts[col] - whole[col]).abs().max() < 1e-12, (blocks, col)
 
 
 def test_a_job_reading_only_its_layers_scores_the_same(tmp_path):
     """``load_weights(layers=...)`` reads a block's layers from the shard (safetensors slices) and
     the block scores exactly as from the whole model; the per-layer tensors are those layers'."""
-    from compatlas.composition.scores import null_pairs, touched_layers
+    from compatlas.composition.scores import touched_layers
     from compatlas.models.weights import load_weights, save_weights, shard_n_layers
 
     w = random_weights(1, L=6, H=4, Hkv=2, d=16, dh=4, vocab=80, ln1=1.0, meta={"norm_type": "RMS"})

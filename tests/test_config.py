@@ -219,6 +219,50 @@ def test_overrides_are_resolved_per_model():
     assert trained.induction["prepend_bos"] is True and trained.induction["pool"] == 32
 
 
+def test_blocks_auto_fits_a_job_into_its_memory():
+    """``blocks: auto``: 1 where the whole model's job fits composition.job_memory_gb (16 GB when not
+    given), else the fewest tiles-of-the-grid jobs that fit (compatlas.tiles.auto_blocks); 1 with a
+    note for a model whose size is known only once loaded; the default zoo stays at one block a model."""
+    cfg = tiny()
+    cfg["composition"]["blocks"] = "auto"
+    cfg["models"]["big"] = {"source": {"kind": "build", "architecture": "llama", "n_layers": 80, "n_heads": 64,
+                                       "n_kv_heads": 8, "d_head": 128, "d_vocab": 32000}}
+    cfg["models"]["hub"] = {"source": {"kind": "hub", "name": "gpt2"}}
+    cfg["training"]["tiny-trained"]["blocks"] = "auto"
+    plan = build_plan(cfg, check_sources=False)
+    assert {k: m.blocks for k, m in plan.models.items()} == {"tiny-gpt2": 1, "tiny-llama": 1, "big": 104, "hub": 1,
+                                                             "tiny-trained": 1}
+    assert plan.config["composition"]["blocks"] == "auto" and "job_memory_gb" not in plan.config["composition"]
+    assert plan.notes == ("models.hub.blocks: auto gives 1 block: a hub model's size is not known before it is loaded; "
+                          "set blocks to a number to split its composition jobs (docs/configuration.md#choosing-the-block-size)",)
+    cfg["composition"]["job_memory_gb"] = 200  # the whole 70B job: 80 layers' weights and factors, 97 GB
+    assert build_plan(cfg, check_sources=False).models["big"].blocks == 1
+    cfg["composition"]["job_memory_gb"] = 2
+    plan = build_plan(cfg, check_sources=False)
+    assert plan.models["big"].blocks == 3240 and plan.notes[0] == (
+        "models.big.blocks: auto gives 3240 blocks (every tile one layer by one layer), and a job still needs about "
+        "3.2 GB, more than composition.job_memory_gb: 2")
+    cfg["models"]["big"]["blocks"] = 8  # a number is kept as it is
+    assert build_plan(cfg, check_sources=False).models["big"].blocks == 8
+    # the default zoo: auto gives every model one block (SmolLM2's GGUF size is not read: a note)
+    zoo = yaml.safe_load((REPO / "config" / "config.yaml").read_text())
+    zoo["composition"]["blocks"] = "auto"
+    assert {m.blocks for m in build_plan(zoo, check_sources=False).models.values()} == {1}
+
+
+@pytest.mark.parametrize("where", ["composition", "models.tiny-gpt2", "training.tiny-trained"])
+@pytest.mark.parametrize("value", [0, -2, "many", True, 2.5, None])
+def test_blocks_is_a_positive_integer_or_auto(where, value):
+    cfg = tiny()
+    node = cfg
+    for part in where.split("."):
+        node = node[part]
+    node["blocks"] = value
+    with pytest.raises(ConfigError) as e:
+        build_plan(cfg, check_sources=False)
+    assert one_line(e) == f"config error at {where}.blocks: {value!r} is neither a positive integer nor auto"
+
+
 def test_pattern_output_is_scored_in_the_activation_space_only():
     """The metrics are the run's and the spaces each model's: pattern_output's cells outside the
     activation space are left out (a run may score residual space beside it), and a run where no

@@ -1,7 +1,7 @@
 """Faults on the atlas and its shards, without running the pipeline (seconds): every write a
 query could make, a crashed read-write session's WAL, a read-write holder across a rebuild,
 60 byte flips in a score column, a truncated or vanished shard, the report's notice, duplicate
-config keys, blocks beyond the layer pairs, leftover temp files, a full disk. Each ends with the
+config keys, blocks beyond the tiles of the layer grid, leftover temp files, a full disk. Each ends with the
 clean numbers or a one-line error naming the file. The same faults through Snakemake on the toy
 models: tests/test_faults_pipeline.py (slow)."""
 
@@ -312,13 +312,15 @@ def test_duplicate_config_keys_are_named_with_their_line(capsys, tmp_path):
                                        "only the last; remove one")
 
 
-def test_blocks_beyond_the_layer_pairs_are_noted():
+def test_blocks_beyond_the_tiles_of_the_layer_grid_are_noted():
     from compatlas.plan import build_plan
 
     cfg = {"results": "results", "composition": {"blocks": 100}, "models": {"four": {"source": {
         "kind": "build", "architecture": "gpt2", "n_layers": 4, "n_heads": 2, "d_head": 8, "d_vocab": 64}}}}
-    assert build_plan(cfg).notes == ("models.four: blocks 100 is more than its 6 layer pairs: 94 of its composition "
-                                     "jobs per metric x space x checkpoint score nothing (blocks: 6 is enough)",)
+    assert build_plan(cfg).notes == ("models.four: blocks 100 is more than the 10 tiles of its 4 layers' grid: 90 of its "
+                                     "composition jobs per metric x space x checkpoint score nothing (blocks: 10 is enough)",)
+    cfg["composition"]["blocks"] = 10  # one tile a job: each scores some pairs (a diagonal tile its same-layer ones)
+    assert build_plan(cfg).notes == ()
 
 
 def test_leftover_temp_files_are_removed(tmp_path):

@@ -44,6 +44,13 @@ import torch
 from compatlas.composition.small_linalg import on_host
 from compatlas.models.weights import AttentionWeights
 from compatlas.runtime import one_thread
+from compatlas.tiles import (  # noqa: F401 -- re-exported (the section "layer pairs" below)
+    block_layers,
+    block_pairs,
+    layer_pairs,
+    null_pairs,
+    touched_layers,
+)
 from compatlas.vocab import COMPS, KERNEL_METRICS, Comp, Metric
 
 
@@ -337,35 +344,5 @@ def gaussian_heads(d_model: int, d_head: int, n: int, seed: int, dtype: torch.dt
 
 
 # ----------------------------------------------------------------------------- layer pairs
-
-
-def layer_pairs(layers: list[int]) -> list[tuple[int, int]]:
-    """All (writer, reader) layer pairs with writer < reader, in order."""
-    return [(a, b) for i, a in enumerate(layers) for b in layers[i + 1:]]
-
-
-def touched_layers(pairs: list[tuple[int, int]]) -> list[int]:
-    """The layers some (writer, reader) layer pairs touch, in order: all a job must read and factor."""
-    return sorted({layer for pair in pairs for layer in pair})
-
-
-def block_pairs(layers: list[int], blocks: int, block: int) -> list[tuple[int, int]]:
-    """The layer pairs of job ``block`` out of ``blocks``: contiguous shares, sizes differing by
-    at most one (contiguous keeps a writer's readers together, one GEMM each)."""
-    pairs = layer_pairs(layers)
-    if not 0 <= block < blocks:
-        raise ValueError(f"block {block} out of range for {blocks} blocks")
-    size, extra = divmod(len(pairs), blocks)
-    start = block * size + min(block, extra)
-    return pairs[start:start + size + (block < extra)]
-
-
-def null_pairs(layers: list[int], blocks: int, block: int) -> list[tuple[int, int]]:
-    """The (writer, reader) layer pairs of job ``block`` whose heads cannot compose: the reader
-    runs before the writer or beside it, so it never sees the writer's output.
-
-    Each causal pair (a, b) of the block is mirrored as (b, a); same-layer pairs (l, l) (distinct
-    heads only, see ``calibration``) go to the jobs in turn, layer i to job ``i % blocks``. Every
-    job thus scores as many null as causal pairs, with the same GEMM shapes."""
-    mirrors = [(b, a) for a, b in block_pairs(layers, blocks, block)]
-    return mirrors + [(layer, layer) for i, layer in enumerate(layers) if i % blocks == block]
+# Which layer pairs a job scores: tiles of the layer grid (``compatlas.tiles``), kept
+# importable from here, where the composition script and the benchmarks have always found them.

@@ -24,13 +24,15 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from types import MappingProxyType
 from typing import Any
 
+from compatlas.plan.blocks import JOB_MEMORY_GB, resolve_blocks
 from compatlas.plan.checkpoints import checkpoint_label, checkpoint_step, hub_series, schedule, tokens_per_step
 from compatlas.plan.config import ConfigError, validate_config
 from compatlas.plan.model_checks import check_layers, check_model
+from compatlas.tiles import Shape
 from compatlas.vocab import ACTIVATION_ONLY_METRICS
 
 # what a training segment does not depend on: adding checkpoints, or scoring them otherwise,
@@ -82,7 +84,8 @@ class ModelPlan:
     for it, without the checkpoint list (adding a checkpoint must not rerun the jobs of the
     others). ``layer_range`` is the ``[first, last]`` the config gave, if any; ``layers`` the
     layers to score where the model's size is known without loading it (``n_layers``: a built
-    or trained model, a local or GGUF one whose files were read), else None."""
+    or trained model, a local or GGUF one whose files were read), else None. ``blocks``: its
+    composition jobs per cell, ``auto`` resolved (``compatlas.plan.blocks``)."""
 
     name: str
     entry: Mapping[str, Any]
@@ -120,17 +123,33 @@ class ModelPlan:
         return self.checkpoints[-1]
 
     @property
+    def dims(self) -> Mapping[str, Any] | None:
+        """The config's dimensions of a model built or trained here (n_layers, n_heads, d_head,
+        d_vocab, maybe n_kv_heads); None for a loaded model, whose size is known once loaded."""
+        if self.kind == "build":
+            return self.source
+        if self.kind == "trained":
+            assert self.training is not None  # build_plan gives every trained model its run
+            return self.training
+        return None
+
+    @property
     def parameters(self) -> int | None:
         """About how many parameters a model built or trained here has (12 d_model^2 per layer,
         embedding and unembedding); None for a loaded model, whose size is known once loaded."""
-        if self.kind not in ("build", "trained"):
+        if (dims := self.dims) is None:
             return None
-        dims = self.source
-        if self.kind == "trained":
-            assert self.training is not None  # build_plan gives every trained model its run
-            dims = self.training
         d_model = dims["n_heads"] * dims["d_head"]
         return dims["n_layers"] * 12 * d_model**2 + 2 * dims["d_vocab"] * d_model
+
+    @property
+    def shape(self) -> Shape | None:
+        """The attention dimensions a composition job's memory depends on (``blocks: auto``), where
+        the config gives them; None for a loaded model."""
+        if (dims := self.dims) is None:
+            return None
+        return Shape(n_heads=dims["n_heads"], n_kv_heads=dims.get("n_kv_heads") or dims["n_heads"],
+                     d_model=dims["n_heads"] * dims["d_head"], d_head=dims["d_head"])
 
     def cells(self, metrics: Sequence[str]) -> tuple[tuple[str, str], ...]:
         """The (metric, space) cells the model is scored in, metrics first: every metric in every
@@ -207,7 +226,7 @@ def build_plan(config: Mapping[str, Any], check_sources: bool = True, check_hub:
             layer_range=tuple(entry["layers"]) if entry.get("layers") else None,
             n_layers=n_layers,
             spaces=tuple(entry.get("spaces", validated["spaces"])),
-            blocks=entry.get("blocks", validated["composition"]["blocks"]),
+            blocks=1,  # "auto" or the config's count: resolved below, once the model is planned
             induction=freeze(_induction_settings(validated["induction"], entry.get("induction", {}))),
             training=freeze(validated["training"][entry["source"]["run"]]) if entry["source"]["kind"] == "trained" else None,
             # a model's override replaces a key whole: its text source is not merged with the default's
@@ -218,10 +237,12 @@ def build_plan(config: Mapping[str, Any], check_sources: bool = True, check_hub:
             raise ConfigError(f"config error at metrics: {metric} is scored in the activation space only, and no "
                               "model has it (add activation to spaces)")
     notes = _check_hub_sources(resolved) if check_hub else ()
-    for m in models.values():  # a block beyond the model's layer pairs is a job that scores nothing
-        if m.layers is not None and m.blocks > (pairs := len(m.layers) * (len(m.layers) - 1) // 2):
-            notes += (f"models.{m.name}: blocks {m.blocks} is more than its {pairs} layer pairs: {m.blocks - pairs} "
-                      f"of its composition jobs per metric x space x checkpoint score nothing (blocks: {pairs} is enough)",)
+    composition = validated["composition"]
+    for name, m in list(models.items()):
+        blocks, why = resolve_blocks(name, m.kind, m.layers, m.shape, resolved[name].get("blocks", composition["blocks"]),
+                                     composition.get("job_memory_gb", JOB_MEMORY_GB))
+        models[name] = replace(m, blocks=blocks)
+        notes += why
     return Plan(config=freeze(validated), models=MappingProxyType(models), notes=notes)
 
 

@@ -93,6 +93,7 @@ def validate_config(config: Mapping[str, Any], schema_path: Path = SCHEMA_PATH) 
     # deepest error first; at equal depth an unknown key explains more than a missing one
     errors = sorted(validator.iter_errors(config),
                     key=lambda e: (len(list(e.absolute_path)), e.validator == "additionalProperties"))
+    _check_blocks(config)  # before the schema's errors: its line for an anyOf says less
     if errors:
         raise ConfigError(_explain(errors[-1]))
     validated = copy.deepcopy(dict(config))  # a dict: the defaults are filled in place
@@ -106,6 +107,23 @@ def validate_config(config: Mapping[str, Any], schema_path: Path = SCHEMA_PATH) 
     if not validated["models"] and not validated["training"]:
         raise ConfigError("config error at models: no models (and no training runs) to score")
     return validated
+
+
+def _check_blocks(config: Mapping[str, Any]) -> None:
+    """``blocks`` (composition's, a model's or a training run's override) is a positive integer or
+    ``auto``; anything else is a ConfigError naming the key."""
+    places = [("composition", config.get("composition"))]
+    for section in ("models", "training"):
+        entries = config.get(section)
+        if isinstance(entries, Mapping):
+            places += [(f"{section}.{name}", entry) for name, entry in entries.items()]
+    for key, node in places:
+        if not isinstance(node, Mapping) or "blocks" not in node:
+            continue
+        value = node["blocks"]
+        if value == "auto" or (isinstance(value, int) and not isinstance(value, bool) and value >= 1):
+            continue
+        raise ConfigError(f"config error at {key}.blocks: {value!r} is neither a positive integer nor auto")
 
 
 class _UniqueKeyLoader(yaml.SafeLoader):

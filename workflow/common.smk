@@ -128,6 +128,13 @@ def setting(section, key=None):
     return thaw(value if key is None else value[key])
 
 
+def composition_job_settings(wildcards):
+    """What a composition job reads of the composition section: a change to the others (the
+    blocks' rule, the FDR, the null's stratification) reruns no scoring."""
+    c = PLAN.config["composition"]
+    return thaw({k: c[k] for k in ("baseline_samples", "seed", "max_condition")})
+
+
 def grid_shards(path, model, ckpt):
     """``path`` (SHARD or NULL_SHARD) for every metric, space and block of one model x checkpoint.
     The DAG is static (blocks come from the config, not from the model's layer count), so dry

@@ -19,7 +19,7 @@ if KERNEL_METRICS_RUN:
         params:
             layers=model_layers,
             blocks=model_blocks,
-            settings=setting("composition"),
+            settings=composition_job_settings,
             device=setting("device"),
             dtype=setting("dtype"),
         conda:

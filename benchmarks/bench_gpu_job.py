@@ -197,7 +197,7 @@ class Floor:
 # ----------------------------------------------------------------------------- one shape
 
 
-def measure_shape(key: str, dev: torch.device, repeats: int, dtypes: tuple[str, ...]) -> dict:
+def measure_shape(key: str, dev: torch.device, repeats: int, dtypes: tuple[str, ...], share_cores: bool = False) -> dict:
     """Floor, kernel and job of one shape in interleaved rounds; the median of per-round ratios."""
     from compatlas.composition.table import on_device, score_space
 
@@ -217,7 +217,7 @@ def measure_shape(key: str, dev: torch.device, repeats: int, dtypes: tuple[str, 
                 torch.cuda.reset_peak_memory_stats(dev)
                 before = torch.cuda.memory_allocated(dev)
             facts[dt].append(score_space(w, METRICS, "residual", pairs, baseline_samples=32, device=dev.type,
-                                         dtype=dt)[1])
+                                         dtype=dt, share_cores=share_cores)[1])
             if dev.type == "cuda":
                 facts[dt][-1]["gpu_peak_bytes"] = torch.cuda.max_memory_allocated(dev) - before
         return run
@@ -428,6 +428,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--shapes", default=None, help=f"comma-separated, of {list(SHAPES)} (default: GPU {GPU_SHAPES}, CPU {CPU_SHAPES})")
     ap.add_argument("--repeats", type=int, default=3, help="interleaved timed rounds, after one warm-up")
     ap.add_argument("--json", type=Path, default=None, help="write the results here")
+    ap.add_argument("--share-cores", action="store_true",
+                    help="the job's magnitude cores as sandwiches of subspace's (score_space(share_cores=True)); the rule does not")
     a = ap.parse_args(argv)
     dev = torch.device(a.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     keys = a.shapes.split(",") if a.shapes else list(GPU_SHAPES if dev.type == "cuda" else CPU_SHAPES)
@@ -438,7 +440,7 @@ def main(argv: list[str] | None = None) -> int:
     for key in keys:
         log(f"measuring {key} ...")
         try:
-            results["shapes"][key] = measure_shape(key, dev, 1 if key in BIG else a.repeats, dtypes)
+            results["shapes"][key] = measure_shape(key, dev, 1 if key in BIG else a.repeats, dtypes, a.share_cores)
         except Exception:  # noqa: BLE001 - one shape's failure (memory, a driver) must not lose the others' figures
             traceback.print_exc()
             results.setdefault("failed", []).append(key)

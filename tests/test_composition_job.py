@@ -55,12 +55,13 @@ def gqa():
     return random_weights(11, L=4, H=4, Hkv=2, d=24, dh=4, spectrum=0.5, scale=0.5)
 
 
+@pytest.mark.parametrize("share_cores", [False, True])  # each family's own GEMMs; the sandwich of subspace's
 @pytest.mark.parametrize("tile_bytes", [None, 1])  # one tile; one tile per writer and reader layer
-def test_score_space_equals_the_per_pair_kernel(gqa, tile_bytes):
+def test_score_space_equals_the_per_pair_kernel(gqa, tile_bytes, share_cores):
     layers = list(range(4))
     pairs = block_pairs(layers, 2, 1) + null_pairs(layers, 2, 1)
     tables, facts = score_space(gqa, KERNEL_METRICS, "residual", pairs, baseline_samples=N, device="cpu", dtype="float64",
-                                tile_bytes=tile_bytes)
+                                tile_bytes=tile_bytes, share_cores=share_cores)
     assert set(facts["seconds_by_phase"]) >= {"transfer", "factors", "gemms", "scores", "nulls", "table"}
     for metric in KERNEL_METRICS:
         got, want = tables[metric].sort(KEY), reference_table(gqa, metric, pairs)
@@ -75,6 +76,20 @@ def test_score_space_equals_the_per_pair_kernel(gqa, tile_bytes):
             np.testing.assert_allclose(got["score_share"].to_numpy(), expect, rtol=1e-10)
         else:
             assert got["score_share"].null_count() == got.height
+
+
+@pytest.mark.parametrize("space", ["residual", "token", "activation"])
+def test_a_metrics_float32_numbers_do_not_depend_on_the_metrics_beside_it(gqa, space):
+    """The composition rule scores every metric of a space in one job: each metric's rows are bit
+    for bit those of a job scoring it alone (what the rule ran before, one job per metric)."""
+    from conftest import random_moments
+
+    pairs = block_pairs(list(range(4)), 1, 0) + null_pairs(list(range(4)), 1, 0)
+    kw = dict(baseline_samples=N, device="cpu", dtype="float32",
+              moments=random_moments(4, 4, 2, 4, 4) if space == "activation" else None)
+    tables, _ = score_space(gqa, KERNEL_METRICS, space, pairs, **kw)
+    for metric in KERNEL_METRICS:
+        assert tables[metric].equals(score_block(gqa, metric, space, pairs, **kw)[0]), metric
 
 
 def test_float32_job_equals_the_float64_kernel_to_float_tolerance(gqa):
@@ -209,7 +224,7 @@ def test_activation_space_all_metrics_in_one_pass_equal_one_metric_jobs(gqa):
     m = random_moments(4, 4, 2, 4, 4)
     pairs = [(0, 1), (1, 3), (3, 0), (2, 2)]
     kw = dict(baseline_samples=N, device="cpu", dtype="float64", moments=m)
-    tables, _ = score_space(gqa, KERNEL_METRICS, "activation", pairs, **kw)
+    tables, _ = score_space(gqa, KERNEL_METRICS, "activation", pairs, share_cores=True, **kw)
     for metric in KERNEL_METRICS:
         one = score_block(gqa, metric, "activation", pairs, **kw)[0]
         assert tables[metric].drop("score", "score_share").equals(one.drop("score", "score_share"))

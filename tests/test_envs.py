@@ -26,7 +26,7 @@ def requirements(name: str) -> dict[str, str]:
 
 
 def rules() -> set[str]:
-    return {m for f in (REPO / "workflow").glob("*.smk") for m in re.findall(r"^rule (\w+):", f.read_text(), re.M)}
+    return {m for f in (REPO / "workflow").glob("*.smk") for m in re.findall(r"^\s*rule (\w+):", f.read_text(), re.M)}
 
 
 def profile(name: str) -> dict:
@@ -55,7 +55,7 @@ def test_profiles_name_real_rules():
         p = profile(name)
         assert p["executor"] == "slurm" and p["default-resources"]["slurm_partition"]
         assert set(p["set-resources"]) <= known and set(p["set-threads"]) <= known
-        assert set(p["groups"]) == {"composition", "calibrate"}  # calibrate rides in its model's bundle
+        assert set(p["groups"]) == {"composition", "pattern_output", "calibrate"}  # calibrate rides in its model's bundle
         assert set(p["group-components"]) == set(p["groups"].values())
     assert profile("local")["cores"] == "all" and profile("local")["rerun-incomplete"] is True
     # Snakemake applies profiles/default to every run, on any machine: it may hold nothing else

@@ -112,13 +112,14 @@ def _concat_factors(parts: list[HeadFactors]) -> HeadFactors:
 
 
 def job_factors(w: AttentionWeights, metrics: tuple[Metric, ...],
-                prepare: Callable[[AttentionWeights], tuple[AttentionWeights, dict | None]] | None = None) -> JobFactors:
+                prepare: Callable[[AttentionWeights], tuple[AttentionWeights, dict | None]] | None = None,
+                share_cores: bool = False) -> JobFactors:
     """The factors of every family the metrics need, made CHUNK_BYTES of weights at a time;
     ``prepare`` turns each chunk of ``w``'s layers, in order, into the weights to factor and their
     measured Gram matrices or None (``head_factors``' ``grams``): the job's, moved to its device and
     into its space, so that the device never holds more than a chunk of weights."""
     families = list(dict.fromkeys(factor_family(m) for m in metrics))
-    base: Metric | None = "subspace" if "subspace" in families and len(families) > 1 else None
+    base: Metric | None = "subspace" if share_cores and "subspace" in families and len(families) > 1 else None
     per_layer = sum(x[0].numel() * x.element_size() for x in (w.W_Q, w.W_K, w.W_V, w.W_O)) * 8
     step = max(1, CHUNK_BYTES // max(per_layer, 1))
     parts: dict[Metric, list[HeadFactors]] = {fam: [] for fam in families}

@@ -68,11 +68,16 @@ def on_device(w: AttentionWeights, dev: torch.device, dt: torch.dtype) -> Attent
 def score_space(w: AttentionWeights, metrics: tuple[Metric, ...], space: Space, pairs: list[tuple[int, int]], *,
                 baseline_samples: int = 32, seed: int = 0, device: str = "auto", dtype: ScoreDtype = "float32",
                 max_condition: float = 1e6, moments: Moments | None = None,
-                tile_bytes: int | None = None) -> tuple[dict[Metric, pl.DataFrame], dict]:
+                tile_bytes: int | None = None, share_cores: bool = False) -> tuple[dict[Metric, pl.DataFrame], dict]:
     """``score_block`` for several metrics of one space in one pass: the weights go to the device
     a few layers at a time, metrics of one ``factor_family`` share their factors and core
     products, and the finished block comes back in one copy. Returns each metric's table and the
-    job's facts (``seconds_by_phase``: where the time went, ``composition_job.JobClock``)."""
+    job's facts (``seconds_by_phase``: where the time went, ``composition_job.JobClock``).
+
+    A metric's numbers do not depend on the metrics beside it: each family's cores come from its
+    own GEMMs, bit for bit what ``score_block`` gives alone. ``share_cores`` makes the magnitude
+    family's cores sandwiches of subspace's (``job_factors``: fewer d_model-long GEMMs, the same
+    values to float rounding, which then depend on whether subspace is in the job)."""
     metrics = tuple(metrics)
     if forward := [m for m in metrics if m in ACTIVATION_ONLY_METRICS]:  # measured by the moments rule
         t0 = time.perf_counter()
@@ -84,7 +89,8 @@ def score_space(w: AttentionWeights, metrics: tuple[Metric, ...], space: Space, 
         if not kernel:
             return tables, facts
         more, facts = score_space(w, kernel, space, pairs, baseline_samples=baseline_samples, seed=seed, device=device,
-                                  dtype=dtype, max_condition=max_condition, moments=moments, tile_bytes=tile_bytes)
+                                  dtype=dtype, max_condition=max_condition, moments=moments, tile_bytes=tile_bytes,
+                                  share_cores=share_cores)
         tables |= more
         return {m: tables[m] for m in metrics}, facts
     dev, dt = resolve_device(device), storage_dtype(dtype)
@@ -97,7 +103,7 @@ def score_space(w: AttentionWeights, metrics: tuple[Metric, ...], space: Space, 
     prepare, facts, d_model = _space(w_t, space, max_condition, moments, touched, dev, dt, clock, own)
     with clock.phase("factors"):  # its transfers are taken out and counted as such
         t_moved = clock.seconds["transfer"]
-        factors = job_factors(w_t, metrics, prepare)
+        factors = job_factors(w_t, metrics, prepare, share_cores=share_cores)
         clock.seconds["factors"] -= clock.seconds["transfer"] - t_moved
     # a reader's own logit / output RMS (score_share's denominator): measured, or its QK / OV norm
     own_t = (torch.stack([torch.cat([o[c] for o in own]) for c in COMPS]) if own else

@@ -221,8 +221,12 @@ class _Server:
             _child(request, fds, keep=conn)
         for fd in fds:
             os.close(fd)
-        conn.sendall(b"S")
         self.jobs[pid] = _Job(conn, pid)
+        try:
+            conn.sendall(b"S")
+        except OSError:  # the job's process went away meanwhile: so does its child
+            self._lost(pid)
+            return
         self.sel.register(conn, selectors.EVENT_READ, data=pid)
 
     def _lost(self, pid: int) -> None:
@@ -231,7 +235,8 @@ class _Server:
         if job is not None and job.killed_at is None:
             _signal(pid, signal.SIGTERM)
             job.killed_at = time.monotonic()
-            self.sel.unregister(job.conn)
+            with contextlib.suppress(KeyError, ValueError):  # not yet registered when its hello failed
+                self.sel.unregister(job.conn)
 
     def _reap(self) -> None:
         for pid, job in list(self.jobs.items()):

@@ -286,6 +286,9 @@ def _child(request: dict[str, Any], fds: list[int], keep: socket.socket) -> None
         os.chdir(request["cwd"])
         os.environ.clear()
         os.environ.update(request["env"])
+        # the threads Snakemake gives the job (its OMP_NUM_THREADS): the server's torch read its own at import
+        if "torch" in sys.modules and (threads := request["env"].get("OMP_NUM_THREADS", "")).isdigit():
+            sys.modules["torch"].set_num_threads(int(threads))
         sys.argv = list(request["argv"])
         sys.path[:] = list(request["path"])
         script = Path(sys.argv[0])

@@ -55,7 +55,7 @@ def main() -> None:
     ap.add_argument("--limit", type=float, default=2.0)
     args = ap.parse_args()
     con = connect(args.atlas)
-    relations = [r[0] for r in con.execute("SELECT table_name FROM information_schema.tables ORDER BY table_name").fetchall()]
+    relations = [r[0] for r in con.execute("SELECT DISTINCT table_name FROM information_schema.tables ORDER BY table_name").fetchall()]
     con.close()
     queries = documented_queries()
     queries += [("(count)", f"SELECT count(*) FROM {r}") for r in relations]

@@ -196,6 +196,9 @@ class _Server:
         conn, _ = self.sock.accept()
         try:
             head, fds, _, _ = socket.recv_fds(conn, _HEADER.size, 3)
+            if not head:  # another run's start probing whether this server lives (_sweep)
+                conn.close()
+                return
             (size,) = _HEADER.unpack(head)
             body = b""
             while len(body) < size:
@@ -331,14 +334,43 @@ def serve(path: str, parent: int, scripts_dir: Path, common: bool = True) -> Non
 
     def stop(*_: Any) -> None:
         server.kill_all()
-        Path(path).unlink(missing_ok=True)
+        _remove(path)
         os._exit(0)
 
     signal.signal(signal.SIGTERM, stop)
     try:
         server.run()
     finally:
-        Path(path).unlink(missing_ok=True)
+        _remove(path)
+
+
+def _sweep(tmp: Path) -> None:
+    """Remove the folders of servers killed without a chance to clean up (SIGKILL): a socket no
+    server listens on, or a folder without one that is an hour old."""
+    for folder in tmp.glob("compatlas-worker-*"):
+        sock = folder / "socket"
+        try:
+            if sock.exists():
+                probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+                try:
+                    probe.connect(str(sock))
+                    continue  # a live server (another run's)
+                except ConnectionRefusedError:
+                    pass
+                finally:
+                    probe.close()
+            elif time.time() - folder.stat().st_mtime < 3600:
+                continue  # a server starting up
+            _remove(str(sock))
+        except OSError:
+            continue  # another user's, or gone meanwhile
+
+
+def _remove(socket_path: str) -> None:
+    """The socket and its private folder (``start`` made it for this server alone)."""
+    Path(socket_path).unlink(missing_ok=True)
+    with contextlib.suppress(OSError):
+        os.rmdir(os.path.dirname(socket_path))
 
 
 # ----------------------------------------------------------------------------- the Snakefile's side
@@ -359,9 +391,7 @@ class Worker:
             except subprocess.TimeoutExpired:
                 self.process.kill()
                 self.process.wait()
-        Path(self.socket_path).unlink(missing_ok=True)
-        with contextlib.suppress(OSError):
-            os.rmdir(os.path.dirname(self.socket_path))
+        _remove(self.socket_path)
 
 
 def start(run_dir: str | os.PathLike[str], scripts_dir: str | os.PathLike[str], log: str | os.PathLike[str],
@@ -375,6 +405,7 @@ def start(run_dir: str | os.PathLike[str], scripts_dir: str | os.PathLike[str], 
         return None
     import tempfile
 
+    _sweep(Path(tempfile.gettempdir()))
     folder = tempfile.mkdtemp(prefix="compatlas-worker-")
     path = os.path.join(folder, "socket")
     Path(log).parent.mkdir(parents=True, exist_ok=True)

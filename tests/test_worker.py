@@ -143,13 +143,33 @@ def test_the_server_leaves_when_its_snakemake_is_gone(tmp_path):
     scripts.mkdir()
     log = tmp_path / "w.log"
     code = (f"from compatlas import worker; w = worker.start({str(tmp_path)!r}, {str(scripts)!r}, {str(log)!r}, common=False); "
-            "print(w.process.pid, flush=True); import os; os._exit(0)")  # Snakemake killed: no stop()
+            "print(w.process.pid, w.socket_path, flush=True); import os; os._exit(0)")  # Snakemake killed: no stop()
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
-    pid = int(out.stdout.split()[0])
+    pid, socket_path = out.stdout.split()
     deadline = time.monotonic() + 30
-    while alive(pid):
+    while alive(int(pid)):
         assert time.monotonic() < deadline, "the server outlived its Snakemake"
         time.sleep(0.1)
+    assert not Path(socket_path).parent.exists()  # its socket and private folder went with it
+
+
+def test_a_killed_servers_folder_is_swept_by_the_next_start(tmp_path):
+    import socket
+    import tempfile
+
+    stale = Path(tempfile.mkdtemp(prefix="compatlas-worker-"))
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.bind(str(stale / "socket"))  # bound, never listening again: what a SIGKILLed server leaves
+    s.close()
+    scripts = tmp_path / "scripts"
+    scripts.mkdir()
+    w = worker.start(tmp_path, scripts, tmp_path / "w.log", common=False)
+    assert w is not None
+    os.environ.pop(worker.ENV)
+    try:
+        assert not stale.exists() and Path(w.socket_path).exists()
+    finally:
+        w.stop()
 
 
 def test_the_server_imports_what_the_pipeline_scripts_import():

@@ -1,4 +1,4 @@
-"""The job server (compatlas/worker.py): a script handed off runs in a fork of the server with the
+"""The job server (compatlas/worker/): a script handed off runs in a fork of the server with the
 job's streams, directory, environment and arguments, and its process exits with the script's
 status; a cancelled job's fork dies with it; without a server the script runs in its own process.
 
@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 
 from compatlas import worker
+from compatlas.worker import server as worker_server
 
 pytestmark = pytest.mark.skipif(not hasattr(os, "fork"), reason="the job server forks: POSIX only")
 
@@ -173,7 +174,7 @@ def test_a_killed_servers_folder_is_swept_by_the_next_start(tmp_path):
 
 
 def test_the_server_imports_what_the_pipeline_scripts_import():
-    modules = worker.script_imports(sorted((Path(__file__).parents[1] / "scripts").glob("*.py")))
+    modules = worker_server.script_imports(sorted((Path(__file__).parents[1] / "scripts").glob("*.py")))
     assert {"compatlas.composition.table", "polars", "compatlas.logs"} <= set(modules)
     assert "compatlas.worker" not in modules
 

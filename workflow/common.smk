@@ -264,7 +264,7 @@ def report_config():
 # One run at a time on a results folder (compatlas/runlock.py): Snakemake's own lock covers
 # only its working directory. Taken when jobs are about to run (onstart: never for dry runs nor
 # inside jobs), given back when the run ends; --nolock skips it, as it skips Snakemake's.
-# A local run also starts the job server (compatlas/worker.py): each job's script runs in a fork
+# A local run also starts the job server (compatlas/worker/): each job's script runs in a fork
 # of one process that has imported torch and the package, so start-up is paid once per run, not
 # per job. Not on a cluster (a job's node and allocation are its own), nor with COMPATLAS_WORKER=off.
 _RUN = {}

@@ -1,33 +1,7 @@
-"""A job's start-up paid once per run: a fork server for the pipeline's Python scripts.
-
-Every job of the pipeline is a Snakemake ``script:``, a fresh interpreter that imports torch,
-polars and compatlas before it does any work: about 2 s of a core on an idle 2-core machine, 4 s
-under load, against jobs whose own work is often a tenth of a second (benchmarks/README.md, "Job
-start-up"). For a local run the Snakefile starts one server (``start``): it imports what the
-scripts import, once, and waits on a Unix socket. Each script's first statement is
-``hand_off(snakemake)``: the job's process (its interpreter has only loaded Snakemake's
-preamble) sends the server its script, working directory, environment and standard streams; the
-server forks a child, which runs the script from the top with every module already imported, and
-sends back its exit status, which the job's process exits with. To Snakemake nothing changed: the
-job is a process that runs until its work is done, writes to the same streams and exits with the
-same status.
-
-What keeps it safe:
-
-- the child is a fork of a server that has only imported modules, never run torch nor touched a
-  GPU (a forked CUDA context is unusable: the server refuses to serve if one exists), so each job
-  starts from the same clean state and one job's state never reaches another;
-- a job whose process goes away (Snakemake cancelled it, or was killed) loses its child: the
-  server sees the connection close and kills it; the server and its children stay in Snakemake's
-  process group, so a signal to the group reaches them as it reached the jobs before;
-- the server leaves when Snakemake's run ends (``stop``) or its process disappears;
-- anything that goes wrong before the child starts (no server, a refused connection, a server
-  that died) makes ``hand_off`` return: the script then runs in its own process, as without one.
-
-It is for local runs only: on a cluster each job runs on a node of its own, in its own allocation,
-where a server outside it would escape its limits (the Snakefile starts none; ``hand_off`` finds
-no ``COMPATLAS_WORKER`` and returns). ``COMPATLAS_WORKER=off`` turns it off for a local run.
-"""
+"""The job server of ``compatlas.worker``: one process that imports what the pipeline's scripts
+import, then forks a child per job that runs the job's script from the top (the why and the
+guarantees: ``compatlas.worker``'s docstring). Run by ``worker.start`` as
+``python -m compatlas.worker.server SOCKET PARENT_PID SCRIPTS_DIR COMMON``."""
 
 from __future__ import annotations
 
@@ -40,7 +14,6 @@ import selectors
 import signal
 import socket
 import struct
-import subprocess
 import sys
 import time
 import traceback
@@ -48,54 +21,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-ENV = "COMPATLAS_WORKER"  # the server's socket path, in the environment Snakemake's jobs inherit
-_IN_CHILD = False  # set in a forked child: its own hand_off runs the script there
-_HEADER = struct.Struct("!I")
+from compatlas import worker
+from compatlas.worker import HEADER, remove
+
 KILL_GRACE_S = 5.0  # after SIGTERM, a cancelled job's child gets this long before SIGKILL
-
-
-# ----------------------------------------------------------------------------- the job's side
-
-
-def hand_off(snakemake: Any = None, network: bool = False) -> None:
-    """Run the calling script in the run's server and exit with its status; return at once where
-    there is no server (a cluster job, ``COMPATLAS_WORKER=off``, a test calling the script) or the
-    server could not start it, so the script goes on in this process. ``snakemake`` is the
-    script's global (unused: it makes the call's purpose plain at the call site). ``network``:
-    the job loads a model from the hub, which the server's Hugging Face libraries, imported
-    offline, cannot: it runs in its own process."""
-    path = os.environ.get(ENV, "")
-    if _IN_CHILD or not path or path == "off":
-        return
-    try:
-        conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        conn.connect(path)
-        from compatlas.logs import STARTED_ENV, process_started
-
-        env = dict(os.environ) | {STARTED_ENV: str(process_started() or time.time())}
-        request = {"argv": sys.argv, "cwd": os.getcwd(), "env": env, "path": sys.path, "network": network}
-        body = json.dumps(request).encode()
-        socket.send_fds(conn, [_HEADER.pack(len(body)) + body], [0, 1, 2])
-        if conn.recv(1) != b"S":  # the server could not fork: run here
-            conn.close()
-            return
-    except OSError:
-        return
-    # Snakemake cancels a job by signalling its process: leaving closes the connection, and the
-    # server kills the child
-    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
-        signal.signal(sig, lambda *_: os._exit(1))
-    status = b""
-    while len(status) < 4:
-        chunk = conn.recv(4 - len(status))
-        if not chunk:
-            print(f"compatlas: the job's worker process ({path}) went away before the job ended", file=sys.stderr)
-            os._exit(1)
-        status += chunk
-    os._exit(struct.unpack("!i", status)[0])
-
-
-# ----------------------------------------------------------------------------- the server
 
 
 def script_imports(scripts: list[Path]) -> list[str]:
@@ -195,11 +124,11 @@ class _Server:
     def _accept(self) -> None:
         conn, _ = self.sock.accept()
         try:
-            head, fds, _, _ = socket.recv_fds(conn, _HEADER.size, 3)
+            head, fds, _, _ = socket.recv_fds(conn, HEADER.size, 3)
             if not head:  # another run's start probing whether this server lives (_sweep)
                 conn.close()
                 return
-            (size,) = _HEADER.unpack(head)
+            (size,) = HEADER.unpack(head)
             body = b""
             while len(body) < size:
                 chunk = conn.recv(size - len(body))
@@ -273,8 +202,7 @@ def _signal(pid: int, sig: int) -> None:
 def _child(request: dict[str, Any], fds: list[int], keep: socket.socket) -> None:
     """The forked job: the streams, directory, environment and arguments of the job's process,
     then its script from the top (this module's ``hand_off`` now returns). Never returns."""
-    global _IN_CHILD
-    _IN_CHILD = True
+    worker._IN_CHILD = True  # the script's hand_off now returns
     code = 1
     try:
         keep.close()
@@ -334,99 +262,15 @@ def serve(path: str, parent: int, scripts_dir: Path, common: bool = True) -> Non
 
     def stop(*_: Any) -> None:
         server.kill_all()
-        _remove(path)
+        remove(path)
         os._exit(0)
 
     signal.signal(signal.SIGTERM, stop)
     try:
         server.run()
     finally:
-        _remove(path)
-
-
-def _sweep(tmp: Path) -> None:
-    """Remove the folders of servers killed without a chance to clean up (SIGKILL): a socket no
-    server listens on, or a folder without one that is an hour old."""
-    for folder in tmp.glob("compatlas-worker-*"):
-        sock = folder / "socket"
-        try:
-            if sock.exists():
-                probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-                try:
-                    probe.connect(str(sock))
-                    continue  # a live server (another run's)
-                except ConnectionRefusedError:
-                    pass
-                finally:
-                    probe.close()
-            elif time.time() - folder.stat().st_mtime < 3600:
-                continue  # a server starting up
-            _remove(str(sock))
-        except OSError:
-            continue  # another user's, or gone meanwhile
-
-
-def _remove(socket_path: str) -> None:
-    """The socket and its private folder (``start`` made it for this server alone)."""
-    Path(socket_path).unlink(missing_ok=True)
-    with contextlib.suppress(OSError):
-        os.rmdir(os.path.dirname(socket_path))
-
-
-# ----------------------------------------------------------------------------- the Snakefile's side
-
-
-@dataclass
-class Worker:
-    """A running server, as ``start`` returns it to the Snakefile."""
-
-    process: subprocess.Popen[bytes]
-    socket_path: str
-
-    def stop(self) -> None:
-        if self.process.poll() is None:
-            self.process.terminate()
-            try:
-                self.process.wait(10)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
-        _remove(self.socket_path)
-
-
-def start(run_dir: str | os.PathLike[str], scripts_dir: str | os.PathLike[str], log: str | os.PathLike[str],
-          common: bool = True) -> Worker | None:
-    """Start the run's server (``COMPATLAS_WORKER`` set in this process's environment, which the
-    jobs inherit), logging to ``log``, importing what ``scripts_dir``'s scripts import (and, with
-    ``common``, torch and transformers); None where ``COMPATLAS_WORKER=off`` or no Unix socket fits.
-    The socket lives in a private folder of the system's temporary space: a socket path may not
-    exceed about 100 bytes, which a results folder's often does."""
-    if os.environ.get(ENV) == "off" or not hasattr(os, "fork"):
-        return None
-    import tempfile
-
-    _sweep(Path(tempfile.gettempdir()))
-    folder = tempfile.mkdtemp(prefix="compatlas-worker-")
-    path = os.path.join(folder, "socket")
-    Path(log).parent.mkdir(parents=True, exist_ok=True)
-    with open(log, "wb") as out:
-        process = subprocess.Popen([sys.executable, "-m", "compatlas.worker", path, str(os.getpid()), str(scripts_dir),
-                                    str(int(common))],
-                                   stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
-                                   cwd=os.fspath(run_dir))
-    for _ in range(200):  # the socket is bound before the first import: a fraction of a second
-        if os.path.exists(path) or process.poll() is not None:
-            break
-        time.sleep(0.01)
-    if not os.path.exists(path):
-        process.kill()
-        return None
-    os.environ[ENV] = path
-    return Worker(process, path)
+        remove(path)
 
 
 if __name__ == "__main__":
-    # run as compatlas.worker, not __main__: a child's hand_off must see _IN_CHILD set
-    from compatlas import worker
-
-    worker.serve(sys.argv[1], int(sys.argv[2]), Path(sys.argv[3]), sys.argv[4] == "1")
+    serve(sys.argv[1], int(sys.argv[2]), Path(sys.argv[3]), sys.argv[4] == "1")

@@ -175,7 +175,7 @@ def test_a_killed_servers_folder_is_swept_by_the_next_start(tmp_path):
 
 def test_the_server_imports_what_the_pipeline_scripts_import():
     modules = worker_server.script_imports(sorted((Path(__file__).parents[1] / "scripts").glob("*.py")))
-    assert {"compatlas.composition.table", "polars", "compatlas.logs"} <= set(modules)
+    assert {"compatlas.composition.shard_job", "polars", "compatlas.logs"} <= set(modules)
     assert "compatlas.worker" not in modules
 
 

@@ -3,7 +3,8 @@
 # and core products), one shard per metric for the causal pairs (writer layer < reader layer) and
 # one for the null pairs that cannot compose, scored from the same factors. Adding a metric to the
 # config adds outputs: every composition job reruns (the new metric plus factors shared with the
-# old, which are rewritten identical) and so does what reads them; removing one reruns none.
+# old, which are rewritten identical) and so does what reads them; removing one reruns no
+# composition job.
 
 
 if KERNEL_METRICS_RUN:

@@ -166,6 +166,7 @@ def start(run_dir: str | os.PathLike[str], scripts_dir: str | os.PathLike[str], 
         time.sleep(0.01)
     if not os.path.exists(path):
         process.kill()
+        remove(path)
         return None
     os.environ[ENV] = path
     return Worker(process, path)

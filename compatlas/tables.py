@@ -122,6 +122,18 @@ MODELS_SCHEMA: Schema = {
     "source_checksum": pl.Utf8, "weights_sha256": pl.Utf8, "norm_gains": pl.Utf8, "versions": pl.Utf8,
 }
 
+# The atlas's ``function_agreement`` table (``function.comp_agreement.agreement_table``, computed
+# when the atlas is built): per model x checkpoint x attribution method x comp x metric x space (and
+# the two oracles, space ``oracle``), the agreement of composition with function the report shows,
+# each figure with its 95% paired-bootstrap interval (``_lo``, ``_hi``; ``n_boot`` replicates).
+FUNCTION_AGREEMENT_SCHEMA: Schema = {
+    "model": pl.Utf8, "checkpoint": pl.Utf8, "method": pl.Utf8, "comp": pl.Utf8, "metric": pl.Utf8, "space": pl.Utf8,
+    "measurable": pl.Boolean, "why_not": pl.Utf8, "n_edges": pl.Int64, "n_significant": pl.Int64, "n_boot": pl.Int64,
+    **{f"{s}{end}": pl.Float64 for s in ("auroc_top", "spearman_abs", "spearman_unbiased", "auroc_significant")
+       for end in ("", "_lo", "_hi")},
+    "best_noise_aware": pl.Boolean, "tied_noise_aware": pl.Boolean, "best_auroc_top": pl.Boolean, "beats_scale": pl.Boolean,
+}
+
 # The atlas's ``excluded_shards`` table: shards left out of their view because they do not open.
 EXCLUDED_SHARDS_SCHEMA: Schema = {"view": pl.Utf8, "path": pl.Utf8, "error": pl.Utf8}
 

@@ -4,6 +4,7 @@ from compatlas.worker import hand_off
 hand_off(snakemake)  # run in the run's job server, where torch is already imported
 
 from compatlas.atlas import build_atlas
+from compatlas.function.comp_agreement import agreement_table
 from compatlas.logs import setup
 
 log = setup(snakemake.log[0])
@@ -19,6 +20,8 @@ shards = {"composition": as_list(inp.shards), "composition_null": as_list(inp.nu
           "metric_audit": as_list(inp.metric_audit), "induction_tokens": as_list(inp.induction_tokens),
           "head_scores": as_list(inp.head_scores), "edge_attribution": as_list(inp.edge_attribution),
           "training_loss": as_list(inp.training_loss)}
-build_atlas(snakemake.output[0], shards, list(inp.metas), **snakemake.params.thresholds)
+thresholds = snakemake.params.thresholds
+build_atlas(snakemake.output[0], shards, list(inp.metas), **thresholds,
+            computed={"function_agreement": lambda con: agreement_table(con, thresholds["fdr"])})
 log.info("atlas %s: %s shards, %d models", snakemake.output[0], {k: len(v) for k, v in shards.items()},
          len(inp.metas))

@@ -34,6 +34,7 @@ import numpy as np
 import polars as pl
 
 from compatlas.atlas import build_atlas
+from compatlas.function.comp_agreement import agreement_table
 from compatlas.storage import checksum_path, write_shard
 from compatlas.tables import (
     CALIBRATION_SCHEMA,
@@ -285,7 +286,8 @@ def write_suite(root: Path, specs: list[Spec], metrics=KERNEL_METRICS,
                                       for m in metrics for sp in spaces for a in ("axiom1_full", "axiom4_invariant")],
                                      schema=METRIC_AUDIT_SCHEMA), "audit")
     db = root / "atlas.duckdb"
-    build_atlas(db, {k: v for k, v in shards.items() if v}, metas)
+    # as the pipeline's atlas rule builds it (scripts/atlas.py), function_agreement included
+    build_atlas(db, {k: v for k, v in shards.items() if v}, metas, computed={"function_agreement": agreement_table})
     return db
 
 

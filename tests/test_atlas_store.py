@@ -141,3 +141,62 @@ def test_duckdb_1x_cli_opens_the_atlas(tmp_path: Path):
     out = subprocess.run([cli, "-readonly", "-csv", "-noheader", "results/atlas.duckdb", "-c", every],
                          cwd=project, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0 and [ln.split(",")[0] for ln in out.stdout.split()] == list(TABLES), out.stderr
+
+
+def test_every_view_with_a_checkpoint_carries_latest(tmp_path: Path):
+    """`WHERE latest` means the last checkpoint of each model in every view and table that has a
+    checkpoint (not only in composition_z and discoveries): the flag is checkpoints' own, and in
+    a series only the highest step's rows carry it."""
+    from synthetic_atlas import Spec, write_suite
+
+    from compatlas.atlas import connect
+
+    db = write_suite(tmp_path, [Spec("run", 2, 2, steps=[0, 4, 64], edges=True), Spec("solo", 2, 2, edges=True)])
+    con = connect(db)
+    relations = [r[0] for r in con.execute("SELECT DISTINCT table_name FROM information_schema.columns "
+                                           "WHERE column_name = 'checkpoint' ORDER BY 1").fetchall()]
+    assert {"composition", "head_scores", "induction_summary", "composition_vs_function", "eap_vs_exact",
+            "reader_best_composition", "composition_vs_behaviour", "discoveries"} <= set(relations), relations
+    missing = [r for r in relations if r != "models" and "latest" not in
+               [c[0] for c in con.execute(f"DESCRIBE {r}").fetchall()]]
+    assert not missing, f"views with a checkpoint but no `latest`: {missing}"
+    for r in relations:
+        if r == "models":
+            continue
+        wrong = con.execute(f"SELECT count(*) FROM {r} v JOIN checkpoints k USING (model, checkpoint) "
+                            "WHERE v.latest IS DISTINCT FROM k.latest").fetchall()[0][0]
+        latest = {tuple(x) for x in con.execute(f"SELECT DISTINCT model, checkpoint FROM {r} WHERE latest").fetchall()}
+        assert wrong == 0, r
+        present = {tuple(x) for x in con.execute(f"SELECT DISTINCT model, checkpoint FROM {r}").fetchall()}
+        assert r not in ("composition", "head_scores") or {("run", "step0"), ("run", "step64")} <= present, present
+        assert latest == {x for x in {("run", "step64"), ("solo", "final")} if x in present}, (r, latest, present)
+
+
+def test_every_documented_query_runs_on_an_atlas_of_the_default_runs_shapes(tmp_path: Path):
+    """Each query README.md and docs/*.md show (benchmarks/bench_queries.documented_queries: every
+    ```sql block and every `compatlas query "..."`) runs on a fresh read-only connection to an atlas
+    of every space, with a checkpoint series and edge attribution: no column a doc names is
+    missing, no `latest` ambiguous. (Their figures on the default run: test_default_run_figures.)"""
+    import sys
+
+    from synthetic_atlas import DEFAULT_SPACES, Spec, write_suite
+
+    from compatlas.atlas import connect
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    from bench_queries import documented_queries
+
+    db = write_suite(tmp_path, [Spec("run", 2, 2, steps=[0, 4], edges=True), Spec("smollm2-135m", 3, 3, edges=True)],
+                     spaces=DEFAULT_SPACES)
+    queries = documented_queries()
+    assert len(queries) >= 6 and {w for w, _ in queries} >= {"README.md", "schema.md", "edge_attribution.md"}
+    failed = []
+    for where, sql in queries:
+        con = connect(db)
+        try:
+            con.execute(sql).fetchall()
+        except Exception as e:  # noqa: BLE001 - each failure is listed
+            failed.append(f"{where}: {sql[:80]!r}: {e}")
+        finally:
+            con.close()
+    assert not failed, "\n".join(failed)

@@ -18,7 +18,7 @@ from synthetic_atlas import TRACKING, Spec, as_older_atlas, write_suite
 
 from compatlas.atlas import connect as atlas_connect
 from compatlas.report import build_report
-from compatlas.report.function import CIRCUIT, OTHER, edge_points, model_function
+from compatlas.report.function import CIRCUIT, OTHER, edge_points, model_function, with_interval
 from compatlas.vocab import KERNEL_METRICS
 
 STEPS = [0, 4, 64, 200, 400]
@@ -89,6 +89,34 @@ def test_model_page_shows_only_the_measurable_comp_with_intervals_and_names_the_
     assert all(f"{c} top edge" in line and f"{c} top edge agrees, Spearman" in line for c in "QKV")
 
 
+def test_the_atlas_holds_the_agreement_and_intervals_the_page_shows(report):
+    """function_agreement (computed when the atlas is built) holds, per cell, the figures and 95%
+    intervals the page prints: the same bootstrap (the page's CompFunction), and the page's text
+    is the table's numbers formatted; each interval holds its point figure; oracles carry no rank."""
+    db, out = report
+    con = atlas_connect(db)
+    k = model_function(con, "wide", "final")["K"]
+    table = con.sql("""SELECT * FROM function_agreement WHERE model = 'wide' AND checkpoint = 'final'
+                           AND method = ? AND comp = 'K'""", params=[k.method]).pl()
+    assert table.height == len(k.cells) and table["measurable"].all() and table["latest"].all()
+    part = section((out / "model-wide.html").read_text(encoding="utf-8"))
+    for cell in k.cells:
+        row = table.filter((pl.col("metric") == cell[0]) & (pl.col("space") == cell[1])).row(0, named=True)
+        for name, which, noise in (("spearman_unbiased", "spearman", True), ("auroc_significant", "auroc", True),
+                                   ("auroc_top", "auroc", False), ("spearman_abs", "spearman", False)):
+            lo, hi = k.interval(cell, which, noise=noise)
+            assert (row[f"{name}_lo"], row[f"{name}_hi"]) == pytest.approx((lo, hi), abs=1e-12), (cell, name)
+            assert row[f"{name}_lo"] - 1e-12 <= row[name] <= row[f"{name}_hi"] + 1e-12, (cell, name, row)
+            assert with_interval(row[name], (row[f"{name}_lo"], row[f"{name}_hi"])) in part, (cell, name)
+        oracle = cell[1] == "oracle"
+        assert (row["best_noise_aware"] is None) == oracle and (row["beats_scale"] is None) == oracle
+    assert table.filter(pl.col("best_noise_aware"))[["metric", "space"]].row(0) == TRACKING
+    # the comps with no function are there too, saying why, with no figures
+    dead = con.execute("""SELECT DISTINCT comp, why_not, spearman_unbiased FROM function_agreement
+                          WHERE model = 'wide' AND NOT measurable""").fetchall()
+    assert {c for c, _, _ in dead} == {"Q", "V"} and all(w and s is None for _, w, s in dead)
+
+
 def test_a_model_without_function_gets_no_agreement_figure(report):
     _, out = report
     page = (out / "model-noise.html").read_text(encoding="utf-8")
@@ -153,7 +181,6 @@ def test_overview_ranks_only_models_with_function_with_intervals(report):
     part = section((out / "index.html").read_text(encoding="utf-8"))
     con = atlas_connect(db)
     rows = con.execute("""SELECT metric, space, model, spearman_unbiased FROM composition_vs_function
-                          JOIN checkpoints USING (model, checkpoint)
                           WHERE latest AND method = 'eap' AND comp = 'K' AND space <> 'oracle'""").fetchall()
     assert {r[2] for r in rows} == {"wide", "run", "noise"}  # "plain" has no edge attribution
     # "noise" is left out, and says why

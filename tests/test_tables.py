@@ -7,20 +7,25 @@ import polars as pl
 
 from compatlas import tables
 from compatlas.atlas import build_atlas, connect
+from compatlas.function.comp_agreement import agreement_table
 
 DUCK = {pl.Utf8: "VARCHAR", pl.Int32: "INTEGER", pl.Int64: "BIGINT", pl.Float64: "DOUBLE", pl.Boolean: "BOOLEAN"}
 
 
 def test_empty_atlas_views_have_the_schemas_columns_in_order(tmp_path):
     db = tmp_path / "atlas.duckdb"
-    build_atlas(db, {}, [])
+    build_atlas(db, {}, [], computed={"function_agreement": agreement_table})  # as scripts/atlas.py builds it
     con = connect(db)
     try:
         for view, schema in tables.SHARD_VIEWS.items():
             got = con.execute(f"DESCRIBE {view}").fetchall()
-            assert [(c, t) for c, t, *_ in got] == [(c, DUCK[t]) for c, t in schema.items()], view
+            # and `latest` (the checkpoints view's flag) last, where the view has a checkpoint
+            latest = [("latest", "BOOLEAN")] if "checkpoint" in schema else []
+            assert [(c, t) for c, t, *_ in got] == [(c, DUCK[t]) for c, t in schema.items()] + latest, view
         models = [c for c, *_ in con.execute("DESCRIBE models").fetchall()]
         assert models == list(tables.MODELS_SCHEMA)
+        agreement = [c for c, *_ in con.execute("DESCRIBE function_agreement").fetchall()]
+        assert agreement == [*tables.FUNCTION_AGREEMENT_SCHEMA, "latest"]
     finally:
         con.close()
 

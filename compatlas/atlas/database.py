@@ -30,7 +30,7 @@ import os
 import re
 import shutil
 import weakref
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from importlib import resources
 from pathlib import Path
@@ -47,7 +47,8 @@ from compatlas.tables import EXCLUDED_SHARDS_SCHEMA, MODELS_SCHEMA, SHARD_VIEWS
 log = logging.getLogger(__name__)
 
 # Views derived from the ones over shards (SQL, so they follow the shards whenever the atlas is
-# rebuilt), in the order they are created: each reads only views before it. The SQL of each is
+# rebuilt), in the order they are created: each reads only views before it (checkpoints reads only
+# the models table, and is created before the shard views, which join it for ``latest``). The SQL of each is
 # views/<name>.sql beside this module; {fdr}, {prev} and {ind} in it are build_atlas's thresholds,
 # {min_readers} and {min_class} the counts below which a statistic is NULL (MIN_READERS, MIN_CLASS).
 DERIVED_VIEWS = ("checkpoints", "composition_z", "discoveries", "induction_summary", "reader_best_composition",
@@ -72,11 +73,24 @@ MIN_CLASS = 3
 
 
 def derived_view_sql(name: str, fdr: float, prev: float, ind: float) -> str:
-    """The ``CREATE VIEW`` statement of a derived view, its thresholds filled in; ``CREATE TABLE
-    ... AS`` for a ``MATERIALISED`` one."""
+    """The ``CREATE VIEW`` statement of a derived view, as in its file, its thresholds filled in."""
     sql = resources.files("compatlas.atlas").joinpath("views", f"{name}.sql").read_text(encoding="utf-8")
-    sql = sql.format(fdr=float(fdr), prev=float(prev), ind=float(ind), min_readers=MIN_READERS, min_class=MIN_CLASS)
-    return sql.replace(f"CREATE VIEW {name} AS", f"CREATE TABLE {name} AS", 1) if name in MATERIALISED else sql
+    return sql.format(fdr=float(fdr), prev=float(prev), ind=float(ind), min_readers=MIN_READERS, min_class=MIN_CLASS)
+
+
+def create_derived_view(con: duckdb.DuckDBPyConnection, name: str, fdr: float, prev: float, ind: float) -> None:
+    """Create a derived view (a table for a ``MATERIALISED`` one) from ``derived_view_sql``, with
+    ``latest`` added (``with_latest``) where it has a checkpoint and its SQL does not carry the flag
+    already: created as a view first, which binds it (its columns) without computing it."""
+    sql = derived_view_sql(name, fdr, prev, ind)
+    con.execute(sql)
+    columns = {r[0] for r in con.execute(f"DESCRIBE {name}").fetchall()}
+    flag = {"model", "checkpoint"} <= columns and "latest" not in columns
+    if flag or name in MATERIALISED:
+        head = f"CREATE VIEW {name} AS"
+        body = re.sub(r";\s*\Z", "", sql[sql.index(head) + len(head):])
+        con.execute(f"DROP VIEW {name}")
+        con.execute(f"CREATE {'TABLE' if name in MATERIALISED else 'VIEW'} {name} AS {with_latest(body) if flag else body}")
 
 
 _DUCK_TYPES = {pl.Utf8: "VARCHAR", pl.Int32: "INTEGER", pl.Int64: "BIGINT", pl.Float64: "DOUBLE", pl.Boolean: "BOOLEAN"}
@@ -95,15 +109,24 @@ def models_frame(meta_paths: list[str | os.PathLike]) -> pl.DataFrame:
     return pl.DataFrame(rows, schema=MODELS_SCHEMA)
 
 
+def with_latest(select: str) -> str:
+    """``select`` (a query with ``model`` and ``checkpoint`` columns) with the ``checkpoints``
+    view's ``latest`` flag added as its last column: "the last checkpoint of each model" is
+    ``WHERE latest`` in every view that has a checkpoint."""
+    return f"SELECT v.*, k.latest FROM (\n{select}\n) v LEFT JOIN checkpoints k USING (model, checkpoint)"
+
+
 def _parquet_view(name: str, shards: Sequence[str | os.PathLike], types: dict, root: Path | None = None,
-                  temp: bool = False, present: set[str] | None = None) -> str:
-    """The view over ``shards``; ``present``: the columns some shard has (read from their footers
-    when not given)."""
+                  temp: bool = False, present: set[str] | None = None, latest: bool = True) -> str:
+    """The view over ``shards``, with ``latest`` (``with_latest``) where its shards have a checkpoint
+    (and ``latest`` is asked for: an atlas built before the ``checkpoints`` view has none);
+    ``present``: the columns some shard has (read from their footers when not given)."""
     columns = list(types)
     create = "CREATE TEMP VIEW" if temp else "CREATE VIEW"
+    flagged = with_latest if latest and {"model", "checkpoint"} <= set(types) else (lambda q: q)
     if not shards:  # an empty, typed view keeps queries valid before the first results
         cols = ", ".join(f"NULL::{_DUCK_TYPES[types[c]]} AS {c}" for c in columns)
-        return f"{create} {name} AS SELECT {cols} WHERE false"
+        return f"{create} {name} AS {flagged(f'SELECT {cols} WHERE false')}"
 
     def where(s) -> str:  # "results/composition/..." when the shard is inside the database's folder
         p = Path(s).resolve()
@@ -117,8 +140,8 @@ def _parquet_view(name: str, shards: Sequence[str | os.PathLike], types: dict, r
         footers = duckdb.sql(f"SELECT DISTINCT name FROM parquet_schema([{absolute}])")
         assert footers is not None  # a SELECT always gives a relation (None is for statements without rows)
         present = {r[0] for r in footers.fetchall()}
-    selected = [c if c in present else f"NULL::{_DUCK_TYPES[types[c]]} AS {c}" for c in columns]
-    return f"{create} {name} AS SELECT {', '.join(selected)} FROM read_parquet([{files}], union_by_name = true)"
+    sel = ", ".join(c if c in present else f"NULL::{_DUCK_TYPES[types[c]]} AS {c}" for c in columns)
+    return f"{create} {name} AS {flagged(f'SELECT {sel} FROM read_parquet([{files}], union_by_name = true)')}"
 
 
 # The shards a build let into each view, with what it verified of them (path relative to the
@@ -226,7 +249,8 @@ def _verified_shard_views(con: duckdb.DuckDBPyConnection, folder: Path) -> None:
     for view, types in SHARD_VIEWS.items():
         # the columns the build found in no shard are NULL in its view's SQL: not the footers again
         absent = {c for c in types if f" AS {c}," in built.get(view, "") or f" AS {c} " in built.get(view, "")}
-        con.execute(_parquet_view(view, kept[view], types, temp=True, present=set(types) - absent))
+        con.execute(_parquet_view(view, kept[view], types, temp=True, present=set(types) - absent,
+                                  latest="k.latest" in built.get(view, "")))  # as the build made it
     if dropped:
         con.execute("CREATE TEMP TABLE excluded_shards AS SELECT * FROM main.excluded_shards")
         con.executemany("INSERT INTO temp.excluded_shards VALUES (?, ?, ?)", dropped)
@@ -234,11 +258,14 @@ def _verified_shard_views(con: duckdb.DuckDBPyConnection, folder: Path) -> None:
 
 def build_atlas(db_path: str | os.PathLike, shards: dict[str, list[str | os.PathLike]],
                 meta_paths: list[str | os.PathLike], prev_token_threshold: float = 0.4,
-                induction_threshold: float = 0.4, fdr: float = 0.05) -> None:
+                induction_threshold: float = 0.4, fdr: float = 0.05,
+                computed: Mapping[str, Callable[[duckdb.DuckDBPyConnection], pl.DataFrame]] | None = None) -> None:
     """(Re)build the atlas database: a view per entry of ``tables.SHARD_VIEWS`` over its shards
     (empty views for the ones with none), then the derived views. Every shard is checked to open
     first, naming any bad one. The thresholds say which heads count as previous-token heads and
-    as induction heads in ``composition_vs_behaviour``; ``fdr`` is the q-value cut of ``discoveries``."""
+    as induction heads in ``composition_vs_behaviour``; ``fdr`` is the q-value cut of ``discoveries``.
+    ``computed``: tables computed in Python from the views (name -> a function of the connection
+    being built, e.g. ``function_agreement``), stored with ``latest`` where they have a checkpoint."""
     unknown = set(shards) - set(SHARD_VIEWS)
     if unknown:
         raise ValueError(f"no view is defined for {sorted(unknown)}")
@@ -265,6 +292,7 @@ def build_atlas(db_path: str | os.PathLike, shards: dict[str, list[str | os.Path
         tmp.unlink()  # duckdb wants to create the file itself
         con = connect(tmp, read_only=False)  # tmp sits beside db_path: the views bind relative to root
         try:
+            con.execute("SET enable_progress_bar = false")  # its bars would fill the rule's log
             con.register("models_df", models.to_arrow())
             con.execute("CREATE TABLE models AS SELECT * FROM models_df")
             con.register("excluded_df", pl.DataFrame(excluded, schema=EXCLUDED_SHARDS_SCHEMA).to_arrow())
@@ -272,6 +300,7 @@ def build_atlas(db_path: str | os.PathLike, shards: dict[str, list[str | os.Path
             con.execute(SHARD_FILES_DDL)
             if files:
                 con.executemany("INSERT INTO shard_files VALUES (?, ?, ?, ?, ?)", files)
+            create_derived_view(con, "checkpoints", fdr, prev_token_threshold, induction_threshold)  # the shard views join it
             for name, types in SHARD_VIEWS.items():
                 kept = [p for p in shards.get(name, []) if str(p) not in dropped]
                 con.execute(_parquet_view(name, kept, types, root))
@@ -279,8 +308,15 @@ def build_atlas(db_path: str | os.PathLike, shards: dict[str, list[str | os.Path
                 comment = (f"shard paths are relative to the folder holding '{root.name}/' (the project folder "
                            f"by default); from elsewhere first run: {hint}")
                 con.execute(f"COMMENT ON VIEW {name} IS '{comment.replace(chr(39), chr(39) * 2)}'")
-            for view in DERIVED_VIEWS:
-                con.execute(derived_view_sql(view, fdr, prev_token_threshold, induction_threshold))
+            for view in DERIVED_VIEWS[1:]:
+                create_derived_view(con, view, fdr, prev_token_threshold, induction_threshold)
+            for name, compute in (computed or {}).items():
+                frame = compute(con)
+                con.register(f"{name}_df", frame.to_arrow())
+                select = f"SELECT * FROM {name}_df"
+                flagged = {"model", "checkpoint"} <= set(frame.columns) and "latest" not in frame.columns
+                con.execute(f"CREATE TABLE {name} AS {with_latest(select) if flagged else select}")
+                con.unregister(f"{name}_df")
         finally:
             con.close()
         with atomic_path(last_good_path(db_path)) as keep:  # what queries fall back on (see last_good_path)

@@ -9,7 +9,6 @@ the overview's figure across models is ``function_overview``. An atlas without e
 from __future__ import annotations
 
 import html
-from dataclasses import dataclass
 from typing import Any
 
 import altair as alt
@@ -18,9 +17,9 @@ import numpy as np
 import polars as pl
 
 from compatlas.function import agreement as ag
+from compatlas.function.comp_agreement import ORACLES, SCALE, CompFunction, comp_function
 from compatlas.report import function_training
 from compatlas.report import queries as q
-from compatlas.report.function_training import cell_order
 from compatlas.report.page import Page, by_metric_space, correlation, fmt, note, order, table
 from compatlas.tables import integer, number
 from compatlas.vocab import COMPS, EDGE_METHODS
@@ -54,99 +53,13 @@ RULES = (f"A comp has a function to predict when it has at least {ag.MIN_EDGES} 
          "it does not beat are <b>tied</b> with it.")
 
 
-ORACLES = (("oracle_scale", "oracle"), ("oracle_depth", "oracle"))  # composition_vs_function's reference rows
-SCALE = ORACLES[0]
-
-
-@dataclass
-class CompFunction:
-    """One comp of one model x checkpoint: the page's attribution method, whether its function is
-    measurable, and (where it is) the paired bootstrap of every metric x space and of the two
-    oracles (``ORACLES``, the last two cells) against it: ``agreement`` against |attribution|,
-    ``noise`` on the noise-aware statistics (``agreement.bootstrap_noise_aware``)."""
-
-    comp: str
-    method: str
-    gate: ag.Measurability
-    cells: list[tuple[str, str]]               # (metric, space), the rows of ``agreement``; the oracles last
-    agreement: ag.Agreement | None = None      # measurable comps only
-    noise: ag.Agreement | None = None          # measurable comps with split halves only
-    n_significant: int = 0
-
-    def interval(self, cell: tuple[str, str], which: str, noise: bool = False) -> tuple[float, float] | None:
-        a = self.noise if noise else self.agreement
-        if a is None or cell not in self.cells:
-            return None
-        lo, hi = a.interval(which)
-        i = self.cells.index(cell)
-        return float(lo[i]), float(hi[i])
-
-    def ranking(self) -> tuple[tuple[str, str], list[tuple[str, str]]] | None:
-        """(best composition cell by AUROC against |attribution|, the cells tied with it); None where
-        not measurable."""
-        if self.agreement is None or not np.isfinite(self.agreement.auroc).any():
-            return None
-        idx = [i for i, c in enumerate(self.cells) if c not in ORACLES]
-        best, tied = ag.best_and_ties(self.agreement.auroc[idx], self.agreement.auroc_boot[idx])
-        return self.cells[idx[best]], [self.cells[idx[i]] for i in tied]
-
-    def noise_ranking(self) -> tuple[tuple[str, str], list[tuple[str, str]]] | None:
-        """(best composition cell by Spearman with the unbiased function estimate, the cells tied
-        with it); None without the noise-aware bootstrap."""
-        if self.noise is None or not np.isfinite(self.noise.spearman).any():
-            return None
-        idx = [i for i, c in enumerate(self.cells) if c not in ORACLES]
-        best, tied = ag.best_and_ties(self.noise.spearman[idx], self.noise.spearman_boot[idx])
-        return self.cells[idx[best]], [self.cells[idx[i]] for i in tied]
-
-    def beats(self, cell: tuple[str, str], oracle: tuple[str, str] = SCALE, which: str = "spearman") -> bool | None:
-        """Whether ``cell`` beats ``oracle`` on a noise-aware statistic beyond the paired 95%
-        interval of their difference (its lower bound above 0); None without that bootstrap."""
-        if self.noise is None or cell not in self.cells or oracle not in self.cells:
-            return None
-        boot = self.noise.spearman_boot if which == "spearman" else self.noise.auroc_boot
-        # an oracle that does not vary (one noise scale for every edge) ranks nothing: it counts as 0
-        d = boot[self.cells.index(cell)] - np.nan_to_num(boot[self.cells.index(oracle)], nan=0.0)
-        d = d[np.isfinite(d)]
-        return bool(len(d)) and float(np.quantile(d, (1 - ag.LEVEL) / 2)) > 0
-
-
-def comp_function(con: duckdb.DuckDBPyConnection, model: str, checkpoint: str, method: str, comp: str) -> CompFunction | None:
-    """``CompFunction`` of one comp from its edges (queries.function_edges); None without edges."""
-    df = q.function_edges(con, model, checkpoint, method, comp)
-    if df.is_empty():
-        return None
-    keys = ["writer_layer", "writer_head", "reader_layer", "reader_unit"]
-    edges = df.select(*keys, "attribution", "stderr", "half_a", "half_b", "q_value", "n_sequences").unique(keys).sort(keys)
-    cells = cell_order([tuple(r) for r in df.select("metric", "space").unique().iter_rows()])
-    n_seq = integer(edges["n_sequences"].max() or 0)
-    gate = ag.measurability(edges["attribution"].to_numpy(), edges["stderr"].fill_null(0).to_numpy(), n_seq)
-    out = CompFunction(comp, method, gate, cells + list(ORACLES))
-    if gate.measurable:
-        scores = np.full((len(out.cells), edges.height), np.nan)
-        at = {c: i for i, c in enumerate(cells)}
-        joined = edges.select(keys).with_row_index("e").join(df, on=keys)
-        for (metric, space), g in joined.group_by("metric", "space"):
-            scores[at[(metric, space)], g["e"].to_numpy()] = g["score"].to_numpy()
-        # the oracles, as composition_vs_function computes them: the edge's standard error; its layer pair's mean |attribution|
-        scores[-2] = edges["stderr"].to_numpy()
-        scores[-1] = edges.select(pl.col("attribution").abs().mean().over("writer_layer", "reader_layer")).to_series().to_numpy()
-        out.agreement = ag.bootstrap(scores, edges["attribution"].to_numpy())
-        if edges["half_a"].null_count() == 0 and edges["half_b"].null_count() == 0:
-            significant = (edges["q_value"].fill_null(1.0) <= (q.fdr(con) or ag.SIGNAL_FDR)).to_numpy()
-            out.n_significant = int(significant.sum())
-            out.noise = ag.bootstrap_noise_aware(scores, edges["half_a"].to_numpy(), edges["half_b"].to_numpy(),
-                                                 significant)
-    return out
-
-
 def model_function(con: duckdb.DuckDBPyConnection, model: str, checkpoint: str) -> dict[str, CompFunction]:
     """Every comp's ``CompFunction`` of a model x checkpoint by the page's method per comp
     (queries.edge_methods); empty without edge attribution."""
     methods = q.edge_methods(con, model, checkpoint)
     if methods is None:
         return {}
-    found = {c: comp_function(con, model, checkpoint, m, c) for c, m in methods.items()}
+    found = {c: comp_function(con, model, checkpoint, m, c, q.fdr(con)) for c, m in methods.items()}
     return {c: f for c, f in found.items() if f is not None}
 
 

@@ -12,9 +12,9 @@ import duckdb
 import numpy as np
 
 from compatlas.function import agreement as ag
+from compatlas.function.comp_agreement import cell_order
 from compatlas.report import queries as q
 from compatlas.report.function import ORACLES, RULES, SCALE, CompFunction, cell_name, cell_names, with_interval
-from compatlas.report.function_training import cell_order
 from compatlas.report.page import note, table
 from compatlas.vocab import WEIGHT_SPACES
 

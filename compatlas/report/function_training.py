@@ -13,19 +13,14 @@ import duckdb
 import numpy as np
 import polars as pl
 
+from compatlas.function.comp_agreement import cell_order
 from compatlas.report import queries as q
 from compatlas.report.page import Page, fmt, head, note, order
 from compatlas.report.training import log_axis, step_x
 from compatlas.tables import number
-from compatlas.vocab import EDGE_METHODS, METRICS, SPACES
+from compatlas.vocab import EDGE_METHODS
 
 EXACT = "exact patching"
-
-
-def cell_order(cells: list[tuple[str, str]]) -> list[tuple[str, str]]:
-    """Metric x space cells in the usual order (METRICS, then SPACES)."""
-    rank: dict[tuple[str, str], int] = {(m, s): i for i, (m, s) in enumerate((m, s) for m in METRICS for s in SPACES)}
-    return sorted(cells, key=lambda c: (rank.get(c, len(rank)), c))
 
 
 def circuit_edge(con: duckdb.DuckDBPyConnection, d: Any) -> tuple[tuple[int, int], tuple[int, int], str] | None:

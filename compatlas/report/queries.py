@@ -326,32 +326,6 @@ def function_agreement(con: Con, model: str, checkpoint: str, methods: str | dic
                [model, checkpoint, *(x for cm in per_comp.items() for x in cm)])
 
 
-def function_edges(con: Con, model: str, checkpoint: str, method: str, comp: str) -> pl.DataFrame:
-    """Every edge of one comp as composition_vs_function counts it (a K/V edge into a KV group is
-    one edge, its composition the largest of the group's query heads'), in the view's tie order: its
-    attribution, standard error, split halves, q, sequences, and composition in every metric x space
-    (a row per edge x metric x space). ``compatlas.function.agreement`` bootstraps it."""
-    if not has(con, "edge_attribution", "reader_kv_head", "score_stderr", "n_sequences") or not has(con, "composition", "score"):
-        return pl.DataFrame()
-    unit = "reader_head" if comp == "Q" else "reader_kv_head"
-    return _pl(con, f"""
-        WITH e AS (SELECT writer_layer, writer_head, reader_layer, {unit} AS reader_unit, any_value(score) AS attribution,
-                          any_value(score_stderr) AS stderr, any_value(n_sequences) AS n_sequences, any_value(score_half_a)
-                          AS half_a, any_value(score_half_b) AS half_b, any_value(q_value) AS q_value, list(reader_head) AS heads
-                   FROM edge_attribution WHERE model = ? AND checkpoint = ? AND method = ? AND comp = ? GROUP BY ALL),
-             u AS (SELECT writer_layer, writer_head, reader_layer, reader_unit, unnest(heads) AS reader_head FROM e),
-             c AS (SELECT metric, space, writer_layer, writer_head, reader_layer, reader_head, score FROM composition
-                   WHERE model = ? AND checkpoint = ? AND comp = ?)
-        SELECT writer_layer, writer_head, reader_layer, reader_unit, any_value(e.attribution) AS attribution,
-               any_value(e.stderr) AS stderr, any_value(e.n_sequences) AS n_sequences, any_value(e.half_a) AS half_a,
-               any_value(e.half_b) AS half_b, any_value(e.q_value) AS q_value, metric, space, max(score) AS score
-        FROM u JOIN c USING (writer_layer, writer_head, reader_layer, reader_head)
-        JOIN e USING (writer_layer, writer_head, reader_layer, reader_unit)
-        GROUP BY writer_layer, writer_head, reader_layer, reader_unit, metric, space
-        ORDER BY writer_layer, writer_head, reader_layer, reader_unit""",
-               [model, checkpoint, method, comp, model, checkpoint, comp])
-
-
 def eap_vs_exact(con: Con, model: str, checkpoint: str) -> pl.DataFrame:
     if not has(con, "eap_vs_exact", "method", "spearman"):
         return pl.DataFrame()

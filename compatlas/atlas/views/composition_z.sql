@@ -1,5 +1,5 @@
 -- Every causal pair's score with its z-scores against both nulls, its p- and q-value
--- (calibration) and its checkpoint's step and `latest` flag (checkpoints). A row per reader query
+-- (calibration) and its checkpoint's step (checkpoints; `latest` comes with composition). A row per reader query
 -- head; `test_unit` says what its p and q test: 'query_head' (this pair) or 'kv_head' (the writer
 -- with the reader's KV head `reader_kv_head`: one test, shared by the query heads
 -- `test_reader_heads`, whose rows carry the same p and q). One row per test:
@@ -12,7 +12,7 @@ CREATE VIEW composition_z AS SELECT c.*,
     CASE WHEN p.test_unit = 'kv_head' THEN
         range(p.reader_kv_head * (m.n_heads // m.n_kv_heads), (p.reader_kv_head + 1) * (m.n_heads // m.n_kv_heads))
         ELSE [c.reader_head::BIGINT] END AS test_reader_heads,
-    p.n_null, p.p_value, p.q_value, k.checkpoint_step, k.latest
+    p.n_null, p.p_value, p.q_value, k.checkpoint_step
     FROM composition c LEFT JOIN calibration p
     USING (model, checkpoint, processing, metric, space, comp, writer_layer, writer_head, reader_layer, reader_head)
     LEFT JOIN checkpoints k USING (model, checkpoint)

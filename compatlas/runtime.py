@@ -41,6 +41,23 @@ def resolve_device(device: str) -> torch.device:
     return torch.device(device)
 
 
+def free_bytes(device: torch.device) -> int | None:
+    """Memory free for a job on ``device``: a GPU's free memory, the host's available memory
+    (``MemAvailable``, which counts reclaimable caches); None where it cannot be told."""
+    import torch
+
+    if device.type == "cuda":
+        return int(torch.cuda.mem_get_info(device)[0])
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
 def library_versions() -> dict[str, str]:
     """Installed versions of ``VERSIONED_PACKAGES`` (``not installed`` for a missing one), read
     from the package metadata without importing the packages."""

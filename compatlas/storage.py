@@ -101,10 +101,61 @@ def shard_error(path: str | os.PathLike) -> str | None:
     if expected != [actual]:
         return f"content does not match its checksum ({side.name}: sha256 {''.join(expected)[:12]}..., the file {actual[:12]}...)"
     try:
-        pq.read_metadata(p)
+        md = pq.read_metadata(p)
     except Exception as e:  # noqa: BLE001 -- sealed but not Parquet: the writer itself was wrong
         return f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"
-    return None
+    return identity_error(p, json.loads((md.metadata or {}).get(b"compatlas", b"{}")))
+
+
+# The keys of a shard's path (``.../model=m/checkpoint=c/metric=x/space=s/...``) that its provenance
+# records too: a sealed shard whose record says otherwise was copied or moved from another folder.
+PATH_KEYS = ("model", "checkpoint", "metric", "space")
+
+
+def identity_error(path: str | os.PathLike, record: Mapping[str, Any]) -> str | None:
+    """Why a shard (or metadata file) is not what its path says, or None: each of ``PATH_KEYS``
+    that both its path and its provenance ``record`` name must agree."""
+    wrong = []
+    for key in PATH_KEYS:
+        try:
+            named = path_key(path, key)
+        except ValueError:
+            continue
+        if key in record and record[key] is not None and str(record[key]) != named:
+            wrong.append(f"{key}={record[key]} (its path: {key}={named})")
+    return (f"its provenance says {', '.join(wrong)}: a file copied or moved from another folder" if wrong else None)
+
+
+# A metadata file (weights' meta.json, moments.json) carries the sha256 of its own content, every
+# other key in canonical JSON: an edit by hand (moments.json's attn_scale 4.0 -> 5.0 changed every
+# activation-space score with exit 0) then fails the check instead of feeding the scores.
+CONTENT_SHA256 = "content_sha256"
+
+
+def _canonical(record: Mapping[str, Any]) -> bytes:
+    return json.dumps({k: v for k, v in record.items() if k != CONTENT_SHA256}, sort_keys=True).encode()
+
+
+def sealed_json(record: Mapping[str, Any]) -> str:
+    """``record`` as the JSON text of a metadata file, with ``CONTENT_SHA256`` added."""
+    return json.dumps({**record, CONTENT_SHA256: hashlib.sha256(_canonical(record)).hexdigest()}, indent=2, sort_keys=True)
+
+
+def read_sealed_json(path: str | os.PathLike) -> dict[str, Any]:
+    """A metadata file written by ``sealed_json``: ValueError naming it when its content changed
+    since (a file written before the seal, without ``CONTENT_SHA256``, is read as it is); and when
+    it sits in ``<kind>/<model>/<checkpoint>/`` (weights, moments), its model and checkpoint must be
+    those folders'."""
+    p = Path(path)
+    record = json.loads(p.read_text())
+    if CONTENT_SHA256 in record and record[CONTENT_SHA256] != hashlib.sha256(_canonical(record)).hexdigest():
+        raise ValueError(f"{p} was changed after it was written (its {CONTENT_SHA256} no longer matches its content)")
+    if p.parent.parent.parent.name in ("weights", "moments"):
+        named = {"model": p.parent.parent.name, "checkpoint": p.parent.name}
+        wrong = [f"{k}={record[k]} (its folder: {v})" for k, v in named.items() if record.get(k) not in (None, v)]
+        if wrong:
+            raise ValueError(f"{p} says {', '.join(wrong)}: copied or moved from another model's folder")
+    return record
 
 
 def bad_shards(paths: Iterable[str | os.PathLike]) -> dict[str, str]:

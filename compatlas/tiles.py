@@ -235,6 +235,15 @@ def job_bytes(shape: Shape, touched: int) -> int:
     return 2 * touched * shape.layer_bytes + shape.tile_bytes
 
 
+def null_bytes(d_model: int, d_head: int, samples: int, n_metrics: int, itemsize: int = 4) -> int:
+    """About what one composition job's nulls hold for ``composition.baseline_samples`` = ``samples``:
+    the Gaussian baseline's 2 x samples random heads (W_Q, W_K, W_V, W_O), the spectrum null's kept
+    [samples, d_head, d_head] draws per metric x comp, and one draw's float64 temporaries."""
+    gaussian = 8 * samples * d_model * d_head * itemsize
+    spectrum = 3 * n_metrics * samples * d_head**2 * itemsize + 4 * samples * d_head**2 * 8
+    return gaussian + spectrum
+
+
 def auto_blocks(n_layers: int, shape: Shape, budget_bytes: float) -> tuple[int, int]:
     """(blocks, bytes): the fewest jobs whose largest fits ``budget_bytes`` (``job_bytes`` of the
     most layers one job touches), and that job's bytes. 1 when the whole model fits; the finest

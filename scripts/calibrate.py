@@ -3,12 +3,11 @@ from compatlas.worker import hand_off
 
 hand_off(snakemake)  # run in the run's job server, where torch is already imported
 
-import json
 from pathlib import Path
 
 from compatlas.composition.calibration import calibrate_shards
 from compatlas.logs import exit_now, setup
-from compatlas.storage import check_shards, read_provenance, write_shard_parts
+from compatlas.storage import check_shards, read_provenance, read_sealed_json, write_shard_parts
 from compatlas.tables import CALIBRATION_SCHEMA, provenance
 
 log = setup(snakemake.log[0])
@@ -16,7 +15,7 @@ inp, stratify, null_pairs = snakemake.input, snakemake.params.stratify, snakemak
 results = Path(snakemake.output[0]).parents[3]  # results/calibration/model=.../checkpoint=.../pvalues.parquet
 check_shards([*inp.causal, *inp.null], results)  # a bad one: named, set aside under results/, remade next run
 first = read_provenance(inp.causal[0])
-meta = json.loads(Path(inp.meta).read_text())  # read as JSON: compatlas.models.weights would import torch
+meta = read_sealed_json(inp.meta)  # unchanged since written, of this model (compatlas.models.weights would import torch)
 kv_group = int(meta["n_heads"]) // int(meta["n_kv_heads"])
 record = provenance(first, stratify=stratify, null_pairs=null_pairs, kv_group=kv_group, causal_shards=len(inp.causal),
                     null_shards=len(inp.null))

@@ -250,6 +250,31 @@ def test_blocks_auto_fits_a_job_into_its_memory():
     assert {m.blocks for m in build_plan(zoo, check_sources=False).models.values()} == {1}
 
 
+def test_baseline_samples_beyond_a_jobs_memory_is_named_before_any_job():
+    """`baseline_samples: 1000000000` validated and died in the job with a numpy MemoryError (1.86 TiB)
+    naming no key. Where a model's size is known, validation compares the nulls' memory
+    (compatlas.tiles.null_bytes, by hand here) with composition.job_memory_gb; the job itself
+    compares it with the device's free memory (for a model validation cannot size)."""
+    from compatlas.composition.job import draw_nulls
+    from compatlas.tiles import null_bytes
+
+    cfg = tiny()
+    n = 1_000_000_000
+    cfg["composition"]["baseline_samples"] = n
+    d_model, d_head = 2 * 8, 8  # tiny-gpt2: 2 heads of 8
+    assert null_bytes(d_model, d_head, n, 3) == 8 * n * d_model * d_head * 4 + 9 * n * d_head**2 * 4 + 4 * n * d_head**2 * 8
+    with pytest.raises(ConfigError, match=r"config error at composition.baseline_samples: 1000000000 needs about [\d,.]+ GB "
+                                          r"for one composition job's nulls of tiny-\w+ .*more than composition.job_memory_gb: 16"):
+        build_plan(cfg, check_sources=False)
+    cfg["composition"]["baseline_samples"] = 32
+    build_plan(cfg, check_sources=False)
+    import torch
+
+    with pytest.raises(ValueError, match=r"composition.baseline_samples: 1000000000 needs about [\d,.]+ GB for this job's "
+                                         r"nulls \(d_model 576, d_head 64\), more than the [\d,.]+ GB free on cpu"):
+        draw_nulls(("frobenius",), "residual", 576, 64, n, 0, torch.float32, torch.device("cpu"))
+
+
 @pytest.mark.parametrize("where", ["composition", "models.tiny-gpt2", "training.tiny-trained"])
 @pytest.mark.parametrize("value", [0, -2, "many", True, 2.5, None])
 def test_blocks_is_a_positive_integer_or_auto(where, value):

@@ -83,3 +83,18 @@ def test_readme_is_a_front_door():
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size < 300_000
     unlinked = [p.name for p in (REPO / "docs").glob("*.md") if f"(docs/{p.name})" not in text]
     assert not unlinked, unlinked
+
+
+def test_every_column_of_the_atlas_is_documented():
+    """Every column of every shard view, of ``models`` and of ``function_agreement`` (``compatlas.tables``)
+    is named in backticks in docs/schema.md (or, for edge attribution's, docs/edge_attribution.md):
+    schema.md's ``head_scores`` had left out ``model`` and ``checkpoint``."""
+    from compatlas import tables
+
+    documented = set(re.findall(r"`([a-z_0-9]+)`", (REPO / "docs" / "schema.md").read_text()
+                                + (REPO / "docs" / "edge_attribution.md").read_text()))
+    schemas = {**tables.SHARD_VIEWS, "models": tables.MODELS_SCHEMA}
+    missing = {v: sorted(set(s) - documented) for v, s in schemas.items() if set(s) - documented}
+    agreement = set(tables.FUNCTION_AGREEMENT_SCHEMA) - documented - {
+        f"{n}{e}" for n in ("auroc_top", "spearman_abs", "spearman_unbiased", "auroc_significant") for e in ("_lo", "_hi")}
+    assert not missing and not agreement and "latest" in documented, (missing, agreement)

@@ -294,6 +294,30 @@ def test_adding_a_model_runs_only_its_jobs(pipeline_run: Path, tmp_path: Path):
     assert con.execute("SELECT count(*) FROM head_scores WHERE model = 'tiny-extra'").fetchone()[0] == 2 * 2
 
 
+def test_a_fresh_checkout_beside_copied_results_plans_nothing(pipeline_run: Path, tmp_path: Path):
+    """Another checkout of the same commit (a teammate's clone, a CI runner: every file's mtime the
+    checkout's) beside a copy of finished results, with none of the first checkout's .snakemake
+    metadata: nothing to do. Snakemake's `code` trigger compares a script's mtime with its outputs',
+    so a checkout newer than the results had rerun every job ("Code has changed since last execution")."""
+    checkout = tmp_path / "checkout"
+    for name in ("Snakefile", "workflow", "scripts", "config", "profiles", "envs"):
+        src = REPO / name
+        # copied, not copy2'd: every file as new as a fresh clone's
+        if src.is_dir():
+            shutil.copytree(src, checkout / name, copy_function=shutil.copy)
+        else:
+            checkout.mkdir(exist_ok=True)
+            shutil.copy(src, checkout / name)
+    work = tmp_path / "work"
+    shutil.copytree(pipeline_run / "results", work / "results")  # copy2: the results keep their times
+    cfg = work / "config.yaml"
+    cfg.write_text(yaml.safe_dump(tiny_config()))
+    proc = subprocess.run([sys.executable, "-m", "snakemake", "-s", str(checkout / "Snakefile"), "--cores", "2",
+                           "--directory", str(work), "--configfile", str(cfg), "-n"],
+                          capture_output=True, text=True, timeout=300 * machine_slowdown())
+    assert proc.returncode == 0 and "Nothing to be done" in proc.stdout + proc.stderr, (proc.stdout + proc.stderr)[-3000:]
+
+
 def test_adding_a_checkpoint_runs_only_its_jobs(pipeline_run: Path, tmp_path: Path):
     work = tmp_path / "ckpt"
     shutil.copytree(pipeline_run, work)

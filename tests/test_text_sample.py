@@ -45,6 +45,14 @@ def test_file_text_and_json_lines(tmp_path):
         read_text({"kind": "file", "path": str(tmp_path / "c.jsonl")})
     with pytest.raises(TextSampleError, match="is not a file"):
         read_text({"kind": "file", "path": str(tmp_path / "missing.txt")})
+    # an empty file and one that is not UTF-8: named, with what to do (a bare UnicodeDecodeError, and advice to
+    # lower activation.chunks, before)
+    (tmp_path / "empty.txt").write_text("\n  \n")
+    with pytest.raises(TextSampleError, match=r"activation.text.path .*empty.txt holds no text \(4 bytes"):
+        read_text({"kind": "file", "path": str(tmp_path / "empty.txt")})
+    (tmp_path / "latin1.txt").write_bytes("caf\xe9 au lait".encode("latin-1"))
+    with pytest.raises(TextSampleError, match=r"activation.text.path .*latin1.txt is not UTF-8 text \(byte 3: .*iconv"):
+        read_text({"kind": "file", "path": str(tmp_path / "latin1.txt")})
 
 
 def test_chunks_are_consecutive_windows_with_bos_and_say_when_the_text_is_short(tmp_path):
@@ -54,7 +62,7 @@ def test_chunks_are_consecutive_windows_with_bos_and_say_when_the_text_is_short(
     assert s.tokens[:, 0].tolist() == [7, 7, 7]
     assert s.tokens[:, 1:].flatten().tolist() == [ord(c) for c in ("abcdefghij" * 3)[:12]]
     assert s.facts["tokens"] == 15 and s.facts["unknown_token_share"] == 0.0
-    with pytest.raises(TextSampleError, match=r"gives 30 tokens; 8 chunks x 5 need 40"):
+    with pytest.raises(TextSampleError, match=r"\(file: .*a.txt\) gives 30 tokens; 8 chunks x 5 need 40: give a longer text"):
         text_chunks(Chars(), spec, chunks=8, length=5, bos=None)
 
 

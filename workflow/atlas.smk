@@ -41,3 +41,7 @@ if workflow.is_main_process and os.path.exists(rules.atlas.output[0]):
         print(f"compatlas: {rules.atlas.output[0]} was written to by a read-write session: rebuilding it",
               file=sys.stderr)
         os.utime(rules.atlas.output[0], (0, 0))
+    elif as_built(rules.atlas.output[0]) is None:
+        print(f"compatlas: {rules.atlas.output[0]} has no seal (.sha256 beside it), so whether it changed cannot be "
+              "told: rebuilding it", file=sys.stderr)
+        os.utime(rules.atlas.output[0], (0, 0))

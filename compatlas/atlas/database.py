@@ -41,7 +41,16 @@ import polars as pl
 
 from compatlas.atlas.files import PRIVATE, last_good_path, private_copy, private_folder, readable, set_aside_sessions
 from compatlas.atlas.query_guard import check_read_only, lock_down, sql_text
-from compatlas.storage import atomic_path, bad_shards, checksum_path, seal, set_aside, shard_error
+from compatlas.storage import (
+    atomic_path,
+    bad_shards,
+    checksum_path,
+    read_provenance,
+    read_sealed_json,
+    seal,
+    set_aside,
+    shard_error,
+)
 from compatlas.tables import EXCLUDED_SHARDS_SCHEMA, MODELS_SCHEMA, SHARD_VIEWS
 
 log = logging.getLogger(__name__)
@@ -100,7 +109,7 @@ def models_frame(meta_paths: list[str | os.PathLike]) -> pl.DataFrame:
     """The ``models`` table: a row per extraction metadata file (``tables.MODELS_SCHEMA``)."""
     rows: list[dict[str, Any]] = []
     for p in meta_paths:
-        meta = json.loads(Path(p).read_text())
+        meta = read_sealed_json(p)  # unchanged since written, in its model's folder
         row = {c: meta.get(c) for c in MODELS_SCHEMA}
         row["versions"] = json.dumps(meta.get("versions", {}), sort_keys=True)
         row["norm_gains"] = json.dumps(meta.get("norm_gains", {}), sort_keys=True)  # {} : no QK- or sandwich norm
@@ -114,6 +123,20 @@ def with_latest(select: str) -> str:
     view's ``latest`` flag added as its last column: "the last checkpoint of each model" is
     ``WHERE latest`` in every view that has a checkpoint."""
     return f"SELECT v.*, k.latest FROM (\n{select}\n) v LEFT JOIN checkpoints k USING (model, checkpoint)"
+
+
+def stale_shards(paths: Sequence[str | os.PathLike], weights: Mapping[tuple[str, str], str]) -> dict[str, str]:
+    """path -> why, for the sound shards computed from other weights than their model x checkpoint's
+    extraction now holds (``weights``: its ``weights_sha256``), as their provenance records: a shard
+    of an earlier extraction, or copied from another results folder, would mix two models' numbers."""
+    out = {}
+    for p in paths:  # sound ones (bad_shards passed them): their footers read
+        record = read_provenance(p)
+        key, made_from = (str(record.get("model")), str(record.get("checkpoint"))), record.get("weights_sha256")
+        if made_from and key in weights and weights[key] != made_from:
+            out[str(p)] = (f"computed from other weights than {key[0]}/{key[1]}'s extraction (weights_sha256 "
+                           f"{made_from[:12]}..., the extraction's {weights[key][:12]}...)")
+    return out
 
 
 def _parquet_view(name: str, shards: Sequence[str | os.PathLike], types: dict, root: Path | None = None,
@@ -273,11 +296,14 @@ def build_atlas(db_path: str | os.PathLike, shards: dict[str, list[str | os.Path
     for note in set_aside_sessions(db_path):
         log.warning("%s", note)
     excluded = []
+    models = models_frame(meta_paths)
+    weights = {(m, c): w for m, c, w in models.select("model", "checkpoint", "weights_sha256").iter_rows() if w}
     for view, paths in shards.items():
-        for path, error in bad_shards(paths).items():
+        bad = bad_shards(paths)
+        for path, error in (bad | stale_shards([p for p in paths if str(p) not in bad], weights)).items():
             where = set_aside(path, root) if error != "missing" else None
             moved = f"; set aside as {where}" if where else ""
-            log.warning("left out of the %s view: result shard %s is corrupt or truncated (%s)%s; the next "
+            log.warning("left out of the %s view: result shard %s cannot be trusted (%s)%s; the next "
                         "snakemake run remakes it", view, path, error, moved)
             excluded.append({"view": view, "path": path, "error": error + moved})
     dropped = {e["path"] for e in excluded}
@@ -287,7 +313,6 @@ def build_atlas(db_path: str | os.PathLike, shards: dict[str, list[str | os.Path
             if str(p) not in dropped:
                 st, rel = p.stat(), p.resolve().relative_to(root) if p.resolve().is_relative_to(root) else p.resolve()
                 files.append((view, rel.as_posix(), st.st_size, st.st_mtime_ns, checksum_path(p).read_text().split()[0]))
-    models = models_frame(meta_paths)
     with atomic_path(db_path) as tmp:
         tmp.unlink()  # duckdb wants to create the file itself
         con = connect(tmp, read_only=False)  # tmp sits beside db_path: the views bind relative to root

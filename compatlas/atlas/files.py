@@ -102,6 +102,12 @@ def readable(db_path: str | os.PathLike) -> tuple[Path, bool, list[str]]:
         notes.append(f"{db} was {CHANGED}; answering from the last good atlas {good} (the next snakemake run "
                      "rebuilds it)")
         db = good
+    elif as_built(db) is None and db != good and good.exists() and as_built(good):
+        # its seal is gone (deleted, or never written by a build killed between its two renames): what it
+        # holds cannot be told from a session's edits, while the sealed last good copy can
+        notes.append(f"{db} has no seal ({checksum_path(db).name}), so its bytes cannot be checked; answering from the "
+                     f"last good atlas {good} (the next snakemake run rebuilds it)")
+        db = good
     if wal_path(db).exists():
         notes.append(f"{wal_path(db)} was left by a read-write session; its writes are not read (the next snakemake "
                      f"run moves it to {db.parent / SESSIONS}/ and rebuilds the atlas)")

@@ -193,7 +193,7 @@ def boot_for_forward(model_id: str, entry: dict, checkpoint: dict | None, settin
     dtype = forward_dtype(settings.get("dtype", "auto"), dev)
     device_map = settings.get("device_map", "none")
     device_map = None if device_map in (None, "none") else device_map
-    bridge, _ = boot(entry, checkpoint, workdir, str(dev), dtype=dtype, device_map=device_map)
+    bridge, _ = boot(entry, checkpoint, workdir, str(dev), dtype=dtype, device_map=device_map, extracted=meta)
     bridge.eval()
     n_ctx = getattr(bridge.cfg, "n_ctx", None)
     if n_ctx and (needs := context(n_ctx)):

@@ -44,7 +44,8 @@ from compatlas.composition.scores import (
     spectrum_baseline,
 )
 from compatlas.models.weights import AttentionWeights
-from compatlas.runtime import one_thread, stable_seed
+from compatlas.runtime import free_bytes, one_thread, stable_seed
+from compatlas.tiles import null_bytes
 from compatlas.vocab import COMPS, Comp, Metric, ScoreDtype, Space
 
 CPU_TILE_BYTES = 32 * 2**20  # one GPT-2-small writer layer's products (28 MiB); stacking more was no faster on 2 cores
@@ -185,7 +186,14 @@ class Nulls:
 def draw_nulls(metrics: tuple[Metric, ...], space: Space, d_model: int, d_head: int, n: int, seed: int,
                dt: torch.dtype, dev: torch.device) -> Nulls:
     """The spectrum null's draws keep ``composition_table``'s seeds (one per metric x space x comp);
-    the Gaussian heads are one draw per job shape, shared by every metric and comp."""
+    the Gaussian heads are one draw per job shape, shared by every metric and comp. ValueError naming
+    ``composition.baseline_samples`` where they would not fit the device's free memory (a model whose
+    size validation could not know: it checks the others against composition.job_memory_gb)."""
+    need, free = null_bytes(d_model, d_head, n, len(metrics), dt.itemsize), free_bytes(dev)
+    if free is not None and need > free:
+        raise ValueError(f"composition.baseline_samples: {n} needs about {need / 1e9:,.1f} GB for this job's nulls "
+                         f"(d_model {d_model}, d_head {d_head}), more than the {free / 1e9:,.1f} GB free on {dev}; "
+                         "lower it (the default is 32)")
     with one_thread() if dev.type == "cpu" else nullcontext():
         P2 = {(m, c): haar_overlap_blocks(d_model, d_head, n, stable_seed(seed, "spectrum", m, space, c),
                                           device=dev).pow(2).to(dt) for m in metrics for c in COMPS}

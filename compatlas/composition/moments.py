@@ -27,7 +27,6 @@ activations are the attention sink's, not text's).
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import time
@@ -39,7 +38,7 @@ import torch
 
 from compatlas.composition.pattern_output import attention_scale, pattern_output_scores
 from compatlas.progress import Progress
-from compatlas.storage import atomic_path, file_sha256
+from compatlas.storage import atomic_path, file_sha256, sealed_json
 from compatlas.vocab import COMPS, Comp
 
 log = logging.getLogger(__name__)
@@ -159,7 +158,7 @@ def save_moments(m: Moments, path: str | os.PathLike, meta_path: str | os.PathLi
         write_safetensors(tensors, tmp)
     meta = {**m.meta, "attn_scale": m.attn_scale, "moments_sha256": file_sha256(path), "moments_file": Path(path).name}
     with atomic_path(meta_path) as tmp:
-        Path(tmp).write_text(json.dumps(meta, indent=2, sort_keys=True))
+        Path(tmp).write_text(sealed_json(meta))
 
 
 def load_moments(path: str | os.PathLike, meta_path: str | os.PathLike) -> Moments:

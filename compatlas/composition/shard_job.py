@@ -45,8 +45,10 @@ def composition_job(tensors: Path_, meta: Path_, space: Space, causal: Sequence[
     tables, facts = score_space(w, metrics, space, pairs + null_p, baseline_samples=settings["baseline_samples"],
                                 seed=settings["seed"], device=device, dtype=dtype, max_condition=settings["max_condition"],
                                 moments=m)
+    made_from = {"moments_sha256": m.meta.get("moments_sha256")} if m is not None else {}  # the statistics it scored on
     for metric, causal_path, null_path in zip(metrics, causal, null, strict=True):
-        record = provenance(w.meta, metric=metric, space=space, block=block, scored_with=list(metrics), **facts)
+        record = provenance(w.meta, metric=metric, space=space, block=block, scored_with=list(metrics), **made_from,
+                            **facts)
         write_block(tables[metric], causal_path, null_path, record, pairs, null_p)
     log.info("scored in %.1fs", facts["seconds"])
     return facts
@@ -60,7 +62,7 @@ def pattern_output_job(meta: Path_, moments: tuple[Path_, Path_], causal: Path_,
     pairs, null_p = block_pairs(layers, blocks, block), null_pairs(layers, blocks, block)
     record = provenance(meta_d, metric="pattern_output", space="activation", block=block,
                         pattern_output="the moments rule's forward pass (compatlas.composition.pattern_output)",
-                        moments_positions=m.meta.get("positions"))
+                        moments_positions=m.meta.get("positions"), moments_sha256=m.meta.get("moments_sha256"))
     write_block(pattern_output_table(meta_d, pairs + null_p, m), causal, null, record, pairs, null_p)
 
 

@@ -80,6 +80,18 @@ def _lines_or_text(raw: str, where: str) -> str:
     return "\n\n".join(texts)
 
 
+def _read_utf8(path: Path, what: str) -> str:
+    """A text file's content; TextSampleError naming it where it is not UTF-8 or holds no text."""
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise TextSampleError(f"{what} {path} is not UTF-8 text (byte {e.start}: {e.reason}); convert it, e.g. "
+                              f"`iconv -f latin1 -t utf-8`") from e
+    if not text.strip():
+        raise TextSampleError(f"{what} {path} holds no text ({path.stat().st_size} bytes of whitespace or nothing)")
+    return text
+
+
 def read_text(spec: dict[str, Any]) -> tuple[str, dict[str, Any]]:
     """The text of a ``stdlib``, ``file`` or ``hub`` source and what names it in provenance."""
     kind = spec["kind"]
@@ -90,12 +102,12 @@ def read_text(spec: dict[str, Any]) -> tuple[str, dict[str, Any]]:
         path = Path(spec["path"])
         if not path.is_file():
             raise TextSampleError(f"activation.text.path {str(path)!r} is not a file")
-        text, facts = _lines_or_text(path.read_text(encoding="utf-8"), path.name), {"path": str(path.resolve())}
+        text, facts = _lines_or_text(_read_utf8(path, "activation.text.path"), path.name), {"path": str(path.resolve())}
     elif kind == "hub":
         from huggingface_hub import hf_hub_download
 
         local = hf_hub_download(spec["repo"], spec["file"], repo_type="dataset", revision=spec.get("revision"))
-        text = _lines_or_text(Path(local).read_text(encoding="utf-8"), spec["file"])
+        text = _lines_or_text(_read_utf8(Path(local), f"activation.text.file of {spec['repo']}:"), spec["file"])
         facts = {"repo": spec["repo"], "file": spec["file"], "revision": spec.get("revision") or "main",
                  "snapshot": Path(local).parent.name}
     else:
@@ -111,8 +123,9 @@ def text_chunks(tokenizer, spec: dict[str, Any], chunks: int, length: int, bos: 
     body = length - (bos is not None)
     need = chunks * body
     if len(ids) < need:
-        raise TextSampleError(f"activation.text ({facts['kind']}) gives {len(ids)} tokens; "
-                              f"{chunks} chunks x {body} need {need}: lower activation.chunks or length")
+        where = facts.get("path") or facts.get("file") or facts["kind"]
+        raise TextSampleError(f"activation.text ({facts['kind']}: {where}) gives {len(ids)} tokens; {chunks} chunks x "
+                              f"{body} need {need}: give a longer text, or lower activation.chunks or length")
     t = torch.tensor(ids[:need], dtype=torch.long).view(chunks, body)
     if bos is not None:
         t = torch.cat([torch.full((chunks, 1), bos, dtype=torch.long), t], dim=1)

@@ -32,7 +32,7 @@ import torch
 
 from compatlas.models.hub import hub_folder, hub_provenance, hub_revision
 from compatlas.models.sources import ModelLoadError, gguf_file, gguf_header, local_model_dir
-from compatlas.models.weights import AttentionWeights, extracted_weights
+from compatlas.models.weights import AttentionWeights, extracted_weights, nonfinite
 from compatlas.storage import dir_checksum, file_sha256
 from compatlas.vocab import PROCESSINGS, NormGains, SourceKind
 
@@ -150,7 +150,8 @@ def _gguf_folder(source: dict[str, Any], checkpoint: dict[str, Any] | None, work
         tok.save_pretrained(folder)
         stamp.write_text(json.dumps(spec, sort_keys=True))
     return folder, {"source_path": str(path), "source_package": source["package"], "source_checksum": checksum,
-                    "source_name": source["hf_name"], "quantized": True, "dequantized_folder": str(folder)}
+                    "source_name": source["hf_name"], "quantized": True, "dequantized_folder": str(folder),
+                    "dequantized_checksum": dir_checksum(folder)}
 
 
 # source kind -> the save_pretrained folder of a model x checkpoint, with its provenance
@@ -187,13 +188,23 @@ def _boot_hub(entry: dict[str, Any], checkpoint: dict[str, Any] | None, workdir:
     return bridge, prov
 
 
+# The checksums of a model's folder that extraction records (its meta.json): a job that boots the
+# model later checks the folder against them, so weights changed since extraction are not used.
+FOLDER_CHECKSUMS = ("source_checksum", "dequantized_checksum")
+
+
 def _boot_folder(entry: dict[str, Any], checkpoint: dict[str, Any] | None, workdir: Path, dtype: torch.dtype,
-                 place: dict[str, Any]):
-    """A ``local``, ``build`` or ``trained`` model from its save_pretrained folder."""
+                 place: dict[str, Any], extracted: dict[str, Any] | None = None):
+    """A ``local``, ``build`` or ``trained`` model from its save_pretrained folder; with
+    ``extracted`` (the extraction's metadata), the folder must be the one extraction read."""
     from transformer_lens.model_bridge import TransformerBridge
     from transformers import AutoTokenizer
 
     folder, prov = model_folder(entry, checkpoint, workdir)
+    for key in FOLDER_CHECKSUMS:
+        if extracted and extracted.get(key) and prov.get(key) and extracted[key] != prov[key]:
+            raise ModelLoadError(f"the weights in {folder} changed since extraction ({key} {prov[key][:12]}..., extraction's "
+                                 f"{extracted[key][:12]}...); delete {folder} and its weights/ folder and rerun snakemake")
     if entry["source"]["kind"] == "gguf":
         # read from the GGUF file itself: transformer_lens reloads a tokenizer from its folder
         # with add_bos_token=True, which it cannot do for one read from a GGUF file, so the
@@ -223,17 +234,28 @@ LOADERS: dict[SourceKind, Callable[..., tuple[Any, dict[str, Any]]]] = {
 
 
 def boot(entry: dict[str, Any], checkpoint: dict[str, Any] | None, workdir: Path, device: str = "cpu",
-         dtype: torch.dtype = torch.float32, device_map: str | None = None):
+         dtype: torch.dtype = torch.float32, device_map: str | None = None, extracted: dict[str, Any] | None = None):
     """Boot the bridge for one model entry (and checkpoint). Returns (bridge, source provenance).
     ``dtype`` is the precision the model is loaded in; ``device_map`` (e.g. ``"auto"``) spreads
-    a model larger than one GPU over the node's GPUs (then ``device`` is not used)."""
+    a model larger than one GPU over the node's GPUs (then ``device`` is not used). With
+    ``extracted`` (the extraction's metadata), a model folder must still be the one extraction
+    read (its checksums); every parameter must be finite."""
     kind = entry["source"]["kind"]
     if kind not in LOADERS:
         raise ModelLoadError(f"unknown source kind {kind!r}")
     # boot_transformers takes either a device or a device map
     place: dict[str, Any] = {"device_map": device_map} if device_map else {"device": device}
-    bridge, prov = LOADERS[kind](entry, checkpoint, workdir, dtype, place)
-    return bridge, {"source_kind": kind, **prov}
+    extra = {"extracted": extracted} if extracted is not None and kind != "hub" else {}
+    bridge, prov = LOADERS[kind](entry, checkpoint, workdir, dtype, place, **extra)
+    prov = {"source_kind": kind, **prov}
+    with torch.no_grad():
+        for name, p in bridge.original_model.named_parameters():
+            if bad := nonfinite(p):
+                where = prov.get("source_path") or prov.get("source_name") or workdir
+                name = name.replace("._original_component", "")  # the bridge's wrappers: the checkpoint's own key
+                raise ModelLoadError(f"parameter {name} holds {bad} non-finite value{'s' if bad > 1 else ''} (NaN or inf) "
+                                     f"in the model at {where}: no score from it would be a number")
+    return bridge, prov
 
 
 # ----------------------------------------------------------------------------- extraction

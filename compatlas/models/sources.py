@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import importlib.util
 import logging
+import math
+import mmap
 import os
 import struct
 from pathlib import Path
@@ -92,7 +94,7 @@ def gguf_header(path: Path) -> dict[str, Any]:
     Reads the key/value section (GGUF v2/v3, either byte order) only up to those keys, seeking
     past other values: ``gguf.GGUFReader`` parses every field and tensor, the tokenizer's
     49,152 strings included, which took 5.6 s for SmolLM2 at every start of the workflow."""
-    from gguf.constants import GGUF_MAGIC, GGUFValueType
+    from gguf.constants import GGML_QUANT_SIZES, GGUF_MAGIC, GGMLQuantizationType, GGUFValueType
 
     scalar = {GGUFValueType.UINT8: "B", GGUFValueType.INT8: "b", GGUFValueType.UINT16: "H",
               GGUFValueType.INT16: "h", GGUFValueType.UINT32: "I", GGUFValueType.INT32: "i",
@@ -118,6 +120,16 @@ def gguf_header(path: Path) -> dict[str, Any]:
                     etype, count = unpack("IQ")
                     if etype in scalar:
                         f.seek(count * struct.calcsize(order + scalar[GGUFValueType(etype)]), os.SEEK_CUR)
+                    elif etype == GGUFValueType.STRING:  # a tokenizer's 49k strings: lengths read from a map, no calls
+                        with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mm:
+                            pos, length = f.tell(), struct.Struct(order + "Q")
+                            for _ in range(count):
+                                if pos + 8 > len(mm):
+                                    raise ValueError("the file ends inside its header")
+                                pos += 8 + length.unpack_from(mm, pos)[0]
+                        if pos > os.fstat(f.fileno()).st_size:
+                            raise ValueError("the file ends inside its header")
+                        f.seek(pos)
                     else:
                         for _ in range(count):
                             skip(etype)
@@ -125,20 +137,35 @@ def gguf_header(path: Path) -> dict[str, Any]:
                     f.seek(struct.calcsize(order + scalar[GGUFValueType(vtype)]), os.SEEK_CUR)
 
             n_tensors, n_kv = unpack("QQ")
-            arch, block_counts = None, {}
-            for _ in range(n_kv):
+            arch, block_counts, alignment = None, {}, 32
+            for _ in range(n_kv):  # every key, the tokenizer's strings seeked past, not parsed
                 key = _read(f, unpack("Q")[0]).decode()
                 (vtype,) = unpack("I")
                 if key == "general.architecture" and vtype == GGUFValueType.STRING:
                     arch = _read(f, unpack("Q")[0]).decode()
+                elif key == "general.alignment" and vtype in scalar:
+                    alignment = int(unpack(scalar[GGUFValueType(vtype)])[0])
                 elif key.endswith(".block_count") and vtype in scalar:
                     block_counts[key] = unpack(scalar[GGUFValueType(vtype)])[0]
                 else:
                     skip(vtype)
-                if arch is not None and f"{arch}.block_count" in block_counts:
-                    break
             if arch is None:
                 raise ValueError("no general.architecture key")
+            # the tensors' infos, then their data from the next multiple of the alignment: the file must
+            # hold the end of the last tensor (a truncated file had passed and failed extraction with
+            # "cannot reshape array", naming neither the file nor the truncation)
+            data_end = 0
+            for _ in range(n_tensors):
+                f.seek(unpack("Q")[0], os.SEEK_CUR)  # the name
+                dims = unpack(f"{unpack('I')[0]}Q")
+                qtype, offset = unpack("IQ")
+                block, type_size = GGML_QUANT_SIZES[GGMLQuantizationType(qtype)]
+                data_end = max(data_end, offset + math.prod(dims) // block * type_size)
+            start = -(-f.tell() // alignment) * alignment
+            size = os.fstat(f.fileno()).st_size
+            if size < start + data_end:
+                raise ValueError(f"the file is truncated: its header describes {start + data_end:,} bytes, the file has "
+                                 f"{size:,}; download or reinstall it")
     except (OSError, ValueError, KeyError, struct.error, UnicodeDecodeError) as e:
         raise ModelLoadError(f"{path} is not a loadable GGUF file: {e}") from e
     n_layers = block_counts.get(f"{arch}.block_count")

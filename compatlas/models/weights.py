@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from compatlas.runtime import library_versions
-from compatlas.storage import atomic_path, file_sha256
+from compatlas.storage import atomic_path, file_sha256, read_sealed_json, sealed_json
 
 WEIGHT_KEYS = ("W_Q", "W_K", "W_V", "W_O", "W_E", "W_U", "ln1_w", "ln_final_w")
 
@@ -97,6 +97,12 @@ class AttentionWeights:
             raise ValueError(f"W_U has shape {tuple(self.W_U.shape)}, expected [{d}, d_vocab]")
         if dh > d:
             raise ValueError(f"d_head={dh} > d_model={d}: heads are not low rank")
+        for name in WEIGHT_KEYS:
+            t = getattr(self, name)
+            if t is not None and (bad := nonfinite(t)):
+                where = self.meta.get("source_path") or self.meta.get("source_name") or self.meta.get("model", "the model")
+                raise ValueError(f"{name} holds {bad} non-finite value{'s' if bad > 1 else ''} (NaN or inf) in {where}: "
+                                 "no composition score from it would be a number")
 
     def expanded_kv(self) -> tuple[torch.Tensor, torch.Tensor]:
         """W_K and W_V repeated to one per query head (query head h uses kv head h // group)."""
@@ -129,6 +135,13 @@ class AttentionWeights:
                                 W_E=cast_optional(self.W_E), W_U=cast_optional(self.W_U), ln1_w=cast_optional(self.ln1_w),
                                 ln_final_w=cast_optional(self.ln_final_w), meta=self.meta,
                                 extras={k: cast(v) for k, v in self.extras.items()}, layer_ids=self.layer_ids)
+
+
+def nonfinite(t: torch.Tensor, chunk: int = 1 << 24) -> int:
+    """How many elements of ``t`` are NaN or infinite, a slice at a time (a 70B model's W_E is 4 GB:
+    a mask of it whole would be 1 GB more)."""
+    flat = t.reshape(-1)
+    return sum(int((~torch.isfinite(flat[i:i + chunk])).sum()) for i in range(0, flat.numel(), chunk))
 
 
 def extracted_weights(W_Q: torch.Tensor, W_K: torch.Tensor, W_V: torch.Tensor, W_O: torch.Tensor, W_E: torch.Tensor,
@@ -164,14 +177,17 @@ def save_weights(w: AttentionWeights, tensors_path: str | os.PathLike, meta_path
     meta["weights_sha256"] = file_sha256(tensors_path)
     meta["weights_file"] = Path(tensors_path).name
     with atomic_path(meta_path) as tmp:
-        Path(tmp).write_text(json.dumps(meta, indent=2, sort_keys=True))
+        Path(tmp).write_text(sealed_json(meta))
 
 
 def load_meta(meta_path: str | os.PathLike) -> dict[str, Any]:
+    """A metadata file (``storage.read_sealed_json``: unchanged since written, in its model's folder);
+    CorruptShardError naming it, and what to delete, where it is not."""
     try:
-        return json.loads(Path(meta_path).read_text())
-    except (OSError, json.JSONDecodeError) as e:
-        raise CorruptShardError(f"cannot read weight metadata {meta_path}: {e}") from e
+        return read_sealed_json(meta_path)
+    except (OSError, ValueError) as e:  # json.JSONDecodeError is a ValueError
+        raise CorruptShardError(f"cannot trust metadata {meta_path}: {e}; delete {Path(meta_path).parent} "
+                                "and rerun snakemake to remake it") from e
 
 
 _ST_DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",

@@ -32,7 +32,7 @@ from compatlas.plan.blocks import JOB_MEMORY_GB, resolve_blocks
 from compatlas.plan.checkpoints import checkpoint_label, checkpoint_step, hub_series, schedule, tokens_per_step
 from compatlas.plan.config import ConfigError, validate_config
 from compatlas.plan.model_checks import check_layers, check_model
-from compatlas.tiles import Shape
+from compatlas.tiles import Shape, null_bytes
 from compatlas.vocab import ACTIVATION_ONLY_METRICS
 
 # what a training segment does not depend on: adding checkpoints, or scoring them otherwise,
@@ -238,9 +238,16 @@ def build_plan(config: Mapping[str, Any], check_sources: bool = True, check_hub:
                               "model has it (add activation to spaces)")
     notes = _check_hub_sources(resolved) if check_hub else ()
     composition = validated["composition"]
+    budget = composition.get("job_memory_gb", JOB_MEMORY_GB)
     for name, m in list(models.items()):
         blocks, why = resolve_blocks(name, m.kind, m.layers, m.shape, resolved[name].get("blocks", composition["blocks"]),
-                                     composition.get("job_memory_gb", JOB_MEMORY_GB))
+                                     budget)
+        if m.shape is not None and (need := null_bytes(m.shape.d_model, m.shape.d_head, composition["baseline_samples"],
+                                                       len(validated["metrics"]))) > budget * 1e9:
+            raise ConfigError(f"config error at composition.baseline_samples: {composition['baseline_samples']} needs about "
+                              f"{need / 1e9:,.1f} GB for one composition job's nulls of {name} (d_model "
+                              f"{m.shape.d_model}, d_head {m.shape.d_head}), more than composition.job_memory_gb: "
+                              f"{budget:g}; lower it (the default is 32)")
         models[name] = replace(m, blocks=blocks)
         notes += why
     return Plan(config=freeze(validated), models=MappingProxyType(models), notes=notes)

@@ -276,7 +276,7 @@ def section(page: Page, con: duckdb.DuckDBPyConnection, d: Any, cuts: tuple[floa
     if not methods:
         page.add(note("No edge attribution for this model (edge attribution disabled, or a one-layer model)."))
         return
-    cvf = q.function_agreement(con, d.model, d.latest, methods)
+    cvf = q.composition_vs_function(con, d.model, d.latest, methods)
     measurable = [c for c in COMPS if c in fns and fns[c].gate.measurable]
     page.add(note(WHAT + " " + method_line(methods)), note(RULES), f"<p>{gate_line(fns)}</p>")
     query = (f"<code>SELECT * FROM composition_vs_function WHERE model = '{html.escape(d.model)}' AND checkpoint = "

@@ -10,12 +10,13 @@ from typing import Any
 
 import duckdb
 import numpy as np
+import polars as pl
 
 from compatlas.function import agreement as ag
 from compatlas.function.comp_agreement import cell_order
 from compatlas.report import queries as q
 from compatlas.report.function import ORACLES, RULES, SCALE, CompFunction, cell_name, cell_names, with_interval
-from compatlas.report.page import note, table
+from compatlas.report.page import fmt, note, table
 from compatlas.vocab import WEIGHT_SPACES
 
 
@@ -90,6 +91,7 @@ def overview_table(con: duckdb.DuckDBPyConnection, data: list[Any], fns: dict[st
     all_line, all_tied, all_best = verdict(comp_idx, f"Agrees best across models, {over}")
     w_line, _, _ = verdict([i for i in comp_idx if cells[i][1] in WEIGHT_SPACES],
                            "From the weights alone (" + ", ".join(WEIGHT_SPACES) + " spaces)")
+    within = within_layer_pair(con, data, inn, cells)
     rows = []
     for i in [*sorted(comp_idx, key=lambda i: -np.nan_to_num(point[i], nan=-2)), scale, scale + 1]:
         oracle = cells[i] in ORACLES
@@ -98,8 +100,35 @@ def overview_table(con: duckdb.DuckDBPyConnection, data: list[Any], fns: dict[st
         per = [with_interval(n_.spearman[inn[m].cells.index(cells[i])], inn[m].interval(cells[i], "spearman", True))
                for m in models if (n_ := inn[m].noise) is not None]
         rows.append([cells[i][0], cells[i][1], with_interval(point[i], (lo[i], hi[i])), mark,
-                     "" if oracle else "yes" if beats(i) else "no", with_interval(apoint[i], (alo[i], ahi[i])), *per])
-    one = note("One model: the mean is that model's figure.") if n == 1 else ""
+                     "" if oracle else "yes" if beats(i) else "no", fmt(within[i]),
+                     with_interval(apoint[i], (alo[i], ahi[i])), *per])
+    one = note("One model: each mean is that model's own figure, so the per-model column repeats it.") if n == 1 else ""
+    sizes = "; ".join(f"{html.escape(m)} ({f.method}): {f.gate.n_edges:,} K edges, {f.n_significant:,} with attribution "
+                      f"beyond zero (q ≤ FDR), top of the function {f.gate.n_top:,} edges" for m, f in inn.items())
+    legend = note("Rank: <i>best</i>, the highest mean beyond every other cell's paired interval; <i>tied</i>, the best "
+                  "and the cells it does not beat beyond the paired interval; blank, beaten by the best. Within a layer "
+                  "pair: the same Spearman computed inside each writer x reader layer pair and averaged "
+                  "(composition_vs_function's spearman_unbiased_within_layer_pair; a point figure): what a score tells "
+                  "apart once depth, and the scale that comes with it, is taken out. Samples: " + sizes + ".")
     return (head_ + intro + all_line + w_line + one + left
             + table(["metric", "space", "mean Spearman, unbiased [95%]", "rank", "beats scale oracle",
-                     "mean AUROC, top of |attribution| [95%]", *[f"Spearman {m}" for m in models]], rows))
+                     "mean Spearman within layer pair", "mean AUROC, top of |attribution| [95%]",
+                     *[f"Spearman {m}" for m in models]], rows) + legend)
+
+
+def within_layer_pair(con: duckdb.DuckDBPyConnection, data: list[Any], inn: dict[str, CompFunction],
+                      cells: list[tuple[str, str]]) -> list[float | None]:
+    """Per cell, the mean over the ranked models of composition_vs_function's K Spearman with the
+    unbiased function estimate within layer pairs (each model's method, last checkpoint); None where
+    no model has it."""
+    latest = {d.model: d.latest for d in data}
+    vals: dict[tuple[str, str], list[float]] = {c: [] for c in cells}
+    for m, f in inn.items():
+        df = q.composition_vs_function(con, m, latest[m], {"K": f.method})
+        if "spearman_unbiased_within_layer_pair" not in df.columns:
+            continue
+        for metric, space, v in df.filter(pl.col("comp") == "K").select(
+                "metric", "space", "spearman_unbiased_within_layer_pair").iter_rows():
+            if (metric, space) in vals and v is not None and np.isfinite(v):
+                vals[(metric, space)].append(float(v))
+    return [float(np.mean(vals[c])) if vals[c] else None for c in cells]

@@ -318,7 +318,7 @@ def edge_methods(con: Con, model: str, checkpoint: str) -> dict[str, str] | None
     return {c: max(methods, key=lambda m: fit.get((m, c), (False, -1.0))) for c in COMPS}
 
 
-def function_agreement(con: Con, model: str, checkpoint: str, methods: str | dict[str, str]) -> pl.DataFrame:
+def composition_vs_function(con: Con, model: str, checkpoint: str, methods: str | dict[str, str]) -> pl.DataFrame:
     """composition_vs_function of one model x checkpoint, each comp's rows by its method (one for all, or comp -> method)."""
     per_comp = {c: methods for c in COMPS} if isinstance(methods, str) else methods
     pairs = " OR ".join("(comp = ? AND method = ?)" for _ in per_comp)

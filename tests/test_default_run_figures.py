@@ -118,3 +118,32 @@ def test_the_methods_against_exact_patching_table_is_the_atlas(atlas):
     for method, per in doc.items():
         for comp, v in per.items():
             assert v == f"{got[(method, comp)]:.1f}", (method, comp, v, got[(method, comp)])
+
+
+def test_the_circuit_edge_over_training_table_is_the_atlas(atlas):
+    """docs/edge_attribution.md's table of the circuit edge 0.0 -> 1.0 K at each checkpoint: its exact
+    patching, each method's attribution, its frobenius and subspace K composition (residual) and the
+    head scores, each to the digits printed."""
+    part = section("docs/edge_attribution.md", "## What it shows on the default zoo")
+    table = re.search(r"\| step \| exact \|.*\n\|[-| ]+\|\n((?:\|.*\|\n)+)", part)
+    assert table, part[:2000]
+    edge = "writer_layer = 0 AND writer_head = 0 AND reader_layer = 1 AND reader_head = 0"
+    rows = table.group(1).strip().splitlines()
+    assert len(rows) == atlas.execute("SELECT count(*) FROM checkpoints WHERE model = 'induction-2l'").fetchone()[0]
+    for line in rows:
+        step, *doc = [float(c) for c in line.strip("|").split("|")]
+        (ckpt,) = atlas.execute("SELECT checkpoint FROM checkpoints WHERE model = 'induction-2l' AND checkpoint_step = ?",
+                                [int(step)]).fetchone()
+        at = dict(atlas.execute(f"SELECT method, score FROM edge_attribution WHERE model = 'induction-2l' AND checkpoint = ? "
+                                f"AND comp = 'K' AND {edge}", [ckpt]).fetchall())
+        (exact,) = atlas.execute(f"SELECT any_value(exact) FROM edge_attribution WHERE model = 'induction-2l' AND "
+                                 f"checkpoint = ? AND comp = 'K' AND {edge}", [ckpt]).fetchone()
+        comp = dict(atlas.execute(f"SELECT metric, score FROM composition WHERE model = 'induction-2l' AND checkpoint = ? "
+                                  f"AND comp = 'K' AND space = 'residual' AND {edge}", [ckpt]).fetchall())
+        heads = dict(atlas.execute("SELECT layer, CASE WHEN layer = 0 THEN prev_token_mean ELSE induction_mean END "
+                                   "FROM head_scores WHERE model = 'induction-2l' AND checkpoint = ? AND head = 0",
+                                   [ckpt]).fetchall())
+        got = [exact, at["eap_attn"], at["eap_ig"], at["eap"], comp["frobenius"], comp["subspace"], heads[0], heads[1]]
+        digits = [2, 2, 2, 2, 3, 3, 2, 2]
+        for d, g, n in zip(doc, got, digits, strict=True):
+            assert abs(d - g) <= 0.5 * 10**-n + 1e-9, (step, doc, [round(x, n) for x, n in zip(got, digits, strict=True)])

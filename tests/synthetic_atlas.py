@@ -34,6 +34,7 @@ import numpy as np
 import polars as pl
 
 from compatlas.atlas import build_atlas
+from compatlas.atlas.files import last_good_path
 from compatlas.function.comp_agreement import agreement_table
 from compatlas.storage import checksum_path, write_shard
 from compatlas.tables import (
@@ -304,9 +305,12 @@ def default_run() -> list[Spec]:
 
 def as_older_atlas(db: Path) -> duckdb.DuckDBPyConnection:
     """``db`` opened read-write to be made into an atlas of an older build (views changed by
-    hand): without ``shard_files`` and the atlas's checksum, which older builds did not write, so
-    that ``atlas.connect`` reads it as it is instead of as changed since it was built."""
+    hand): without ``shard_files``, the atlas's checksum and its sealed last-good copy, which older
+    builds did not write, so that ``atlas.connect`` reads it as it is instead of as changed since it
+    was built (or, unsealed beside a sealed last-good copy, answered from that copy)."""
     checksum_path(db).unlink(missing_ok=True)
+    for f in (last_good_path(db), checksum_path(last_good_path(db))):
+        f.unlink(missing_ok=True)
     con = duckdb.connect(str(db))
     con.execute("DROP TABLE IF EXISTS shard_files")
     return con

@@ -58,8 +58,9 @@ def test_profiles_name_real_rules():
         assert set(p["groups"]) == {"composition", "pattern_output", "calibrate"}  # calibrate rides in its model's bundle
         assert set(p["group-components"]) == set(p["groups"].values())
     assert profile("local")["cores"] == "all" and profile("local")["rerun-incomplete"] is True
-    # Snakemake applies profiles/default to every run, on any machine: it may hold nothing else
-    assert profile("default") == {"scheduler": "greedy"}
+    # Snakemake applies profiles/default to every run, on any machine: it may hold nothing else (rerun-triggers
+    # without `code`: reruns the same from any checkout of one commit, tests/test_pipeline.py)
+    assert profile("default") == {"scheduler": "greedy", "rerun-triggers": ["mtime", "params", "input", "software-env"]}
 
 
 def test_gpu_profile_is_the_slurm_profile_plus_gpus():

@@ -300,11 +300,12 @@ def build_atlas(db_path: str | os.PathLike, shards: dict[str, list[str | os.Path
     weights = {(m, c): w for m, c, w in models.select("model", "checkpoint", "weights_sha256").iter_rows() if w}
     for view, paths in shards.items():
         bad = bad_shards(paths)
-        for path, error in (bad | stale_shards([p for p in paths if str(p) not in bad], weights)).items():
+        stale = stale_shards([p for p in paths if str(p) not in bad], weights)
+        for path, error in (bad | stale).items():
             where = set_aside(path, root) if error != "missing" else None
             moved = f"; set aside as {where}" if where else ""
-            log.warning("left out of the %s view: result shard %s cannot be trusted (%s)%s; the next "
-                        "snakemake run remakes it", view, path, error, moved)
+            log.warning("left out of the %s view: result shard %s %s (%s)%s; the next snakemake run remakes it", view,
+                        path, "is stale" if path in stale else "is corrupt or truncated", error, moved)
             excluded.append({"view": view, "path": path, "error": error + moved})
     dropped = {e["path"] for e in excluded}
     files = []

@@ -193,8 +193,25 @@ def remove_leftover_temps(results: str | os.PathLike) -> list[Path]:
     return gone
 
 
+class NonFiniteShard(ValueError):
+    """A shard about to be sealed holds NaN or inf where a number must be (``tables.MUST_BE_FINITE``)."""
+
+
+def refuse_nonfinite(df: pl.DataFrame, path: str | os.PathLike) -> None:
+    """NonFiniteShard naming ``path``, the columns and the counts, where ``df`` holds NaN or inf in a
+    column that must hold numbers; nothing is written then."""
+    from compatlas.tables import nonfinite_counts
+
+    if bad := nonfinite_counts(df):
+        what = ", ".join(f"{c} holds {n:,} NaN or infinite value{'s' if n > 1 else ''}" for c, n in bad.items())
+        raise NonFiniteShard(f"refusing to seal {path}: {what} (of {df.height:,} rows); such a number comes only from "
+                             "non-finite inputs (the model's weights or activations): see the job's log")
+
+
 def write_shard(df: pl.DataFrame, path: str | os.PathLike, provenance: dict[str, Any]) -> None:
-    """Write one Parquet shard atomically, with provenance in the file's key-value metadata."""
+    """Write one Parquet shard atomically, with provenance in the file's key-value metadata; never
+    a shard with NaN or inf where a number must be (``refuse_nonfinite``)."""
+    refuse_nonfinite(df, path)
     with atomic_path(path) as tmp:
         df.write_parquet(tmp, compression="zstd", metadata={"compatlas": json.dumps(provenance, sort_keys=True)})
         seal(tmp, path)
@@ -213,7 +230,9 @@ def write_shard_parts(parts: Iterable[pl.DataFrame], path: str | os.PathLike, pr
     with atomic_path(path) as tmp:
         with pq.ParquetWriter(tmp, arrow_schema, compression="zstd") as writer:
             for df in parts:
-                writer.write_table(df.select(list(schema)).cast(dtypes).to_arrow().cast(arrow_schema))
+                df = df.select(list(schema)).cast(dtypes)
+                refuse_nonfinite(df, path)
+                writer.write_table(df.to_arrow().cast(arrow_schema))
                 rows += df.height
         seal(tmp, path)
     return rows

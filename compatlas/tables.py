@@ -110,6 +110,29 @@ SHARD_VIEWS: dict[str, Schema] = {
     "edge_attribution": EDGE_ATTRIBUTION_SCHEMA, "training_loss": TRAINING_LOSS_SCHEMA,
 }
 
+# The columns of a shard that must hold a number: NaN or inf there comes from non-finite inputs,
+# never from the measurement, so ``storage.write_shard`` refuses to seal such a shard (NaN shards
+# had been sealed from a model with one NaN weight, and only the report failed, naming no file).
+# The other float columns may be NaN where a statistic is undefined (a standard deviation or a
+# t-test of one sequence, a rank correlation of constant scores, an audit's expected value) or NULL
+# where a metric has no such figure (a magnitude's Gaussian baseline). A composition score too: a
+# head whose weights are all zero has a normalised score of 0/0 (and its p-value follows); NaN
+# weights never get that far (extraction refuses them, naming the tensor).
+MUST_BE_FINITE: dict[str, tuple[str, ...]] = {
+    "head_scores": ("prev_token_mean", "duplicate_mean", "induction_mean", "ablation_drop"),
+    "induction_tokens": ("mean",), "edge_attribution": ("score",), "training_loss": ("loss",),
+}
+
+
+def nonfinite_counts(df: pl.DataFrame) -> dict[str, int]:
+    """Column -> how many NaN or infinite values, over the ``MUST_BE_FINITE`` columns of the view
+    whose schema ``df`` has (none for a frame of no view's schema)."""
+    views = [v for v, schema in SHARD_VIEWS.items() if set(df.columns) == set(schema)]
+    cols = {c for v in views for c in MUST_BE_FINITE.get(v, ())}
+    counts = {c: int((~df[c].is_finite()).fill_null(False).sum()) for c in sorted(cols)}
+    return {c: n for c, n in counts.items() if n}
+
+
 # The atlas's ``models`` table: one row per model x checkpoint, from the extraction's metadata
 # (``versions`` and ``norm_gains`` as JSON text).
 MODELS_SCHEMA: Schema = {

@@ -155,3 +155,58 @@ def test_a_shard_computed_from_other_weights_than_its_models_extraction_is_left_
     assert "computed from other weights than b/final's extraction (weights_sha256 333333333333..., the extraction's " \
            "222222222222...); set aside as" in excluded[0][1]
     assert query(db, "SELECT count(DISTINCT model) FROM composition").item() == 1 and not b.exists()
+
+
+def test_a_shard_vanishing_while_a_connection_opens_degrades_only_its_view(tmp_path, monkeypatch, caplog):
+    """During a rerun that remade a calibration shard, `SELECT ... FROM composition` had failed with
+    "IO Error: No files found" for the other view's file: the shard went between the connection's
+    check and its view's creation."""
+    import compatlas.atlas.database as database
+
+    db, shards, _ = make_atlas(tmp_path)
+    gone = shards["head_scores"][1]
+    original = database._parquet_view
+
+    def vanish_then_view(name, paths, *args, **kwargs):
+        if name == "head_scores" and gone.exists():
+            gone.unlink()  # after the stat that let it in
+        return original(name, paths, *args, **kwargs)
+
+    monkeypatch.setattr(database, "_parquet_view", vanish_then_view)
+    assert query(db, "SELECT count(DISTINCT model) FROM composition").item() == 2
+    assert query(db, "SELECT list(DISTINCT model) FROM head_scores").item().to_list() == ["a"]
+    assert "result shard " + str(gone) + " vanished while the connection opened" in caplog.text
+
+
+def test_a_shard_with_nan_where_a_number_must_be_is_not_sealed(tmp_path):
+    """NaN or inf in a column that must hold numbers (tables.MUST_BE_FINITE: edge attribution's 3,456 of
+    3,456 NaN scores and head scores' NaN ablation drops had been sealed from a model with one NaN
+    weight) is refused, naming the shard, the column and the count, and nothing is written; NaN where
+    a statistic may be undefined (a drop's standard error) and NULL are kept. A shard written a part
+    at a time is checked part by part."""
+    import polars as pl
+
+    from compatlas.storage import NonFiniteShard, write_shard_parts
+    from compatlas.tables import EDGE_ATTRIBUTION_SCHEMA, HEAD_SCORES_SCHEMA
+
+    heads = pl.DataFrame([{c: None for c in HEAD_SCORES_SCHEMA} | {"model": "a", "checkpoint": "final", "layer": 0,
+                                                                    "head": h, "prev_token_mean": 0.1, "duplicate_mean": 0.0,
+                                                                    "induction_mean": 0.2, "ablation_drop": 0.5,
+                                                                    "ablation_drop_stderr": float("nan")} for h in range(8)],
+                         schema=HEAD_SCORES_SCHEMA)
+    path = tmp_path / "induction" / "model=a" / "checkpoint=final" / "heads.parquet"
+    write_shard(heads, path, {"model": "a"})  # NaN where it may be, NULL elsewhere
+    assert shard_error(path) is None
+    path.unlink()
+    checksum_path(path).unlink()
+    bad = heads.with_columns(ablation_drop=pl.when(pl.col("head") < 3).then(float("nan")).otherwise(pl.col("ablation_drop")))
+    bad = bad.with_columns(induction_mean=pl.when(pl.col("head") == 7).then(float("inf")).otherwise(pl.col("induction_mean")))
+    with pytest.raises(NonFiniteShard, match=r"refusing to seal .*model=a/checkpoint=final/heads.parquet: ablation_drop "
+                                             r"holds 3 NaN or infinite values, induction_mean holds 1 NaN or infinite "
+                                             r"value \(of 8 rows\)"):
+        write_shard(bad, path, {"model": "a"})
+    assert not path.exists() and not checksum_path(path).exists() and not list(path.parent.glob(".*.tmp"))
+    edges = pl.DataFrame([{c: None for c in EDGE_ATTRIBUTION_SCHEMA} | {"score": float("nan")}], schema=EDGE_ATTRIBUTION_SCHEMA)
+    with pytest.raises(NonFiniteShard, match=r"edges.parquet: score holds 1 NaN or infinite value \(of 1 rows\)"):
+        write_shard_parts([edges], tmp_path / "edges.parquet", {}, EDGE_ATTRIBUTION_SCHEMA)
+    assert not (tmp_path / "edges.parquet").exists()

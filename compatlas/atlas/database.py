@@ -272,8 +272,22 @@ def _verified_shard_views(con: duckdb.DuckDBPyConnection, folder: Path) -> None:
     for view, types in SHARD_VIEWS.items():
         # the columns the build found in no shard are NULL in its view's SQL: not the footers again
         absent = {c for c in types if f" AS {c}," in built.get(view, "") or f" AS {c} " in built.get(view, "")}
-        con.execute(_parquet_view(view, kept[view], types, temp=True, present=set(types) - absent,
-                                  latest="k.latest" in built.get(view, "")))  # as the build made it
+        while True:
+            try:
+                con.execute(_parquet_view(view, kept[view], types, temp=True, present=set(types) - absent,
+                                          latest="k.latest" in built.get(view, "")))  # as the build made it
+                break
+            except duckdb.IOException:
+                # a shard gone since it was checked (a rerun remaking it): that view goes on without it,
+                # the other views and the connection are not failed for it
+                gone = [p for p in kept[view] if not p.exists()]
+                if not gone:
+                    raise
+                for p in gone:
+                    kept[view].remove(p)
+                    log.warning("left out of the %s view: result shard %s vanished while the connection opened (a "
+                                "rerun remaking it?)", view, p)
+                    dropped.append((view, str(p), "vanished while the connection opened"))
     if dropped:
         con.execute("CREATE TEMP TABLE excluded_shards AS SELECT * FROM main.excluded_shards")
         con.executemany("INSERT INTO temp.excluded_shards VALUES (?, ?, ?)", dropped)

@@ -13,6 +13,7 @@ one one-point figure, i.e. what loading Vega's 0.9 MB script and drawing anythin
 on this machine; a page's draw time less that is what its own figures cost.
 
     python benchmarks/bench_report_draw.py [--repeats 3] [--dir /tmp/bench-report-draw]
+    python benchmarks/bench_report_draw.py --report results/report   # a report already built (the default run's)
 
 Needs Chromium (Debian's ``chromium``). Run it alone: a busy machine draws slower.
 """
@@ -58,13 +59,17 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--dir", type=Path, default=Path("/tmp/bench-report-draw"))
+    ap.add_argument("--report", type=Path, help="time this report's pages instead of building the synthetic one")
     args = ap.parse_args()
     if chromium() is None:
         raise SystemExit("Chromium is not installed: `apt-get install -y chromium`")
     shutil.rmtree(args.dir, ignore_errors=True)
     args.dir.mkdir(parents=True)
     report = args.dir / "report"
-    build_report(write_suite(args.dir, default_run(), spaces=DEFAULT_SPACES), report, png=False)
+    if args.report:
+        shutil.copytree(args.report, report)  # the reference page is written beside the pages, not into the run's
+    else:
+        build_report(write_suite(args.dir, default_run(), spaces=DEFAULT_SPACES), report, png=False)
     reference = reference_page(report)
     print(f"load {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores; best of {args.repeats}; target {TARGET_S:.1f} s")
     browser = Browser(chromium())

@@ -26,9 +26,15 @@ rule atlas:
 # job or deleted by hand would stay missing, and the atlas would go on lacking it. So with any of
 # its inputs missing the atlas is dated to 1970 (its content unchanged, still answering queries):
 # every input is then newer, the atlas is rebuilt and every missing input remade for it. The DAG's
-# own settings (--forcerun) are not yet set while the workflow is parsed.
+# own settings (--forcerun) are not yet set while the workflow is parsed. One second after the
+# epoch, not the epoch: Snakemake reads an output's mtime of 0 as none and skips the check of
+# newer inputs (the rebuild had happened only through the `code` trigger, the script being newer
+# than the atlas); and with max-checksum-file-size 0 (profiles/default) a newer input counts even
+# where its content is the one recorded.
 # The same for an atlas a read-write session wrote to (a WAL beside it, or its bytes changed): the
 # rebuild moves the session's WAL aside (compatlas/atlas/files.py).
+STALE = (1, 1)  # (atime, mtime): 1970-01-01 00:00:01
+
 if workflow.is_main_process and os.path.exists(rules.atlas.output[0]):
     from compatlas.atlas.files import as_built, wal_path
 
@@ -36,12 +42,12 @@ if workflow.is_main_process and os.path.exists(rules.atlas.output[0]):
     if _missing:
         print(f"compatlas: {len(_missing)} inputs of the atlas are missing (e.g. {_missing[0]}): remaking them "
               "and the atlas", file=sys.stderr)
-        os.utime(rules.atlas.output[0], (0, 0))
+        os.utime(rules.atlas.output[0], STALE)
     elif wal_path(rules.atlas.output[0]).exists() or as_built(rules.atlas.output[0]) is False:
         print(f"compatlas: {rules.atlas.output[0]} was written to by a read-write session: rebuilding it",
               file=sys.stderr)
-        os.utime(rules.atlas.output[0], (0, 0))
+        os.utime(rules.atlas.output[0], STALE)
     elif as_built(rules.atlas.output[0]) is None:
         print(f"compatlas: {rules.atlas.output[0]} has no seal (.sha256 beside it), so whether it changed cannot be "
               "told: rebuilding it", file=sys.stderr)
-        os.utime(rules.atlas.output[0], (0, 0))
+        os.utime(rules.atlas.output[0], STALE)

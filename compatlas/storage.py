@@ -27,6 +27,8 @@ from typing import Any
 
 import polars as pl
 
+from compatlas.tables import nonfinite_counts
+
 
 def file_sha256(path: str | os.PathLike, chunk: int = 1 << 22) -> str:
     """The sha256 of a file's bytes, read in chunks (weight shards, GGUF files, checkpoints)."""
@@ -200,8 +202,6 @@ class NonFiniteShard(ValueError):
 def refuse_nonfinite(df: pl.DataFrame, path: str | os.PathLike) -> None:
     """NonFiniteShard naming ``path``, the columns and the counts, where ``df`` holds NaN or inf in a
     column that must hold numbers; nothing is written then."""
-    from compatlas.tables import nonfinite_counts
-
     if bad := nonfinite_counts(df):
         what = ", ".join(f"{c} holds {n:,} NaN or infinite value{'s' if n > 1 else ''}" for c, n in bad.items())
         raise NonFiniteShard(f"refusing to seal {path}: {what} (of {df.height:,} rows); such a number comes only from "

@@ -30,7 +30,7 @@ import os
 import re
 import shutil
 import weakref
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from importlib import resources
 from pathlib import Path
@@ -93,8 +93,7 @@ def create_derived_view(con: duckdb.DuckDBPyConnection, name: str, fdr: float, p
     already: created as a view first, which binds it (its columns) without computing it."""
     sql = derived_view_sql(name, fdr, prev, ind)
     con.execute(sql)
-    columns = {r[0] for r in con.execute(f"DESCRIBE {name}").fetchall()}
-    flag = {"model", "checkpoint"} <= columns and "latest" not in columns
+    flag = needs_latest(r[0] for r in con.execute(f"DESCRIBE {name}").fetchall())
     if flag or name in MATERIALISED:
         head = f"CREATE VIEW {name} AS"
         body = re.sub(r";\s*\Z", "", sql[sql.index(head) + len(head):])
@@ -116,6 +115,13 @@ def models_frame(meta_paths: list[str | os.PathLike]) -> pl.DataFrame:
         row["quantized"] = bool(meta.get("quantized", False))
         rows.append(row)
     return pl.DataFrame(rows, schema=MODELS_SCHEMA)
+
+
+def needs_latest(columns: Iterable[str]) -> bool:
+    """Whether a view or table of these columns gets ``latest`` (``with_latest``): it has a
+    checkpoint and does not carry the flag already."""
+    cols = set(columns)
+    return {"model", "checkpoint"} <= cols and "latest" not in cols
 
 
 def with_latest(select: str) -> str:
@@ -146,7 +152,7 @@ def _parquet_view(name: str, shards: Sequence[str | os.PathLike], types: dict, r
     ``present``: the columns some shard has (read from their footers when not given)."""
     columns = list(types)
     create = "CREATE TEMP VIEW" if temp else "CREATE VIEW"
-    flagged = with_latest if latest and {"model", "checkpoint"} <= set(types) else (lambda q: q)
+    flagged = with_latest if latest and needs_latest(types) else (lambda q: q)
     if not shards:  # an empty, typed view keeps queries valid before the first results
         cols = ", ".join(f"NULL::{_DUCK_TYPES[types[c]]} AS {c}" for c in columns)
         return f"{create} {name} AS {flagged(f'SELECT {cols} WHERE false')}"
@@ -354,8 +360,7 @@ def build_atlas(db_path: str | os.PathLike, shards: dict[str, list[str | os.Path
                 frame = compute(con)
                 con.register(f"{name}_df", frame.to_arrow())
                 select = f"SELECT * FROM {name}_df"
-                flagged = {"model", "checkpoint"} <= set(frame.columns) and "latest" not in frame.columns
-                con.execute(f"CREATE TABLE {name} AS {with_latest(select) if flagged else select}")
+                con.execute(f"CREATE TABLE {name} AS {with_latest(select) if needs_latest(frame.columns) else select}")
                 con.unregister(f"{name}_df")
         finally:
             con.close()

@@ -96,13 +96,13 @@ def readable(db_path: str | os.PathLike) -> tuple[Path, bool, list[str]]:
         db = good
         if as_built(db) is False:
             raise AtlasChanged(f"{db} was {CHANGED}; rerun snakemake to rebuild the atlas")
-    elif as_built(db) is False:
+    elif (built := as_built(db)) is False:  # hashes the atlas: once per connection
         if db == good or not good.exists() or as_built(good) is False:
             raise AtlasChanged(f"{db} was {CHANGED} and no good copy is left; rerun snakemake to rebuild it")
         notes.append(f"{db} was {CHANGED}; answering from the last good atlas {good} (the next snakemake run "
                      "rebuilds it)")
         db = good
-    elif as_built(db) is None and db != good and good.exists() and as_built(good):
+    elif built is None and db != good and good.exists() and as_built(good):
         # its seal is gone (deleted, or never written by a build killed between its two renames): what it
         # holds cannot be told from a session's edits, while the sealed last good copy can
         notes.append(f"{db} has no seal ({checksum_path(db).name}), so its bytes cannot be checked; answering from the "

@@ -146,20 +146,22 @@ def comp_rows(model: str, checkpoint: str, f: CompFunction) -> list[dict]:
     """``function_agreement``'s rows of one comp: a row per cell (oracles included), its point
     figures with their 95% bootstrap intervals, and where it stands among the cells."""
     ranked, noise_ranked = f.ranking(), f.noise_ranking()
+    # each statistic's point figures and interval bounds over every cell, the quantiles taken once
+    stats = {name: (a.spearman if which == "spearman" else a.auroc, *a.interval(which))
+             for name, a, which in (("auroc_top", f.agreement, "auroc"), ("spearman_abs", f.agreement, "spearman"),
+                                    ("spearman_unbiased", f.noise, "spearman"), ("auroc_significant", f.noise, "auroc"))
+             if a is not None}
+    n_boot = next((a.auroc_boot.shape[1] for a in (f.noise, f.agreement) if a is not None), None)
     rows = []
     for i, cell in enumerate(f.cells):
         row: dict = {"model": model, "checkpoint": checkpoint, "method": f.method, "comp": f.comp, "metric": cell[0],
                      "space": cell[1], "measurable": f.gate.measurable, "why_not": f.gate.why, "n_edges": f.gate.n_edges,
-                     "n_significant": f.n_significant if f.noise is not None else None, "n_boot": None}
-        for name, a, which in (("auroc_top", f.agreement, "auroc"), ("spearman_abs", f.agreement, "spearman"),
-                               ("spearman_unbiased", f.noise, "spearman"), ("auroc_significant", f.noise, "auroc")):
-            if a is None:
-                row.update({name: None, f"{name}_lo": None, f"{name}_hi": None})
-                continue
-            point = a.spearman if which == "spearman" else a.auroc
-            lo, hi = a.interval(which)
-            row.update({name: _finite(point[i]), f"{name}_lo": _finite(lo[i]), f"{name}_hi": _finite(hi[i])})
-            row["n_boot"] = a.auroc_boot.shape[1]
+                     "n_significant": f.n_significant if f.noise is not None else None, "n_boot": n_boot}
+        for name in ("auroc_top", "spearman_abs", "spearman_unbiased", "auroc_significant"):
+            row.update({name: None, f"{name}_lo": None, f"{name}_hi": None})
+            if name in stats:
+                point, lo, hi = stats[name]
+                row.update({name: _finite(point[i]), f"{name}_lo": _finite(lo[i]), f"{name}_hi": _finite(hi[i])})
         oracle = cell in ORACLES
         row["best_noise_aware"] = None if noise_ranked is None or oracle else cell == noise_ranked[0]
         row["tied_noise_aware"] = None if noise_ranked is None or oracle else cell in noise_ranked[1]

@@ -28,6 +28,7 @@ TABLES = {
     "composition_z": "composition plus z-scores, p- and q-values",
     "calibration": "p- and q-values of the causal pairs against the null pairs",
     "discoveries": "composition_z rows with q_value <= composition.fdr",
+    "discovery_floor": "per cell with discoveries: how many sit at the null's floor 1/(N+1), and whether one fewer would undo them",
     "invariance": "rank stability of every metric and space under weight transforms",
     "metric_audit": "every metric and space against the axioms",
     "induction_tokens": "induction strength per token and role (A/B), with nearby-B and random controls",
@@ -207,7 +208,7 @@ def _query(args: argparse.Namespace) -> int:
 def _context(con, sql: str) -> list[str]:
     """What ``compatlas query`` says before an answer: the shards the atlas leaves out, and each
     value a WHERE compares a closed-set column with that the atlas cannot hold."""
-    from compatlas.atlas.query_hints import unknown_values
+    from compatlas.atlas.query_hints import CLOSED, atlas_vocabulary, unknown_values
 
     lines = []
     try:  # shards the atlas left out (truncated, corrupt): said beside every answer
@@ -220,7 +221,15 @@ def _context(con, sql: str) -> list[str]:
         models = [r[0] for r in con.execute("SELECT DISTINCT model FROM models ORDER BY model").fetchall()]
     except Exception:  # noqa: BLE001 -- an atlas without a models table: no model names to check
         models = []
-    return lines + [f"note: {line}" for line in unknown_values(sql, models)]
+    closed = CLOSED
+    try:  # the values this atlas holds, from its shards' paths and its reference rows (the oracles)
+        paths = [r[0] for r in con.execute("SELECT path FROM shard_files").fetchall()]
+        refs = [(m, s) for m, s in con.execute("SELECT DISTINCT metric, space FROM composition_vs_function").fetchall()]
+        if paths:
+            closed = atlas_vocabulary(paths, refs)
+    except Exception:  # noqa: BLE001 -- an atlas built before these tables: the vocabulary's values
+        pass
+    return lines + [f"note: {line}" for line in unknown_values(sql, models, closed)]
 
 
 def main(argv: list[str] | None = None) -> int:

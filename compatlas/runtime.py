@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import hashlib
 import importlib.metadata
+import os
+import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import TYPE_CHECKING
@@ -19,6 +21,32 @@ if TYPE_CHECKING:
 
 # The libraries whose versions every shard and every extraction records.
 VERSIONED_PACKAGES = ("compatlas", "torch", "transformer-lens", "transformers", "polars", "duckdb", "scipy")
+
+
+# The CPU float kernels training runs on, chosen by name rather than by the CPU. torch picks its
+# vector kernels (ATen's) and MKL its GEMM code path by the instructions a CPU has, and the two paths
+# round differently in the last bit; over 800 training steps, near the phase change, that bit grows
+# into another model (the default recipe's loss at step 400: 2.872 on AVX2 kernels, 2.818 on
+# AVX-512). With both pinned to AVX2 a training run is the same on every x86-64 CPU that has AVX2
+# (docs/behaviour.md#what-can-differ-across-machines).
+PINNED_CPU_KERNELS = {"ATEN_CPU_CAPABILITY": "avx2", "MKL_CBWR": "AVX2"}
+
+
+def pin_cpu_kernels() -> None:
+    """Set ``PINNED_CPU_KERNELS`` in the environment. torch and MKL read them once, on first
+    use, so this must run before torch is imported: in a job's own process (a job server's fork
+    has imported torch already)."""
+    if "torch" in sys.modules:
+        raise RuntimeError("pin_cpu_kernels must run before torch is imported")
+    os.environ.update(PINNED_CPU_KERNELS)
+
+
+def cpu_kernels() -> str:
+    """The CPU float kernels this process runs on: torch's vector kernels (``AVX2``, ``AVX512``,
+    ``DEFAULT`` ...) and MKL's pinned code path, if any (``MKL_CBWR``)."""
+    import torch
+
+    return f"aten={torch.backends.cpu.get_cpu_capability()} mkl_cbwr={os.environ.get('MKL_CBWR', 'auto')}"
 
 
 def stable_seed(*parts: object) -> int:

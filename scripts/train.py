@@ -1,12 +1,17 @@
-"""Snakemake adapter: train one segment of a run, up to this checkpoint's step."""
-from compatlas.worker import hand_off
+"""Snakemake adapter: train one segment of a run, up to this checkpoint's step.
 
-hand_off(snakemake)  # run in the run's job server, where torch is already imported
+Not handed to the run's job server: training pins its CPU float kernels (compatlas.runtime.
+pin_cpu_kernels), which torch reads once, so it runs in its own process, pinned before torch
+is imported."""
+from compatlas.runtime import pin_cpu_kernels
+
+pin_cpu_kernels()
 
 from pathlib import Path
 
 from compatlas.logs import exit_now, setup
 from compatlas.models.training import train_segment
+from compatlas.runtime import cpu_kernels
 from compatlas.storage import write_shard
 from compatlas.tables import provenance
 
@@ -17,6 +22,6 @@ out_dir = Path(snakemake.output.state).parent
 losses = train_segment(snakemake.params.spec, snakemake.params.step, previous, out_dir, wc.model)
 meta = {"model": wc.model, "checkpoint": wc.checkpoint, "checkpoint_step": snakemake.params.step, "source_kind": "trained"}
 write_shard(losses, snakemake.output.loss, provenance(meta, step=snakemake.params.step, spec=snakemake.params.spec,
-                                                      resumed_from=str(previous)))
+                                                      resumed_from=str(previous), cpu_kernels=cpu_kernels()))
 log.info("%s: trained to step %d (%d steps in this segment)", wc.model, snakemake.params.step, losses.height)
 exit_now()  # outputs written: skip the interpreter's teardown

@@ -219,6 +219,38 @@ def test_compared_values_of_closed_columns_are_read_from_the_where():
     assert unknown_values("SELECT * FROM models WHERE model = 'toy-gpt2'", ["toy-gpt2"]) == []
 
 
+def test_the_hint_names_the_atlas_own_values_and_its_reference_rows():
+    """The oracle rows of composition_vs_function (metric oracle_scale / oracle_depth, space oracle) are
+    values of the atlas; pattern_output, a metric the default run does not compute, is not."""
+    from compatlas.atlas.query_hints import atlas_vocabulary, unknown_values
+
+    paths = ["composition/model=a/checkpoint=final/metric=frobenius/space=residual/block=0.parquet",
+             "composition/model=a/checkpoint=final/metric=contribution/space=activation/block=0.parquet",
+             "head_scores/model=a/checkpoint=final/heads.parquet"]
+    vocab = atlas_vocabulary(paths, [("oracle_scale", "oracle"), ("oracle_depth", "oracle")])
+    assert vocab == {"metric": ("frobenius", "contribution", "oracle_depth", "oracle_scale"),
+                     "space": ("residual", "activation", "oracle"), "comp": ("Q", "K", "V")}
+    sql = "SELECT * FROM composition_vs_function WHERE metric IN ('oracle_scale', 'pattern_output') AND space = 'oracle'"
+    assert unknown_values(sql, ["a"], vocab) == [
+        "metric 'pattern_output' is not in this atlas; it has: frobenius, contribution, oracle_depth, oracle_scale"]
+
+
+def test_an_answer_ends_its_line_before_the_row_count(capfd, tmp_path):
+    """stdout ends with a newline in every format, so that the count on stderr starts its own line
+    (2>&1 in a terminal)."""
+    import subprocess
+    import sys
+
+    from compatlas.atlas import build_atlas
+
+    db = tmp_path / "atlas.duckdb"
+    build_atlas(db, {}, [])
+    for fmt in ("table", "csv", "json"):
+        out = subprocess.run([sys.executable, "-m", "compatlas.cli", "query", "--db", str(db), "--format", fmt,
+                              "SELECT 1 AS a UNION ALL SELECT 2"], capture_output=True, text=True, check=True)
+        assert out.stdout.endswith("\n") and out.stderr == "compatlas: 2 rows\n", (fmt, out)
+
+
 def test_every_answer_says_its_row_count_and_an_unknown_model(capsys, tmp_path):
     """An empty answer for a misspelt model says so, naming the models there are; a real empty
     answer only counts its rows."""

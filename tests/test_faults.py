@@ -312,6 +312,17 @@ def test_duplicate_config_keys_are_named_with_their_line(capsys, tmp_path):
                                        "only the last; remove one")
 
 
+def test_merge_keys_are_defaults_not_duplicates(tmp_path):
+    """``<<: *recipe`` (config/training-seeds.yaml) merges the anchor's keys; the mapping's own keys win."""
+    from compatlas.plan.config import load_config_file
+
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("training:\n  a: &r {steps: 10, seed: 0}\n  b: {<<: *r, seed: 1}\n")
+    assert load_config_file(cfg)["training"] == {"a": {"steps": 10, "seed": 0}, "b": {"steps": 10, "seed": 1}}
+    for name in ("training-seeds.yaml", "training-sweep.yaml"):
+        assert load_config_file(Path(__file__).parents[1] / "config" / name)["training"]
+
+
 def test_blocks_beyond_the_tiles_of_the_layer_grid_are_noted():
     from compatlas.plan import build_plan
 

@@ -75,6 +75,53 @@ def test_a_run_does_not_depend_on_the_threads_torch_is_given(tmp_path):
     assert losses[0] == losses[1]
 
 
+TRAIN_AND_HASH = """
+import hashlib, sys, tempfile
+from pathlib import Path
+if sys.argv[1] == "pinned":
+    from compatlas.runtime import pin_cpu_kernels
+    pin_cpu_kernels()
+import torch
+from compatlas.models.training import train_segment
+spec = {spec!r}
+with tempfile.TemporaryDirectory() as d:
+    train_segment(spec, 40, None, Path(d))
+    state = torch.load(Path(d) / "state.pt", weights_only=True)["model"]
+print(torch.backends.cpu.get_cpu_capability(), hashlib.sha256(b"".join(v.numpy().tobytes() for _, v in sorted(state.items()))).hexdigest())
+"""
+
+
+def _train_in_a_process(tmp_path, pinned: bool, capability: str) -> tuple[str, str]:
+    """(torch's CPU capability, sha256 of the weights) after 40 steps of the default recipe, trained
+    in a fresh process whose environment asks torch for ``capability``'s kernels."""
+    import os
+    import subprocess
+    import sys
+
+    script = tmp_path / "train_and_hash.py"
+    script.write_text(TRAIN_AND_HASH.format(spec=_demo_spec()))
+    env = {k: v for k, v in os.environ.items() if k not in ("ATEN_CPU_CAPABILITY", "MKL_CBWR")}
+    out = subprocess.run([sys.executable, str(script), "pinned" if pinned else "native"], env=env | {"ATEN_CPU_CAPABILITY": capability},
+                         capture_output=True, text=True, check=True, timeout=600)
+    cap, digest = out.stdout.split()[-2:]
+    return cap, digest
+
+
+def test_pinned_training_does_not_depend_on_the_cpus_kernels(tmp_path):
+    """torch picks its vector kernels by the CPU's instructions, and they round differently: 40
+    steps of the default recipe on the scalar kernels (what a CPU without AVX2 gets) and on the AVX2
+    ones end in other weights. Training pins AVX2 (compatlas.runtime.pin_cpu_kernels), so a run asking
+    for either gives the same bits: the run of a machine with AVX-512 is that of one without."""
+    if torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"):
+        pytest.skip(f"this CPU's torch kernels are {torch.backends.cpu.get_cpu_capability()}, not x86-64 with AVX2: "
+                    "the pin (AVX2 kernels) cannot be taken here")
+    native = {cap: _train_in_a_process(tmp_path, False, cap) for cap in ("default", "avx2")}
+    assert native["default"][0] == "DEFAULT" and native["avx2"][0] == "AVX2"
+    assert native["default"][1] != native["avx2"][1], "the scalar and AVX2 kernels trained the same bits: nothing to pin"
+    pinned = {cap: _train_in_a_process(tmp_path, True, cap) for cap in ("default", "avx512")}
+    assert pinned["default"] == pinned["avx512"] == ("AVX2", native["avx2"][1])
+
+
 def test_mlps_stay_zero_attention_only(tmp_path):
     train_segment(SPEC, 5, None, tmp_path / "m")
     state = torch.load(tmp_path / "m" / "state.pt")["model"]

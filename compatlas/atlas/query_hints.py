@@ -35,10 +35,34 @@ def unknown_values(sql: str, models: Sequence[str], closed: Mapping[str, Sequenc
         if value in known[col] or (col, value) in seen:
             continue
         seen.add((col, value))
-        where = "in this atlas" if col == "model" else "a value of this atlas's vocabulary"
+        where = "in this atlas" if col == "model" or closed is not CLOSED else "a value of this atlas's vocabulary"
         have = ", ".join(known[col]) or "none"
         lines.append(f"{col} {value!r} is not {where}; it has: {have}")
     return lines
+
+
+_PARTITION = re.compile(r"(?:^|/)(metric|space)=([^/]+)")
+
+
+def atlas_vocabulary(shard_paths: Sequence[str], reference_rows: Sequence[tuple[str, str]] = ()) -> dict[str, tuple[str, ...]]:
+    """The metric, space and comp values an atlas holds: its shards' ``metric=`` and ``space=``
+    partitions, and the (metric, space) of the reference rows its derived tables add beside them
+    (the oracles: ``oracle_scale`` / ``oracle_depth`` in ``space = 'oracle'``). A closed set's value
+    the atlas lacks (``pattern_output`` in the default run) is then named as missing from it too."""
+    found: dict[str, dict[str, None]] = {"metric": {}, "space": {}}
+    for path in shard_paths:
+        for col, value in _PARTITION.findall(path):
+            found[col][value] = None
+    for metric, space in reference_rows:
+        found["metric"][metric] = None
+        found["space"][space] = None
+    order: dict[str, tuple[str, ...]] = {"metric": METRICS, "space": SPACES}
+
+    def place(col: str, value: str) -> tuple[int, str]:  # the vocabulary's order first, then what else the atlas has
+        return (order[col].index(value) if value in order[col] else len(order[col]), value)
+
+    return {"metric": tuple(sorted(found["metric"], key=lambda v: place("metric", v))),
+            "space": tuple(sorted(found["space"], key=lambda v: place("space", v))), "comp": COMPS}
 
 
 def row_count(n: int) -> str:

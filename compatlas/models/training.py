@@ -27,7 +27,7 @@ import polars as pl
 import torch
 
 from compatlas.progress import Progress
-from compatlas.runtime import one_thread, stable_seed
+from compatlas.runtime import cpu_kernels, one_thread, stable_seed
 from compatlas.tables import TRAINING_LOSS_SCHEMA
 
 log = logging.getLogger(__name__)
@@ -130,6 +130,7 @@ def train_segment(spec: dict[str, Any], target_step: int, previous: Path | None,
     t0 = time.perf_counter()
     tokens_per_step = spec["batch_size"] * spec["seq_len"]
     progress = Progress(log, f"training {model_id}", total=target_step - step, unit="steps")
+    log.info("training %s from step %d on CPU kernels %s", model_id, step, cpu_kernels())
     with one_thread():  # see one_thread: the run must not depend on the cores a job gets
         while step < target_step:
             step += 1

@@ -224,8 +224,10 @@ def circuit_chart(edges: pl.DataFrame, nodes: pl.DataFrame, model: str, checkpoi
         expr=f"{has} ? {known}[combo] : [0, 1]")), legend=alt.Legend(
         title="score", labelExpr="format(datum.value, '.6~g')", labelOpacity=seen, symbolOpacity=seen, titleOpacity=seen))
     dash = alt.StrokeDash("kind:N", scale=alt.Scale(domain=kinds or [DISCOVERY], range=[KIND_DASH[k] for k in kinds or [DISCOVERY]]),
+                          # a legend only where one metric x space draws curves of two kinds: each menu entry
+                          # draws one kind, which its label names (a legend of every kind listed curves not drawn)
                           legend=alt.Legend(title="curve", symbolType="stroke", symbolStrokeWidth=2, symbolSize=300)
-                          if len(kinds) > 1 else None)
+                          if rows.height and number(rows.group_by("combo").agg(pl.col("kind").n_unique())["kind"].max()) > 1 else None)
     panels = []
     for comp in comps:
         link = (alt.Chart(rows, name=f"edges_{comp}")

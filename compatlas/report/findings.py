@@ -11,7 +11,7 @@ import polars as pl
 
 from compatlas.report import queries as q
 from compatlas.report.circuit import LARGEST
-from compatlas.report.page import fmt, head, note, table
+from compatlas.report.page import fmt, fmt_q, head, note, table
 from compatlas.tables import integer
 from compatlas.vocab import COMPS
 
@@ -69,11 +69,16 @@ def floor_summary(con: q.Con, model: str, checkpoint: str, group: int) -> pl.Dat
     one = (f"(test_unit IS DISTINCT FROM 'kv_head' OR reader_head % {int(group)} = 0)"
            if "test_unit" in q.columns(con, "calibration") else "true")
     beyond = "p_value <= (1 + 1e-9) / (n_null + 1)"  # the floor, or the tail model's p below it
-    return q._pl(con, f"""SELECT metric, space, comp, count(*) AS m, max(n_null)::BIGINT AS n_null,
+    summary = q._pl(con, f"""SELECT metric, space, comp, count(*) AS m, max(n_null)::BIGINT AS n_null,
                                count_if({beyond})::BIGINT AS k, max(q_value) FILTER (WHERE {beyond}) AS q_k,
                                count_if(p_value < (1 - 1e-9) / (n_null + 1))::BIGINT AS k_tail, min(p_value) AS p_min
                         FROM calibration WHERE model = ? AND checkpoint = ? AND {one}
                         GROUP BY ALL""", [model, checkpoint])
+    if summary.height and q.has(con, "discovery_floor", "set_by_floor"):  # the discoveries' share of the floor
+        floor = q._pl(con, """SELECT metric, space, comp, n_discoveries, n_at_floor, n_below_floor, q_at_floor, q_one_fewer,
+                                     set_by_floor FROM discovery_floor WHERE model = ? AND checkpoint = ?""", [model, checkpoint])
+        summary = summary.join(floor, on=["metric", "space", "comp"], how="left")
+    return summary
 
 
 def floor_note(floor: pl.DataFrame, q_cut: float | None) -> str:
@@ -96,13 +101,14 @@ def floor_note(floor: pl.DataFrame, q_cut: float | None) -> str:
         if k > tail:
             sit = "sits" if k - tail == 1 else "sit"
             text += (f"; {k - tail:,} of them {sit} at the floor 1/(N+1) = {fmt(1 / (n + 1))}, where q is about "
-                     f"{fmt(chance)}/{k:,} = {fmt(chance / k)} (largest q among the {k:,}: {fmt(r['q_k'])}): of those, "
+                     f"{fmt(chance)}/{k:,} = {fmt(chance / k)} (largest q among the {k:,}: {fmt_q(r['q_k'], q_cut)}): of those, "
                      f"about {fmt(chance)} {'is' if round(chance) == 1 else 'are'} expected by chance")
         if tail:
             text += (f"; {tail:,} {'lies' if tail == 1 else 'lie'} far enough beyond the null's largest score for its "
                      "tail model to give a p below "
                      f"the floor (down to {fmt(r.get('p_min'))})")
-        parts.append(text + ".")
+        text += "." + discoveries_at_floor(r, q_cut)
+        parts.append(text)
     if not parts:
         return ""
     ns = sorted({int(n) for n in floor["n_null"].drop_nulls()})
@@ -115,6 +121,24 @@ def floor_note(floor: pl.DataFrame, q_cut: float | None) -> str:
                 "floor and the model's: a p at the floor is a pair beyond every null pair that the model puts no "
                 "further out, a p below it the model's. What the pairs beyond every null pair show is their number "
                 "against chance. " + " ".join(parts))
+
+
+def discoveries_at_floor(r: dict, q_cut: float) -> str:
+    """Of a comp's discoveries, how many sit at the floor, and whether their count is the floor's
+    (the ``discovery_floor`` view): with one test fewer at or below the floor, would they still pass?"""
+    d, at = r.get("n_discoveries") or 0, r.get("n_at_floor") or 0
+    if not d or r.get("q_one_fewer") is None:
+        return ""
+    text = (f" Of its {d:,} discoveries, {at:,} {'sits' if at == 1 else 'sit'} at the floor and "
+            f"{r.get('n_below_floor') or 0:,} below it; ")
+    if not at:
+        return text + "none rests on the floor."
+    text += (f"a test at the floor has q = {fmt_q(r['q_at_floor'], q_cut)}, and with one test fewer at or below the floor "
+             f"it would have {fmt_q(r['q_one_fewer'], q_cut)}")
+    if r.get("set_by_floor"):
+        return text + (f": <b>these {at:,} discoveries are set by the null's resolution</b> (one fewer test beyond every "
+                       f"null pair and none of them would pass q &le; {q_cut:g}); more null samples, not the scores, decide them.")
+    return text + ", still a discovery: the count does not hang on one test."
 
 
 def combo_key(metric: str, space: str) -> str:
@@ -163,7 +187,8 @@ def _one_cell(edges: pl.DataFrame, group: int, model: str, metric: str, space: s
         shared = shared or next((readers_cell(r["reader_layer"], r["readers"]) for r in top.iter_rows(named=True)
                                  if len(r["readers"]) > 1), None)
         rows = [[head(r["writer_layer"], r["writer_head"]), readers_cell(r["reader_layer"], r["readers"]), r["score"],
-                 r["baseline_spectrum_mean"], r["z_spectrum"], r["p_value"], r["q_value"]] for r in top.iter_rows(named=True)]
+                 r["baseline_spectrum_mean"], r["z_spectrum"], r["p_value"], fmt_q(r["q_value"], q_cut)]
+                for r in top.iter_rows(named=True)]
         parts.append(f"<div><b>{comp}-composition</b>"
                      + table(["writer", "reader", "score", "spectrum null", "z", "p", "q"], rows) + "</div>")
     gqa = (f" Readers listed together (<code>{html.escape(shared)}</code>) are query heads of one key/value head "

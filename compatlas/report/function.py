@@ -169,7 +169,10 @@ def agreement_table(cvf: pl.DataFrame, fns: dict[str, CompFunction]) -> str:
     return table(["metric", "space", "comp", "edges", "significant", "Spearman, unbiased [95%]",
                   "AUROC, significant edges [95%]", "rank", "beats scale oracle (by)", "unbiased, within a layer pair",
                   "Spearman with |t|", "AUROC, top of |attribution| [95%]", "Spearman with |attribution| [95%]",
-                  "discoveries"], rows, cls="agree")
+                  "discoveries (edges)"], rows, cls="agree") + note(
+        "Discoveries (edges) counts this table's edges that hold a discovery. A K or V edge ends in a key/value head, "
+        "so in a grouped-query model a discovery shared by its query heads counts once here and once per query head "
+        "in the table of every metric x space above (rows of <code>discoveries</code>).")
 
 
 def method_line(methods: dict[str, str]) -> str:

@@ -11,7 +11,7 @@ import altair as alt
 import numpy as np
 import polars as pl
 
-from compatlas.report.page import by_metric_space, finite, order, table, wrap
+from compatlas.report.page import by_metric_space, finite, note, order, table, wrap
 from compatlas.tables import integer, number
 from compatlas.vocab import COMPS
 
@@ -241,4 +241,6 @@ def calibration_table(summary: pl.DataFrame) -> str:
                      g["gaussian_null"].mean(), g["spectrum_null"].mean(), g["n_null"].max()])
     return table(["metric", "space", "head pairs per comp", "Q discoveries", "K discoveries", "V discoveries",
                   "Q mean score", "K mean score", "V mean score", "mean Gaussian null", "mean spectrum-kept null",
-                  "non-causal null pairs"], rows)
+                  "non-causal null pairs"], rows) + note(
+        "Discoveries count rows of <code>discoveries</code>, one per reader query head: a finding of a key/value head "
+        "counts once for each of its query heads (the function table below counts it once, as an edge).")

@@ -93,6 +93,18 @@ def fmt(v: Any, digits: int = 3) -> str:
     return str(v)
 
 
+def fmt_q(q: Any, cut: float | None) -> str:
+    """A q-value with the digits that show its margin to the false discovery rate ``cut``: as
+    ``fmt`` unless that rounds it onto the cut or across it (0.0499986 is "0.049999", not "0.0500")."""
+    if not isinstance(q, float) or cut is None or math.isnan(q):
+        return fmt(q)
+    for digits in range(3, 10):
+        text = fmt(q, digits)
+        if (float(text) <= cut) == (q <= cut) and float(text) != cut:
+            return text
+    return f"{q:.10g}"
+
+
 def correlation(v: Any) -> Any:
     """A correlation of exactly 0 computed in floating point (4.4e-17, its sign and last digits
     changing with DuckDB's parallel sums) shown as 0."""

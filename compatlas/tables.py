@@ -94,7 +94,7 @@ EDGE_ATTRIBUTION_SCHEMA: Schema = {
     "reader_layer": pl.Int32, "reader_head": pl.Int32, "reader_kv_head": pl.Int32, "method": pl.Utf8,
     "score": pl.Float64, "score_stderr": pl.Float64, "score_half_a": pl.Float64, "score_half_b": pl.Float64,
     "p_value": pl.Float64, "q_value": pl.Float64, "exact": pl.Float64, "exact_stderr": pl.Float64,
-    "n_sequences": pl.Int64,
+    "n_sequences": pl.Int64, "exact_sample": pl.Utf8,
 }
 
 # The loss of every step of the pipeline's own training runs (``training.train_segment``).
@@ -155,6 +155,9 @@ FUNCTION_AGREEMENT_SCHEMA: Schema = {
     **{f"{s}{end}": pl.Float64 for s in ("auroc_top", "spearman_abs", "spearman_unbiased", "auroc_significant")
        for end in ("", "_lo", "_hi")},
     "best_noise_aware": pl.Boolean, "tied_noise_aware": pl.Boolean, "best_auroc_top": pl.Boolean, "beats_scale": pl.Boolean,
+    "beats_depth": pl.Boolean, "partial_unbiased": pl.Float64, "partial_unbiased_lo": pl.Float64,
+    "partial_unbiased_hi": pl.Float64, "added_r2": pl.Float64, "agrees": pl.Boolean, "beyond_prior": pl.Boolean,
+    "beats_oracles": pl.Boolean, "adds_to_oracles": pl.Boolean, "verdict": pl.Utf8,
 }
 
 # The atlas's ``excluded_shards`` table: shards left out of their view because they do not open.

@@ -213,7 +213,7 @@ def _edges(s: Spec, ck: str, step: int | None, rng) -> pl.DataFrame:
                                      "score": score, "score_stderr": se, "score_half_a": half_a, "score_half_b": half_b,
                                      "p_value": p, "q_value": _bh(p),
                                      "exact": score * 1.1 + rng.normal(0, 0.002, len(wl)),
-                                     "exact_stderr": 0.01, "n_sequences": 16}))
+                                     "exact_stderr": 0.01, "n_sequences": 16, "exact_sample": "random"}))
     return pl.concat(out).cast(EDGE_ATTRIBUTION_SCHEMA)  # type: ignore[arg-type]
 
 

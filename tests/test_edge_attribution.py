@@ -9,6 +9,9 @@ the task by construction: it must come first by EAP and by exact patching."""
 
 from __future__ import annotations
 
+import math
+
+import numpy as np
 import polars as pl
 import pytest
 import torch
@@ -23,6 +26,7 @@ from compatlas.function.edge_attribution import (
     exact_sample,
     exact_scores,
     induction_task,
+    top_edges,
 )
 from compatlas.function.edge_measure import attribute_edges
 from compatlas.models.loading import boot
@@ -193,6 +197,46 @@ def test_exact_sample_is_stratified_over_attribution_and_composition():
     assert [int(((got > q[0]).long() + (got > q[1]).long() == k).sum()) for k in range(3)] == [12, 12, 12]
     small = [e for e in causal_edges_of(2, 2)]
     assert len(exact_sample({c: torch.zeros(2, 2, 2, 2) for c in "QKV"}, None, small, 36, seed=0)) == len(small)
+
+
+def test_top_edges_add_each_grids_largest_to_the_draw():
+    """Beside the random draw, each grid's top k edges per comp (NaN ranked lowest), those not drawn
+    already, once each, in edge order: the draw plus them holds every grid's top k."""
+    L, H = 6, 4
+    edges = causal_edges_of(L, H)
+    gen = torch.Generator().manual_seed(2)
+    a = {c: torch.randn(L, H, L, H, generator=gen, dtype=torch.float64) for c in "QKV"}
+    b = {c: torch.rand(L, H, L, H, generator=gen, dtype=torch.float64) for c in "QKV"}
+    b["K"][0] = math.nan  # writers of layer 0 have no score there: never a top edge of b
+    drawn = exact_sample(a, b, edges, 36, seed=0)
+    added = top_edges([{c: t.abs() for c, t in a.items()}, b], edges, 5, drawn)
+    assert not set(added) & set(drawn) and len(set(added)) == len(added)
+    assert added == sorted(added, key=edges.index)
+    for c in "QKV":
+        mine = [e for e in edges if e.comp == c]
+        for grid in ({k: t.abs() for k, t in a.items()}, b):
+            def value(e, grid=grid, c=c):
+                return grid[c][e.writer_layer, e.writer_head, e.reader_layer, e.reader_index].item()
+
+            top5 = sorted((e for e in mine if not math.isnan(value(e))), key=lambda e: -value(e))[:5]
+            assert set(top5) <= set(drawn) | set(added), c
+    assert top_edges([a], edges, 0, drawn) == []
+
+
+def test_the_exact_sample_holds_the_top_edges_and_says_which(gqa):
+    """attribute_edges patches the random draw and each method's top |score| edges beside it; the table
+    says which (exact_sample), and the facts count both."""
+    table, facts = attribute_edges(gqa, POOL, {**SETTINGS, "sequences": 4, "length": 6, "methods": ["eap"],
+                                               "exact_edges": 2, "exact_top": 2, "exact_sequences": 4}, seed=0)
+    assert facts["exact_random"] == 6 and facts["exact_edges"] == 6 + facts["exact_top"] and facts["exact_top"] > 0
+    units = table.with_columns(unit=pl.when(pl.col("comp") == "Q").then(pl.col("reader_head")).otherwise(pl.col("reader_kv_head")))
+    units = units.unique(["comp", "writer_layer", "writer_head", "reader_layer", "unit"])
+    assert (units["exact"].is_not_null() == units["exact_sample"].is_not_null()).all()
+    assert units.filter(pl.col("exact_sample") == "random").height == 6
+    assert units.filter(pl.col("exact_sample") == "top").height == facts["exact_top"]
+    for c in "QKV":
+        top2 = units.filter(pl.col("comp") == c).sort(pl.col("score").abs(), descending=True).head(2)
+        assert top2["exact"].is_not_null().all(), c
 
 
 def causal_edges_of(L: int, H: int):
@@ -384,3 +428,36 @@ def test_edge_table_halves_and_tests_against_scipy():
     np.testing.assert_allclose(k["p_value"], p, rtol=1e-9)
     np.testing.assert_allclose(k["q_value"], stats.false_discovery_control(p, method="bh"), rtol=1e-9)
     assert k.height == (4 + 8) * 2 and (k["q_value"] < 0.05).sum() > 0  # the planted K shift is found
+
+
+def test_eap_vs_exact_ranks_on_the_draw_and_agrees_on_every_patched_edge():
+    """The view's Spearman is over the random draw alone (so that it can still disagree), its top
+    edge and top-k overlap over every patched edge; an older shard without exact_sample counts as drawn."""
+    import duckdb
+    from scipy import stats
+
+    from compatlas.atlas.database import derived_view_sql
+
+    rng = np.random.default_rng(0)
+    n = 30
+    score = rng.normal(size=n)
+    exact = score + rng.normal(size=n)
+    kind = ["random"] * 24 + ["top"] * 6
+    exact[24:] = -10 - np.arange(6)          # the added top edges: the largest |exact|
+    score[24:] = -20 - np.arange(6)          # ... and the largest |score|, in the same order
+    con = duckdb.connect()
+    rows = pl.DataFrame({"model": "m", "checkpoint": "final", "method": "eap", "comp": "K", "writer_layer": 0,
+                         "writer_head": np.arange(n), "reader_layer": 1, "reader_head": 0, "reader_kv_head": 0,
+                         "score": score, "exact": exact, "exact_sample": kind})
+    con.register("edge_attribution", rows.to_arrow())
+    con.execute(derived_view_sql("eap_vs_exact", 0.05, 0.4, 0.4))
+    r = con.execute("SELECT n_exact, n_random, n_top, spearman, top_edge_agrees, top_k_overlap, top_exact_edge "
+                    "FROM eap_vs_exact").fetchall()[0]
+    assert r[:3] == (30, 24, 6)
+    assert r[3] == pytest.approx(stats.spearmanr(score[:24], exact[:24])[0], abs=1e-12)
+    assert r[4] and r[5] == 1.0 and r[6] == "0.29 -> 1.0"
+    old = rows.with_columns(exact_sample=pl.lit(None, dtype=pl.Utf8))
+    con.unregister("edge_attribution")
+    con.register("edge_attribution", old.to_arrow())
+    r = con.execute("SELECT n_random, n_top, spearman FROM eap_vs_exact").fetchall()[0]
+    assert r[:2] == (30, 0) and r[2] == pytest.approx(stats.spearmanr(score, exact)[0], abs=1e-12)

@@ -60,15 +60,18 @@ def test_model_page_shows_only_the_measurable_comp_with_intervals_and_names_the_
         assert re.search(rf"<b>{c}</b>: no function to predict: 0 of its \d+ edges carry an attribution", part), part[:3000]
     body = part.split("<tbody>")[1].split("</tbody>")[0]
     rows = re.findall(r"<tr>(.*?)</tr>", body)
-    # metric x space and the two oracles, K only
-    assert len(rows) == len(KERNEL_METRICS) * 2 + 2 and all("<td>K</td>" in r for r in rows)
-    assert sum("<td>oracle</td>" in r for r in rows) == 2
-    # noise-aware Spearman and AUROC, and against |attribution| AUROC and Spearman: each with its interval
-    assert all(len(re.findall(INTERVAL, r)) == 4 for r in rows)
+    # metric x space, the two oracles and the function-free prior, K only
+    assert len(rows) == len(KERNEL_METRICS) * 2 + 3 and all("<td>K</td>" in r for r in rows)
+    assert sum("<td>oracle</td>" in r for r in rows) == 2 and sum("<td>prior</td>" in r for r in rows) == 1
+    # noise-aware Spearman and AUROC, and against |attribution| AUROC and Spearman: each with its interval; and
+    # but for the oracles (which it is taken beyond), the partial Spearman beyond both oracles with its interval
+    assert all(len(re.findall(INTERVAL, r)) == (4 if "<td>oracle</td>" in r else 5) for r in rows)
     # the one cell whose K score follows the K function is the best on the noise-aware statistic, beyond the
-    # others' uncertainty, and beats the scale oracle (the standard error is the same for every edge here)
+    # others' uncertainty, agrees with function and adds to scale and depth (the standard error is the same for
+    # every edge here: the scale oracle ranks nothing)
     best = re.search(r"<b>K</b>, noise ceiling [-0-9.]+ \([-0-9.]+ within a layer pair\): best <b>(\w+) × (\w+)</b> \((" + INTERVAL
-                     + r")\), beyond every other cell; .*?it beats the scale oracle", part)
+                     + r")\), beyond every other cell; .*?it agrees with function; [^;<]*; (beats both oracles; )?adds to scale "
+                     r"and depth", part)
     assert best and (best.group(1), best.group(2)) == TRACKING, part[:3000]
     # every point figure the bootstrap starts from is the view's (an independent SQL computation)
     con = atlas_connect(db)
@@ -81,7 +84,7 @@ def test_model_page_shows_only_the_measurable_comp_with_intervals_and_names_the_
     noise = {(m, s_, c): (a, r) for m, s_, c, a, r in con.execute(
         """SELECT metric, space, comp, auroc_significant, spearman_unbiased FROM composition_vs_function
            WHERE model = 'wide' AND checkpoint = 'final' AND method = ?""", [k.method]).fetchall()}
-    assert k.noise is not None and len(k.cells) == len(KERNEL_METRICS) * 2 + 2  # the oracles too
+    assert k.noise is not None and len(k.cells) == len(KERNEL_METRICS) * 2 + 3  # the oracles and the prior too
     for i, (m, s_) in enumerate(k.cells):
         assert (k.agreement.auroc[i], k.agreement.spearman[i]) == pytest.approx(view[(m, s_, "K")], abs=1e-12)
         assert (k.noise.auroc[i], k.noise.spearman[i]) == pytest.approx(noise[(m, s_, "K")], abs=1e-12)
@@ -109,13 +112,69 @@ def test_the_atlas_holds_the_agreement_and_intervals_the_page_shows(report):
             assert (row[f"{name}_lo"], row[f"{name}_hi"]) == pytest.approx((lo, hi), abs=1e-12), (cell, name)
             assert row[f"{name}_lo"] - 1e-12 <= row[name] <= row[f"{name}_hi"] + 1e-12, (cell, name, row)
             assert with_interval(row[name], (row[f"{name}_lo"], row[f"{name}_hi"])) in part, (cell, name)
-        oracle = cell[1] == "oracle"
+        oracle = cell[1] in ("oracle", "prior")  # the reference rows: no rank among the cells
         assert (row["best_noise_aware"] is None) == oracle and (row["beats_scale"] is None) == oracle
     assert table.filter(pl.col("best_noise_aware"))[["metric", "space"]].row(0) == TRACKING
     # the comps with no function are there too, saying why, with no figures
     dead = con.execute("""SELECT DISTINCT comp, why_not, spearman_unbiased FROM function_agreement
                           WHERE model = 'wide' AND NOT measurable""").fetchall()
     assert {c for c, _, _ in dead} == {"Q", "V"} and all(w and s is None for _, w, s in dead)
+
+
+def test_the_partial_spearman_beyond_both_oracles_is_the_ranks_regressed_out(report):
+    """What a score adds beyond both oracles, two ways in the atlas (composition_vs_function's SQL, from
+    the pairwise rank correlations; function_agreement's, by weighted least squares inside the
+    bootstrap), against a third computed here from the edges: scipy's ranks of the score, of the
+    unbiased function (half_a x half_b) and of the two oracles (the edge's standard error; its layer
+    pair's mean |attribution|), both oracles regressed out by numpy's least squares, the Pearson
+    correlation of what is left. The prior row (nearer layers first) is scored the same way."""
+    db, _ = report
+    con = atlas_connect(db)
+    k = model_function(con, "wide", "final")["K"]
+    edges = con.sql("""SELECT writer_layer, writer_head, reader_layer, reader_kv_head AS unit, any_value(score) AS attribution,
+                              any_value(score_stderr) AS stderr, any_value(score_half_a * score_half_b) AS fn,
+                              list(reader_head) AS heads
+                       FROM edge_attribution WHERE model = 'wide' AND checkpoint = 'final' AND method = ? AND comp = 'K'
+                       GROUP BY ALL ORDER BY ALL""", params=[k.method]).pl()
+    edges = edges.with_columns(depth=pl.col("attribution").abs().mean().over("writer_layer", "reader_layer"))
+    comp = con.sql("""SELECT metric, space, writer_layer, writer_head, reader_layer, reader_head, score FROM composition
+                      WHERE model = 'wide' AND checkpoint = 'final' AND comp = 'K'""").pl()
+    units = edges.explode("heads").rename({"heads": "reader_head"}).select("writer_layer", "writer_head", "reader_layer",
+                                                                            "unit", "reader_head")
+    best = (comp.join(units, on=["writer_layer", "writer_head", "reader_layer", "reader_head"])
+            .group_by("metric", "space", "writer_layer", "writer_head", "reader_layer", "unit").agg(pl.col("score").max()))
+    rank = stats.rankdata
+    design = np.column_stack([np.ones(edges.height), rank(edges["stderr"]), rank(edges["depth"])])
+    left = lambda y: y - design @ np.linalg.lstsq(design, y, rcond=None)[0]  # noqa: E731
+    fn_left = left(rank(edges["fn"]))
+    keys = ["writer_layer", "writer_head", "reader_layer", "unit"]
+    cvf = {(r["metric"], r["space"]): r for r in con.sql(
+        "SELECT * FROM composition_vs_function WHERE model = 'wide' AND checkpoint = 'final' AND method = ? AND comp = 'K'",
+        params=[k.method]).pl().iter_rows(named=True)}
+    table = {(r["metric"], r["space"]): r for r in con.sql(
+        "SELECT * FROM function_agreement WHERE model = 'wide' AND checkpoint = 'final' AND method = ? AND comp = 'K'",
+        params=[k.method]).pl().iter_rows(named=True)}
+    checked = 0
+    for cell in k.cells:
+        if cell[1] == "oracle":
+            assert cvf[cell]["partial_unbiased"] is None and table[cell]["partial_unbiased"] is None, cell
+            continue
+        if cell == ("prior_distance", "prior"):
+            score = (edges["writer_layer"] - edges["reader_layer"]).cast(pl.Float64).to_numpy()
+        else:
+            score = edges.join(best.filter((pl.col("metric") == cell[0]) & (pl.col("space") == cell[1])), on=keys,
+                               how="left")["score"].to_numpy()
+        want = stats.pearsonr(left(rank(score)), fn_left)[0]
+        assert cvf[cell]["partial_unbiased"] == pytest.approx(want, abs=1e-9), cell
+        assert table[cell]["partial_unbiased"] == pytest.approx(want, abs=1e-9), cell
+        lo, hi = table[cell]["partial_unbiased_lo"], table[cell]["partial_unbiased_hi"]
+        assert lo <= want <= hi and table[cell]["adds_to_oracles"] == (lo > 0), (cell, lo, want, hi)
+        oracles_r2 = 1 - (fn_left ** 2).sum() / ((rank(edges["fn"]) - rank(edges["fn"]).mean()) ** 2).sum()
+        assert cvf[cell]["added_r2"] == pytest.approx(want**2 * (1 - oracles_r2), abs=1e-9), cell
+        checked += 1
+    assert checked == len(k.cells) - 2
+    # the planted K function (tests/synthetic_atlas.py) is carried by the tracking cell beyond both oracles
+    assert table[TRACKING]["adds_to_oracles"] and table[TRACKING]["agrees"], table[TRACKING]
 
 
 def test_a_model_without_function_gets_no_agreement_figure(report):
@@ -192,12 +251,13 @@ def test_overview_ranks_only_models_with_function_with_intervals(report):
             means.setdefault((m, s_), []).append(a)
     got = re.search(r"Agrees best across models, over 2 models \((?:wide, run|run, wide)\): <b>(\w+) × (\w+)</b> \(mean Spearman "
                     r"([0-9.]+) \[([0-9.]+), ([0-9.]+)\]\), beyond the uncertainty of every other cell; scale oracle "
-                    + INTERVAL + ", depth oracle " + INTERVAL + "; it beats the scale oracle", part)
+                    + INTERVAL + ", depth oracle " + INTERVAL + ", prior " + INTERVAL + "; it agrees with function; "
+                    r"beyond the function-free prior; beats both oracles; adds to scale and depth", part)
     assert got and (got.group(1), got.group(2)) == TRACKING, part[:3000]
     assert float(got.group(3)) == pytest.approx(np.mean(means[TRACKING]), abs=5e-3)
     assert float(got.group(4)) <= float(got.group(3)) <= float(got.group(5))
     table_rows = re.findall(r"<tr>(.*?)</tr>", part.split("<tbody>")[1])
-    assert len(table_rows) == len(means) + 2 and all(len(re.findall(INTERVAL, r)) == 4 for r in table_rows)
+    assert len(table_rows) == len(means) + 2 and all(len(re.findall(INTERVAL, r)) == 4 for r in table_rows)  # + the oracles
     # beside each mean: the within-layer-pair mean (the view's, each model by its page's method, averaged here in SQL)
     fns = {m: model_function(con, m, c)["K"] for m, c in (("wide", "final"), ("run", "step400"))}
     within = dict(((m, s_), v) for m, s_, v in con.execute(

@@ -18,8 +18,11 @@ from compatlas.tables import FUNCTION_AGREEMENT_SCHEMA, integer
 from compatlas.vocab import COMPS, METRICS, SPACES
 
 Con = duckdb.DuckDBPyConnection
-ORACLES = (("oracle_scale", "oracle"), ("oracle_depth", "oracle"))  # composition_vs_function's reference rows
-SCALE = ORACLES[0]
+# composition_vs_function's reference rows, scored on the same edges as every metric x space:
+ORACLES = (("oracle_scale", "oracle"), ("oracle_depth", "oracle"))  # from the function measurement itself
+SCALE, DEPTH = ORACLES
+PRIOR = ("prior_distance", "prior")  # needs no function and no composition: nearer layers first
+REFERENCES = (*ORACLES, PRIOR)
 
 
 def cell_order(cells: list[tuple[str, str]]) -> list[tuple[str, str]]:
@@ -71,6 +74,7 @@ class CompFunction:
     cells: list[tuple[str, str]]               # (metric, space), the rows of ``agreement``; the oracles last
     agreement: ag.Agreement | None = None      # measurable comps only
     noise: ag.Agreement | None = None          # measurable comps with split halves only
+    partial: ag.Partial | None = None          # the unbiased Spearman beyond both oracles, as ``noise``
     n_significant: int = 0
 
     def interval(self, cell: tuple[str, str], which: str, noise: bool = False) -> tuple[float, float] | None:
@@ -86,7 +90,7 @@ class CompFunction:
         not measurable."""
         if self.agreement is None or not np.isfinite(self.agreement.auroc).any():
             return None
-        idx = [i for i, c in enumerate(self.cells) if c not in ORACLES]
+        idx = [i for i, c in enumerate(self.cells) if c not in REFERENCES]
         best, tied = ag.best_and_ties(self.agreement.auroc[idx], self.agreement.auroc_boot[idx])
         return self.cells[idx[best]], [self.cells[idx[i]] for i in tied]
 
@@ -95,7 +99,7 @@ class CompFunction:
         with it); None without the noise-aware bootstrap."""
         if self.noise is None or not np.isfinite(self.noise.spearman).any():
             return None
-        idx = [i for i, c in enumerate(self.cells) if c not in ORACLES]
+        idx = [i for i, c in enumerate(self.cells) if c not in REFERENCES]
         best, tied = ag.best_and_ties(self.noise.spearman[idx], self.noise.spearman_boot[idx])
         return self.cells[idx[best]], [self.cells[idx[i]] for i in tied]
 
@@ -110,6 +114,40 @@ class CompFunction:
         d = d[np.isfinite(d)]
         return bool(len(d)) and float(np.quantile(d, (1 - ag.LEVEL) / 2)) > 0
 
+    def partial_interval(self, cell: tuple[str, str]) -> tuple[float, float] | None:
+        if self.partial is None or cell not in self.cells:
+            return None
+        lo, hi = self.partial.interval()
+        i = self.cells.index(cell)
+        return float(lo[i]), float(hi[i])
+
+    def tiers(self, cell: tuple[str, str]) -> dict[str, bool | None]:
+        """Where a cell stands against function, in the tiers a reader can use (None where this atlas
+        cannot say): ``agrees`` (its unbiased Spearman's interval is above 0), ``beyond_prior`` (it
+        beats the function-free prior, nearer layers first, beyond the paired interval),
+        ``beats_oracles`` (it beats both oracles so), ``adds_to_oracles`` (its partial Spearman beyond
+        both oracles has an interval above 0: it carries function neither oracle carries)."""
+        iv, piv = self.interval(cell, "spearman", True), self.partial_interval(cell)
+        scale, depth = self.beats(cell, SCALE), self.beats(cell, DEPTH)
+        return {"agrees": None if iv is None or not np.isfinite(iv[0]) else iv[0] > 0,
+                "beyond_prior": self.beats(cell, PRIOR),
+                "beats_oracles": None if scale is None or depth is None else scale and depth,
+                "adds_to_oracles": None if piv is None or not np.isfinite(piv[0]) else piv[0] > 0}
+
+
+def verdict(t: dict[str, bool | None]) -> str | None:
+    """The tiers a cell reaches, in words (``CompFunction.tiers``); None where none can be told."""
+    if all(v is None for v in t.values()):
+        return None
+    if not t["agrees"]:
+        return "does not agree with function"
+    said = ["agrees with function"]
+    said.append("beyond the function-free prior" if t["beyond_prior"] else "not beyond the function-free prior")
+    if t["beats_oracles"]:
+        said.append("beats both oracles")
+    said.append("adds to scale and depth" if t["adds_to_oracles"] else "adds nothing beyond scale and depth")
+    return "; ".join(said)
+
 
 def comp_function(con: Con, model: str, checkpoint: str, method: str, comp: str,
                   fdr: float | None = None) -> CompFunction | None:
@@ -123,22 +161,26 @@ def comp_function(con: Con, model: str, checkpoint: str, method: str, comp: str,
     cells = cell_order([tuple(r) for r in df.select("metric", "space").unique().iter_rows()])
     n_seq = integer(edges["n_sequences"].max() or 0)
     gate = ag.measurability(edges["attribution"].to_numpy(), edges["stderr"].fill_null(0).to_numpy(), n_seq)
-    out = CompFunction(comp, method, gate, cells + list(ORACLES))
+    out = CompFunction(comp, method, gate, cells + list(REFERENCES))
     if gate.measurable:
         scores = np.full((len(out.cells), edges.height), np.nan)
         at = {c: i for i, c in enumerate(cells)}
         joined = edges.select(keys).with_row_index("e").join(df, on=keys)
         for (metric, space), g in joined.group_by("metric", "space"):
             scores[at[(metric, space)], g["e"].to_numpy()] = g["score"].to_numpy()
-        # the oracles, as composition_vs_function computes them: the edge's standard error; its layer pair's mean |attribution|
-        scores[-2] = edges["stderr"].to_numpy()
-        scores[-1] = edges.select(pl.col("attribution").abs().mean().over("writer_layer", "reader_layer")).to_series().to_numpy()
+        # the references, as composition_vs_function computes them: the edge's standard error; its layer pair's mean
+        # |attribution|; nearer layers first
+        ref = {c: out.cells.index(c) for c in REFERENCES}
+        scores[ref[SCALE]] = edges["stderr"].to_numpy()
+        scores[ref[DEPTH]] = edges.select(pl.col("attribution").abs().mean().over("writer_layer", "reader_layer")).to_series().to_numpy()
+        scores[ref[PRIOR]] = (edges["writer_layer"] - edges["reader_layer"]).cast(pl.Float64).to_numpy()
         out.agreement = ag.bootstrap(scores, edges["attribution"].to_numpy())
         if edges["half_a"].null_count() == 0 and edges["half_b"].null_count() == 0:
             significant = (edges["q_value"].fill_null(1.0) <= (fdr or ag.SIGNAL_FDR)).to_numpy()
             out.n_significant = int(significant.sum())
-            out.noise = ag.bootstrap_noise_aware(scores, edges["half_a"].to_numpy(), edges["half_b"].to_numpy(),
-                                                 significant)
+            half_a, half_b = edges["half_a"].to_numpy(), edges["half_b"].to_numpy()
+            out.noise = ag.bootstrap_noise_aware(scores, half_a, half_b, significant)
+            out.partial = ag.bootstrap_partial(scores, half_a * half_b, scores[[ref[SCALE], ref[DEPTH]]])
     return out
 
 
@@ -152,6 +194,7 @@ def comp_rows(model: str, checkpoint: str, f: CompFunction) -> list[dict]:
                                     ("spearman_unbiased", f.noise, "spearman"), ("auroc_significant", f.noise, "auroc"))
              if a is not None}
     n_boot = next((a.auroc_boot.shape[1] for a in (f.noise, f.agreement) if a is not None), None)
+    partial_bounds = f.partial.interval() if f.partial is not None else None
     rows = []
     for i, cell in enumerate(f.cells):
         row: dict = {"model": model, "checkpoint": checkpoint, "method": f.method, "comp": f.comp, "metric": cell[0],
@@ -162,11 +205,23 @@ def comp_rows(model: str, checkpoint: str, f: CompFunction) -> list[dict]:
             if name in stats:
                 point, lo, hi = stats[name]
                 row.update({name: _finite(point[i]), f"{name}_lo": _finite(lo[i]), f"{name}_hi": _finite(hi[i])})
-        oracle = cell in ORACLES
+        oracle = cell in REFERENCES
         row["best_noise_aware"] = None if noise_ranked is None or oracle else cell == noise_ranked[0]
         row["tied_noise_aware"] = None if noise_ranked is None or oracle else cell in noise_ranked[1]
         row["best_auroc_top"] = None if ranked is None or oracle else cell == ranked[0]
         row["beats_scale"] = None if oracle else f.beats(cell)
+        row["beats_depth"] = None if oracle else f.beats(cell, DEPTH)
+        row.update({"partial_unbiased": None, "partial_unbiased_lo": None, "partial_unbiased_hi": None, "added_r2": None})
+        if f.partial is not None and partial_bounds is not None:
+            lo, hi = partial_bounds
+            row.update({"partial_unbiased": _finite(f.partial.partial[i]), "partial_unbiased_lo": _finite(lo[i]),
+                        "partial_unbiased_hi": _finite(hi[i]), "added_r2": _finite(f.partial.added_r2[i])})
+        tiers = f.tiers(cell) if cell not in ORACLES else dict.fromkeys(("agrees", "beyond_prior", "beats_oracles",
+                                                                              "adds_to_oracles"))
+        if cell == PRIOR:  # the prior against itself: only whether it agrees, and what it adds
+            tiers.update(beyond_prior=None, beats_oracles=None)
+        row.update(tiers)
+        row["verdict"] = verdict(tiers) if cell not in REFERENCES else None
         rows.append(row)
     return rows
 

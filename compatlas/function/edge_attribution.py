@@ -388,6 +388,32 @@ def exact_sample(attribution: dict[Comp, torch.Tensor], composition: dict[Comp, 
     return chosen
 
 
+def top_edges(grids: Sequence[dict[Comp, torch.Tensor]], edges: Sequence[Edge], top: int,
+              drawn: Sequence[Edge] = ()) -> list[Edge]:
+    """The edges exact patching adds to the stratified draw so that it reaches what matters: per comp,
+    the ``top`` largest edges of each grid (comp -> [L, H, L, width]; an attribution's |score|, a
+    composition score; NaN ranked lowest, ties by edge order), those not ``drawn`` already, in edge
+    order. A draw alone gives the top stratum a few random edges: SmolLM2's largest K edge by EAP,
+    the circuit edge 16.0 -> KV 18.2, went unpatched."""
+    if top <= 0:
+        return []
+    have, added = set(drawn), []
+    for c in COMPS:
+        mine = [e for e in edges if e.comp == c]
+        for grid in grids:
+            if c not in grid or not mine:
+                continue
+            v = torch.tensor([grid[c][e.writer_layer, e.writer_head, e.reader_layer, e.reader_index].item() for e in mine],
+                             dtype=torch.float64)
+            order = torch.argsort(torch.nan_to_num(v, nan=-math.inf), descending=True, stable=True)
+            for i in order[:top].tolist():
+                if mine[i] not in have:
+                    have.add(mine[i])
+                    added.append(mine[i])
+    index = {e: i for i, e in enumerate(edges)}
+    return sorted(added, key=index.__getitem__)
+
+
 def mean_stderr(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Mean and standard error over the first axis (sequences); the error is NaN for one sequence."""
     n = x.shape[0]

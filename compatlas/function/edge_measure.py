@@ -22,6 +22,7 @@ from compatlas.function.edge_attribution import (
     induction_task,
     mean_stderr,
     n_kv_heads,
+    top_edges,
 )
 from compatlas.multiple_testing import bh_q_values
 from compatlas.progress import Progress
@@ -77,19 +78,23 @@ def edge_tests(model, mean: torch.Tensor, se: torch.Tensor, n_sequences: int) ->
 
 
 def edge_table(model, scores: dict[str, dict[Comp, torch.Tensor]], exact_edges: Sequence[Edge],
-               exact: torch.Tensor) -> pl.DataFrame:
+               exact: torch.Tensor, n_random: int | None = None) -> pl.DataFrame:
     """One row per method x causal edge (x query head of a KV group for K/V): the mean score over
     sequences, its standard error, the means over the even and the odd sequences (split halves),
-    the t-test's p and q (``edge_tests``), and the exact patching value where measured (else null)."""
+    the t-test's p and q (``edge_tests``), and the exact patching value where measured (else null),
+    with ``exact_sample``: ``random`` for the first ``n_random`` of ``exact_edges`` (the stratified
+    draw; None: all of them), ``top`` for the rest (``top_edges``)."""
     L, H = model.cfg.n_layers, model.cfg.n_heads
     width = {"Q": H, "K": n_kv_heads(model), "V": n_kv_heads(model)}
     ex = {c: torch.full((L, H, L, width[c]), math.nan, dtype=torch.float64) for c in COMPS}
     ex_se = {c: t.clone() for c, t in ex.items()}
+    kind = {c: t.clone() for c, t in ex.items()}  # 1: the random draw, 2: a top edge added to it
+    n_random = len(exact_edges) if n_random is None else n_random
     if len(exact_edges):
         mean, se = mean_stderr(exact.T)
-        for e, m, s in zip(exact_edges, mean.tolist(), se.tolist()):
-            ex[e.comp][e.writer_layer, e.writer_head, e.reader_layer, e.reader_index] = m
-            ex_se[e.comp][e.writer_layer, e.writer_head, e.reader_layer, e.reader_index] = s
+        for i, (e, m, s) in enumerate(zip(exact_edges, mean.tolist(), se.tolist())):
+            at = (e.writer_layer, e.writer_head, e.reader_layer, e.reader_index)
+            ex[e.comp][at], ex_se[e.comp][at], kind[e.comp][at] = m, s, 1.0 if i < n_random else 2.0
     frames = []
     for method, per_comp in scores.items():
         n_seq = next(iter(per_comp.values())).shape[0]
@@ -101,8 +106,9 @@ def edge_table(model, scores: dict[str, dict[Comp, torch.Tensor]], exact_edges: 
             p, q = edge_tests(model, mean, se, n_seq)
             for k, v in zip(cols_of, (mean, se, half_a, half_b, p, q)):
                 cols_of[k][c] = v
-        cols = _grid(model, {**cols_of, "exact": ex, "exact_stderr": ex_se})
+        cols = _grid(model, {**cols_of, "exact": ex, "exact_stderr": ex_se, "exact_kind": kind})
         n = len(cols["comp"])
+        cols["exact_sample"] = [{1.0: "random", 2.0: "top"}.get(k) for k in cols.pop("exact_kind")]
         cols["method"] = [method] * n
         cols["n_sequences"] = [n_seq] * n
         frames.append(pl.DataFrame(cols).with_columns(
@@ -156,20 +162,25 @@ def attribute_edges(model, tokens, settings: dict, seed: int = 0,
         log.info("%s: %d edges x %d sequences in %.1fs", method, len(edges), S, seconds[method])
     t1 = time.perf_counter()
     first = scores[settings["methods"][0]]
-    sample = exact_sample({c: first[c].mean(0) for c in COMPS}, composition_grid(model, composition), edges,
-                          settings["exact_edges"], seed)
+    grid = composition_grid(model, composition)
+    drawn = exact_sample({c: first[c].mean(0) for c in COMPS}, grid, edges, settings["exact_edges"], seed)
+    # beside the draw, what matters: each method's largest |score| and the composition's largest scores
+    tops = [{c: per[c].mean(0).abs() for c in COMPS} for per in scores.values()] + ([grid] if grid is not None else [])
+    added = top_edges(tops, edges, settings.get("exact_top", 0), drawn)
+    sample = drawn + added
     sub = task.first(settings["exact_sequences"])
     exact = exact_scores(model, sub, sample, bs,
                          Progress(log, "exact edge patching", len(sample) * len(sub.clean), "edge x sequence"))
     log.info("exact patching: %d edges x %d sequences in %.1fs", len(sample), len(sub.clean), time.perf_counter() - t1)
-    facts = {"edges": len(edges), "exact_edges": len(sample), "exact_sequences": len(sub.clean),
+    facts = {"edges": len(edges), "exact_edges": len(sample), "exact_random": len(drawn), "exact_top": len(added),
+             "exact_sequences": len(sub.clean),
              "exact_stratified_by": "|score| of " + settings["methods"][0]
              + ("" if composition is None else " and composition " + "/".join(
                  str(composition[k][0]) for k in ("metric", "space") if k in composition.columns and composition.height)),
              "corruption": "every token but BOS resampled",
              "attribution_seconds": round(t1 - t0, 3), "method_seconds": seconds,
              "exact_seconds": round(time.perf_counter() - t1, 3)}
-    return edge_table(model, scores, sample, exact), facts
+    return edge_table(model, scores, sample, exact, len(drawn)), facts
 
 
 def boot_and_attribute_edges(model_id: str, entry: dict, checkpoint: dict | None, settings: dict, meta_path: str,

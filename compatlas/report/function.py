@@ -17,7 +17,7 @@ import numpy as np
 import polars as pl
 
 from compatlas.function import agreement as ag
-from compatlas.function.comp_agreement import ORACLES, SCALE, CompFunction, comp_function
+from compatlas.function.comp_agreement import ORACLES, PRIOR, REFERENCES, SCALE, CompFunction, comp_function, verdict
 from compatlas.report import function_training
 from compatlas.report import queries as q
 from compatlas.report.page import Page, by_metric_space, correlation, fmt, note, order, table
@@ -35,8 +35,12 @@ WHAT = ("Each edge (writer head → a later reader's query, or its KV head's key
         "function, with no term that grows with an edge's noise), and its AUROC for the edges whose attribution "
         "differs from zero (t-test, Benjamini-Hochberg). Beside every score, two <b>oracles</b> that know nothing "
         "of which edge does what: the edge's own sampling error (<i>scale</i>) and the mean |attribution| of its layer "
-        "pair (<i>depth</i>); a score predicts function only where it beats the scale oracle beyond the paired "
-        "interval. The <b>noise ceiling</b>: how far two halves of the sequences agree with each other. "
+        "pair (<i>depth</i>), and a <b>prior</b> that needs neither function nor composition (nearer layers first). "
+        "Each cell is placed in tiers: it <i>agrees with function</i> (the interval of its unbiased Spearman is above "
+        "0), it is <i>beyond the prior</i> (it beats the prior beyond the paired interval), it <i>beats both "
+        "oracles</i> so, and it <i>adds to scale and depth</i> (its partial Spearman beyond both oracles, their ranks "
+        "regressed out of its ranks and the function's, has an interval above 0: it carries function that neither "
+        "oracle carries, however small). The <b>noise ceiling</b>: how far two halves of the sequences agree with each other. "
         "<b>Against |attribution|</b> (the older figures, kept and labelled): Spearman with |attribution|, AUROC "
         "for the top of the function (the fewest edges holding half of a comp's total |attribution|); with few "
         "sequences an edge's |attribution| is mostly its noise, which grows with the size of its activations, so "
@@ -91,6 +95,24 @@ def cell_names(cells: list[tuple[str, str]], most: int = 6) -> str:
     return ", ".join(cell_name(t) for t in cells[:most]) + (f" and {len(cells) - most} more" if len(cells) > most else "")
 
 
+def adds_line(f: CompFunction) -> str:
+    """Which cells carry function beyond both oracles (partial Spearman interval above 0), the largest
+    first, with what they add to the function's rank variance; or that none does."""
+    part = f.partial
+    if part is None:
+        return ""
+    lo, hi = part.interval()
+    adds = sorted((i for i, c in enumerate(f.cells) if c not in ORACLES and np.isfinite(lo[i]) and lo[i] > 0),
+                  key=lambda i: -part.partial[i])
+    if not adds:
+        return ". <b>No cell adds to scale and depth</b>: every partial Spearman beyond both oracles has an interval reaching 0"
+    best = adds[0]
+    return (f". Beyond both oracles, {len(adds)} cell{'s' if len(adds) != 1 else ''} add{'s' if len(adds) == 1 else ''} "
+            f"function; the most, <b>{cell_name(f.cells[best])}</b>: partial Spearman "
+            f"{with_interval(part.partial[best], (lo[best], hi[best]))}, {fmt(100 * part.added_r2[best], 2)}% of "
+            "the function's rank variance")
+
+
 def best_lines(fns: dict[str, CompFunction], cvf: pl.DataFrame) -> str:
     """Per measurable comp: the noise ceiling; the best composition cell by Spearman with the
     unbiased function estimate (or the tied cells) with its interval, the two oracles beside it,
@@ -112,15 +134,11 @@ def best_lines(fns: dict[str, CompFunction], cvf: pl.DataFrame) -> str:
             best, tied = r
             sp = f.noise.spearman
             what = f"<b>{cell_name(best)}</b> ({with_interval(sp[f.cells.index(best)], f.interval(best, 'spearman', True))})"
-            orc = "; ".join(f"{name} oracle {with_interval(sp[f.cells.index(o)], f.interval(o, 'spearman', True))}"
-                            for name, o in zip(("scale", "depth"), ORACLES))
-            beats, beats_a = f.beats(best), f.beats(best, which="auroc")
-            verdict = ("beats the scale oracle beyond the paired interval" if beats else
-                       "does <b>not</b> beat the scale oracle beyond the paired interval"
-                       + (" (it does by AUROC for the significant edges)" if beats_a else
-                          ": no claim that it predicts function"))
+            orc = "; ".join(f"{name} {with_interval(sp[f.cells.index(o)], f.interval(o, 'spearman', True))}"
+                            for name, o in zip(("scale oracle", "depth oracle", "prior"), REFERENCES))
+            said = verdict(f.tiers(best)) or "no tier can be told"
             lead = f"{what}, tied with {cell_names(tied)}" if tied else f"{what}, beyond every other cell"
-            out.append(f"<b>{c}</b>{ceil}: best {lead}; {orc}; it {verdict}")
+            out.append(f"<b>{c}</b>{ceil}: best {lead}; {orc}; it {said}" + adds_line(f))
         elif ceil:
             out.append(f"<b>{c}</b>{ceil}: no split halves in this atlas, so no noise-aware figure")
         rk = f.ranking()
@@ -140,6 +158,12 @@ def best_lines(fns: dict[str, CompFunction], cvf: pl.DataFrame) -> str:
     return html_
 
 
+def tier_mark(t: dict[str, bool | None]) -> str:
+    """A cell's four tiers as marks, in the table header's order: ✓ reached, · not, ? cannot be told."""
+    return " ".join("?" if t.get(k) is None else "✓" if t[k] else "·"
+                    for k in ("agrees", "beyond_prior", "beats_oracles", "adds_to_oracles"))
+
+
 def agreement_table(cvf: pl.DataFrame, fns: dict[str, CompFunction]) -> str:
     """The view's figures of the measurable comps: the noise-aware Spearman and AUROC with their
     intervals and whether each beats the scale oracle, the oracles' own rows, then the figures
@@ -152,22 +176,22 @@ def agreement_table(cvf: pl.DataFrame, fns: dict[str, CompFunction]) -> str:
                 continue
             r, f, cell = by[comp], fns[comp], (metric, space)
             rk = ranks[comp]
-            oracle = cell in ORACLES
-            mark = ("oracle" if oracle else "" if rk is None else "best" if rk[0] == cell and not rk[1]
-                    else "tied" if rk[0] == cell or cell in rk[1] else "")
-            beat, beat_a = f.beats(cell), f.beats(cell, which="auroc")
+            oracle = cell in REFERENCES
+            mark = ("oracle" if cell in ORACLES else "prior" if cell == PRIOR else "" if rk is None else
+                    "best" if rk[0] == cell and not rk[1] else "tied" if rk[0] == cell or cell in rk[1] else "")
+            tiers = f.tiers(cell) if not oracle else {}
             rows.append([metric, space, comp, r["n_edges"], r.get("n_significant"),
                          with_interval(r.get("spearman_unbiased"), f.interval(cell, "spearman", True)),
                          with_interval(r.get("auroc_significant"), f.interval(cell, "auroc", True)), mark,
-                         "" if oracle or beat is None else
-                         {(True, True): "both", (True, False): "Spearman", (False, True): "AUROC",
-                          (False, False): "no"}[(bool(beat), bool(beat_a))],
+                         with_interval(r.get("partial_unbiased"), f.partial_interval(cell)) if cell not in ORACLES else "",
+                         "" if oracle else tier_mark(tiers),
                          correlation(r.get("spearman_unbiased_within_layer_pair")), correlation(r.get("spearman_t")),
                          with_interval(r.get("auroc"), f.interval(cell, "auroc")),
                          with_interval(r.get("spearman"), f.interval(cell, "spearman")),
                          r["n_discoveries"]])
     return table(["metric", "space", "comp", "edges", "significant", "Spearman, unbiased [95%]",
-                  "AUROC, significant edges [95%]", "rank", "beats scale oracle (by)", "unbiased, within a layer pair",
+                  "AUROC, significant edges [95%]", "rank", "partial beyond both oracles [95%]",
+                  "tiers: agrees · beyond prior · beats oracles · adds", "unbiased, within a layer pair",
                   "Spearman with |t|", "AUROC, top of |attribution| [95%]", "Spearman with |attribution| [95%]",
                   "discoveries (edges)"], rows, cls="agree") + note(
         "Discoveries (edges) counts this table's edges that hold a discovery. A K or V edge ends in a key/value head, "
@@ -197,17 +221,23 @@ def exact_line(eve: pl.DataFrame) -> str:
                 continue
             r = g[c]
             n, k = int(r["n_exact"] or 0), int(r.get("top_k") or 5)
+            n_random = n if r.get("n_random") is None else int(r["n_random"])
             bit = f"{c} top edge {'agrees' if r.get('top_edge_agrees') else 'differs'}"
-            if n >= MIN_RANKED:
+            if n_random >= MIN_RANKED:
                 lo, hi = r.get("spearman_lo"), r.get("spearman_hi")
                 iv = (float(lo), float(hi)) if lo is not None and hi is not None else None
-                bit += f", Spearman {with_interval(correlation(r['spearman']), iv)}"
-                if k < n:
-                    bit += f", top-{k} overlap {fmt(r['top_k_overlap'])}"
+                bit += f", Spearman on the draw {with_interval(correlation(r['spearman']), iv)}"
+            if n >= MIN_RANKED and k < n:
+                bit += f", top-{k} overlap {fmt(r['top_k_overlap'])}"
             bits.append(bit)
         n_max = max(int(r["n_exact"] or 0) for r in g.values())
-        parts.append(f"<b>{html.escape(method)}</b> against exact patching ({n_max} patched edges per comp at most, "
-                     "stratified over |attribution| and a composition score; 95% intervals: Fisher's z): " + "; ".join(bits))
+        n_top = max(int(r.get("n_top") or 0) for r in g.values())
+        tops = (f", {n_top} of them at most the top edges of each method's |attribution| and of the composition score, "
+                "added to a random draw stratified over both" if n_top else
+                ", a random draw stratified over |attribution| and a composition score")
+        parts.append(f"<b>{html.escape(method)}</b> against exact patching ({n_max} patched edges per comp at most{tops}; "
+                     "the Spearman is on the random draw alone, so that it can still disagree; the top edge and the "
+                     "top-k overlap on every patched edge; 95% intervals: Fisher's z): " + "; ".join(bits))
     few = integer(eve["n_exact"].fill_null(0).min()) < MIN_RANKED
     return ". ".join(parts) + "." + (f" A Spearman and a top-k overlap are shown from {MIN_RANKED} patched edges and "
                                      "a k below their number: with fewer edges a perfect order arises by chance too "

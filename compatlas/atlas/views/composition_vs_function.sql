@@ -28,6 +28,14 @@
 -- Reference rows (space 'oracle'), scored on the same edges, that a score must beat to claim function:
 --   metric 'oracle_scale': the edge's own standard error (its noise scale; knows nothing of its mean);
 --   metric 'oracle_depth': the mean |attribution| of the edge's layer pair (depth alone).
+-- And one that needs neither function nor composition (space 'prior'):
+--   metric 'prior_distance': writer_layer - reader_layer (nearer layers first), from the plan alone.
+-- What a score adds beyond both oracles (docs/edge_attribution.md#what-composition-adds):
+-- partial_unbiased: the Spearman with the unbiased function estimate after both oracles' ranks are
+--   regressed out of the score's ranks and of the function's (least squares, an intercept and the
+--   two ranks; the correlation of the residuals: the partial correlation of the ranks);
+-- added_r2: the share of the function's rank variance the score adds to the two oracles'
+--   (partial_unbiased^2 x (1 - R^2 of the oracles)). function_agreement has their bootstrap intervals.
 CREATE VIEW composition_vs_function AS
 WITH edges AS (
     SELECT model, checkpoint, method, comp, writer_layer, writer_head, reader_layer,
@@ -42,7 +50,8 @@ top AS (
     SELECT *, coalesce(sum(fn) OVER (PARTITION BY model, checkpoint, method, comp
                                      ORDER BY fn DESC, writer_layer, writer_head, reader_layer, reader_unit
                                      ROWS BETWEEN UNBOUNDED PRECEDING AND 1 PRECEDING), 0)
-              < 0.5 * sum(fn) OVER (PARTITION BY model, checkpoint, method, comp) AS is_top
+              < 0.5 * sum(fn) OVER (PARTITION BY model, checkpoint, method, comp) AS is_top,
+        stderr AS o_scale, avg(fn) OVER (PARTITION BY model, checkpoint, method, comp, writer_layer, reader_layer) AS o_depth
     FROM edges),
 units AS (
     SELECT DISTINCT model, checkpoint, comp, writer_layer, writer_head, reader_layer, reader_head,
@@ -60,14 +69,20 @@ oracles AS (
     FROM top
     UNION ALL
     SELECT model, checkpoint, 'oracle_depth', 'oracle', comp, writer_layer, writer_head, reader_layer, reader_unit, method,
-        avg(fn) OVER (PARTITION BY model, checkpoint, method, comp, writer_layer, reader_layer)
+        o_depth
+    FROM top
+    UNION ALL
+    SELECT model, checkpoint, 'prior_distance', 'prior', comp, writer_layer, writer_head, reader_layer, reader_unit, method,
+        (writer_layer - reader_layer)::DOUBLE
     FROM top),
 joined AS (
-    SELECT c.*, t.method, t.fn, t.fn_unbiased, t.t_abs, t.significant, t.is_top, c.z IS NULL AS no_z, c.p IS NULL AS no_p
+    SELECT c.*, t.method, t.fn, t.fn_unbiased, t.t_abs, t.significant, t.is_top, c.z IS NULL AS no_z, c.p IS NULL AS no_p,
+        t.o_scale, t.o_depth
     FROM comp_units c JOIN top t USING (model, checkpoint, comp, writer_layer, writer_head, reader_layer, reader_unit)
     UNION ALL
     SELECT o.model, o.checkpoint, o.metric, o.space, o.comp, o.writer_layer, o.writer_head, o.reader_layer, o.reader_unit,
-        o.score, NULL, NULL, false, o.method, t.fn, t.fn_unbiased, t.t_abs, t.significant, t.is_top, true, true
+        o.score, NULL, NULL, false, o.method, t.fn, t.fn_unbiased, t.t_abs, t.significant, t.is_top, true, true,
+        t.o_scale, t.o_depth
     FROM oracles o JOIN top t USING (model, checkpoint, method, comp, writer_layer, writer_head, reader_layer, reader_unit)),
 ranked AS (
     SELECT *,
@@ -76,6 +91,10 @@ ranked AS (
       rank() OVER (c ORDER BY fn_unbiased)
         + (count(*) OVER (PARTITION BY model, checkpoint, method, metric, space, comp, fn_unbiased) - 1) / 2.0 AS r_fnu,
       rank() OVER (c ORDER BY t_abs) + (count(*) OVER (PARTITION BY model, checkpoint, method, metric, space, comp, t_abs) - 1) / 2.0 AS r_t,
+      rank() OVER (c ORDER BY o_scale)
+        + (count(*) OVER (PARTITION BY model, checkpoint, method, metric, space, comp, o_scale) - 1) / 2.0 AS r_os,
+      rank() OVER (c ORDER BY o_depth)
+        + (count(*) OVER (PARTITION BY model, checkpoint, method, metric, space, comp, o_depth) - 1) / 2.0 AS r_od,
       rank() OVER (lp ORDER BY score)
         + (count(*) OVER (PARTITION BY model, checkpoint, method, metric, space, comp, writer_layer, reader_layer, score) - 1)
           / 2.0 AS r_score_lp,
@@ -163,10 +182,28 @@ SELECT model, checkpoint, method, metric, space, comp,
     sum(prec_p) FILTER (WHERE is_top AND NOT no_p) / NULLIF(count_if(is_top AND NOT no_p), 0) AS average_precision_p,
     count_if(discovered)::BIGINT AS n_discoveries,
     count_if(discovered AND is_top) / NULLIF(count_if(discovered), 0) AS discovery_precision,
-    count_if(discovered AND is_top) / NULLIF(count_if(is_top), 0) AS discovery_recall
+    count_if(discovered AND is_top) / NULLIF(count_if(is_top), 0) AS discovery_recall,
+    -- the pairwise correlations of ranks the partial Spearman is taken from (score s, function f, oracles a and b)
+    corr(r_score, r_os) AS c_sa, corr(r_score, r_od) AS c_sb, corr(r_fnu, r_os) AS c_fa, corr(r_fnu, r_od) AS c_fb,
+    corr(r_os, r_od) AS c_ab
 FROM ranked
-GROUP BY ALL)
+GROUP BY ALL),
+-- the partial correlation beyond a, then beyond b as well (the recursion of partial correlations)
+first_order AS (
+    SELECT *,
+        (spearman_unbiased - c_sa * c_fa) / NULLIF(sqrt((1 - c_sa * c_sa) * (1 - c_fa * c_fa)), 0) AS p_sf_a,
+        (c_sb - c_sa * c_ab) / NULLIF(sqrt((1 - c_sa * c_sa) * (1 - c_ab * c_ab)), 0) AS p_sb_a,
+        (c_fb - c_fa * c_ab) / NULLIF(sqrt((1 - c_fa * c_fa) * (1 - c_ab * c_ab)), 0) AS p_fb_a,
+        (c_fa * c_fa + c_fb * c_fb - 2 * c_fa * c_fb * c_ab) / NULLIF(1 - c_ab * c_ab, 0) AS oracles_r2
+    FROM overall),
+partial AS (
+    SELECT * EXCLUDE (c_sa, c_sb, c_fa, c_fb, c_ab, p_sf_a, p_sb_a, p_fb_a, oracles_r2, pu),
+        -- a reference row the oracles span (an oracle itself) has no partial: NULL, not rounding noise
+        CASE WHEN space <> 'oracle' THEN pu END AS partial_unbiased,
+        CASE WHEN space <> 'oracle' THEN pu * pu * (1 - oracles_r2) END AS added_r2
+    FROM (SELECT *, (p_sf_a - p_sb_a * p_fb_a) / NULLIF(sqrt((1 - p_sb_a * p_sb_a) * (1 - p_fb_a * p_fb_a)), 0) AS pu
+          FROM first_order))
 SELECT o.*, w.spearman_within_layer_pair, coalesce(w.n_layer_pairs, 0) AS n_layer_pairs,
     w.spearman_unbiased_within_layer_pair, h.noise_ceiling, h.noise_ceiling_within_layer_pair
-FROM overall o LEFT JOIN within w USING (model, checkpoint, method, metric, space, comp)
+FROM partial o LEFT JOIN within w USING (model, checkpoint, method, metric, space, comp)
     LEFT JOIN ceiling h USING (model, checkpoint, method, comp);

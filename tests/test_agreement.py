@@ -162,3 +162,35 @@ def test_noise_aware_intervals_cover_the_population_value():
             covered[which] += bool(lo[0] <= getattr(truth, which)[0] <= hi[0])
     for which, k in covered.items():
         assert 0.89 <= k / reps <= 0.995, (which, k / reps)
+
+
+def test_partial_spearman_beyond_controls_is_the_ranks_regressed_out():
+    """agreement.bootstrap_partial against scipy's ranks, numpy's least squares and Pearson; a control
+    itself has no partial; the interval holds the point figure; and the method's limit, kept in sight:
+    a blend of the controls with no function of its own still shows a partial, since ranks of a sum
+    are not linear in the ranks of its parts (docs/edge_attribution.md#what-composition-adds)."""
+    from compatlas.function.agreement import bootstrap_partial
+
+    rng = np.random.default_rng(1)
+    n = 500
+    depth = rng.normal(size=n)
+    scale = rng.normal(size=n) + 0.5 * depth
+    fn = depth + scale + 0.5 * rng.normal(size=n)
+    good = fn + 2 * rng.normal(size=n)                     # carries fn beyond the controls
+    proxy = depth + scale + 0.01 * rng.normal(size=n)      # the controls, blended
+    scores = np.vstack([good, proxy, scale])
+    p = bootstrap_partial(scores, fn, np.vstack([scale, depth]), n_boot=100)
+    rank = stats.rankdata
+    design = np.column_stack([np.ones(n), rank(scale), rank(depth)])
+
+    def left(y):
+        return y - design @ np.linalg.lstsq(design, y, rcond=None)[0]
+
+    want = [stats.pearsonr(left(rank(s)), left(rank(fn)))[0] for s in scores[:2]]
+    assert p.partial[:2] == pytest.approx(want, abs=1e-10)
+    assert np.isnan(p.partial[2])  # a control: nothing left to correlate
+    lo, hi = p.interval()
+    assert (lo[:2] <= p.partial[:2]).all() and (p.partial[:2] <= hi[:2]).all() and lo[0] > 0
+    r2 = 1 - (left(rank(fn)) ** 2).sum() / ((rank(fn) - rank(fn).mean()) ** 2).sum()
+    assert p.controls_r2 == pytest.approx(r2, abs=1e-10) and p.added_r2[0] == pytest.approx(want[0] ** 2 * (1 - r2))
+    assert p.partial[1] > 0.3  # the limit: the blend "adds" 0.40 here

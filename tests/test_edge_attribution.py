@@ -23,12 +23,11 @@ from compatlas.function.edge_attribution import (
     InductionTask,
     attribution_scores,
     causal_edges,
-    exact_sample,
     exact_scores,
     induction_task,
-    top_edges,
 )
 from compatlas.function.edge_measure import attribute_edges
+from compatlas.function.exact_sample import exact_sample, top_edges
 from compatlas.models.loading import boot
 from compatlas.models.small_models import word_tokenizer
 from compatlas.tables import EDGE_ATTRIBUTION_SCHEMA

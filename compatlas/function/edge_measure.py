@@ -17,13 +17,12 @@ from compatlas.function.edge_attribution import (
     attribution_scores,
     attribution_work,
     causal_edges,
-    exact_sample,
     exact_scores,
     induction_task,
     mean_stderr,
     n_kv_heads,
-    top_edges,
 )
+from compatlas.function.exact_sample import exact_sample, top_edges
 from compatlas.multiple_testing import bh_q_values
 from compatlas.progress import Progress
 from compatlas.tables import EDGE_ATTRIBUTION_SCHEMA

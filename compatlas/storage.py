@@ -1,7 +1,9 @@
 """Atomic writes, Parquet shards with provenance, and their content checksums.
 
 Every file compatlas produces is written to a temporary name in the same folder and
-renamed into place, so a killed job leaves either the old file or none, never half a shard.
+renamed into place, so a killed job leaves either the old file or none, never half a shard; and
+only while the job's run still holds the results folder (``runlock.check_current``), so a job
+left behind by a killed run never replaces the next run's file.
 
 Every shard is sealed: the sha256 of its bytes is written beside it (``<shard>.sha256``, in
 ``sha256sum`` format, so ``sha256sum -c`` checks it too) before the shard is renamed into place,
@@ -27,6 +29,7 @@ from typing import Any
 
 import polars as pl
 
+from compatlas.runlock import check_current
 from compatlas.tables import nonfinite_counts
 
 
@@ -55,6 +58,7 @@ def atomic_path(path: str | os.PathLike, need: int | None = None) -> Iterator[Pa
         yield tmp_path
         with open(tmp_path, "rb") as f:
             os.fsync(f.fileno())
+        check_current(path)  # a job left behind by its run writes nothing (compatlas.runlock)
         os.replace(tmp_path, path)
     except OSError as e:
         if e.errno != errno.ENOSPC:

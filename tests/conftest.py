@@ -17,7 +17,8 @@ torch, transformers, yaml and compatlas are imported inside the factories: colle
 that needs none of them (the CLI, the config, the envs) stays as light as before.
 
 Fixtures: ``one_torch_thread`` (module scope) and ``float64_default`` (function scope), for the
-modules that ask for them with ``pytestmark = pytest.mark.usefixtures(...)``.
+modules that ask for them with ``pytestmark = pytest.mark.usefixtures(...)``; ``server``, a job
+server of the test's own (``tests/test_worker.py``, ``tests/test_worker_faults.py``).
 """
 
 import os
@@ -50,6 +51,26 @@ def one_torch_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(n)
+
+
+@pytest.fixture
+def server(tmp_path: Path):
+    """A job server (``compatlas.worker.start``) on a scripts folder of the test's own, which
+    imports two small modules (so that no test waits for torch), logging to
+    ``tmp_path/worker.log``; its environment is not left in this process's (a test passes
+    ``server.environ`` to its jobs). Stopped after the test, its socket gone."""
+    from compatlas import worker
+
+    scripts = tmp_path / "scripts"
+    scripts.mkdir()
+    (scripts / "a.py").write_text("import json\nimport colorsys\n")  # what the server imports for its jobs
+    w = worker.start(tmp_path, scripts, tmp_path / "worker.log", common=False)
+    assert w is not None, (tmp_path / "worker.log").read_text()
+    for name in w.environ:  # start() sets them for Snakemake's jobs; the tests pass them explicitly
+        os.environ.pop(name)
+    yield w
+    w.stop()
+    assert w.process.poll() is not None and not Path(w.socket_path).exists()
 
 
 @pytest.fixture

@@ -11,8 +11,10 @@ from __future__ import annotations
 import copy
 import dataclasses
 import json
+import re
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -228,6 +230,7 @@ def test_blocks_auto_fits_a_job_into_its_memory():
     cfg["models"]["big"] = {"source": {"kind": "build", "architecture": "llama", "n_layers": 80, "n_heads": 64,
                                        "n_kv_heads": 8, "d_head": 128, "d_vocab": 32000}}
     cfg["models"]["hub"] = {"source": {"kind": "hub", "name": "gpt2"}}
+    cfg["models"]["big"]["induction"] = {"enabled": False}  # its edge attribution would need 400 GB (job_memory)
     cfg["training"]["tiny-trained"]["blocks"] = "auto"
     plan = build_plan(cfg, check_sources=False)
     assert {k: m.blocks for k, m in plan.models.items()} == {"tiny-gpt2": 1, "tiny-llama": 1, "big": 104, "hub": 1,
@@ -397,3 +400,123 @@ def test_a_default_beside_a_reference_is_filled():
                                                              "n_heads": 2, "d_head": 8, "d_vocab": 64, "seed": 0}}}})
     assert validated["activation"] == {"text": {"kind": "stdlib"}, "chunks": 32, "length": 128, "batch_size": 8,
                                        "seed": 0}
+
+
+# ----------------------------------------------------------------------------- configs that failed later
+
+
+def validate_line(capsys, path: Path) -> str:
+    """`compatlas validate PATH`'s error: exactly one line, exit status 1."""
+    from compatlas import cli
+
+    rc = cli.main(["validate", str(path)])
+    err = capsys.readouterr().err
+    assert rc == 1 and len(err.splitlines()) == 1 and err.endswith("\n"), err[:2000]
+    assert len(err) < 500, err[:2000]
+    return err.strip()
+
+
+@pytest.mark.parametrize("name", ["toy\n", "a/b", "..", ".hidden", "-x", "has space", "tiny\tgpt", "é", "x" * 101, 7])
+@pytest.mark.parametrize("section", ["models", "training"])
+def test_names_that_are_not_safe_path_components_are_one_line(capsys, tmp_path, name, section):
+    """A model named "toy\\n" had validated (Snakemake then warned of a line break in its paths)."""
+    cfg = tiny()
+    cfg[section] = {name: cfg[section][next(iter(cfg[section]))], **cfg[section]}
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    assert validate_line(capsys, path).startswith(f"{path}: config error at {section}.{name!r}: not a name a results "
+                                                  "folder can take")
+
+
+def test_safe_names_pass():
+    cfg = tiny()
+    cfg["models"] = {n: cfg["models"]["tiny-gpt2"] for n in ("a", "A-1_b.c", "0", "x" * 100, "a..b")}
+    assert set(build_plan(cfg, check_sources=False).models) >= set(cfg["models"])
+
+
+def test_edge_attribution_sequences_no_machine_holds_are_named_before_any_job(capsys, tmp_path):
+    """`sequences: 1000000000` had validated and failed inside the job allocating 160 GB, naming
+    no key. The key that sets it is named: the section's, or a model's override."""
+    path = tmp_path / "c.yaml"
+    cfg = tiny()
+    cfg["induction"]["edge_attribution"] = {"sequences": 1_000_000_000}
+    path.write_text(yaml.safe_dump(cfg))
+    assert re.fullmatch(rf"{re.escape(str(path))}: config error at induction.edge_attribution.sequences: "
+                        r"1,000,000,000 sequences of 20 tokens need at least [\d,.]+ GB in the edge attribution job "
+                        r"of tiny-\w+, more than this machine's [\d,.]+ GB; lower it \(the default is 512\)",
+                        validate_line(capsys, path))
+    cfg = tiny()
+    cfg["models"]["tiny-llama"]["induction"] = {"edge_attribution": {"sequences": 10**12}}
+    path.write_text(yaml.safe_dump(cfg))
+    assert "config error at models.tiny-llama.induction.edge_attribution.sequences: 1,000,000,000,000 sequences" in \
+        validate_line(capsys, path)
+    cfg["models"]["tiny-llama"]["induction"]["edge_attribution"] = {"enabled": False, "sequences": 10**12}
+    build_plan(cfg, check_sources=False)  # not run: not refused
+
+
+def test_edge_attribution_memory_by_hand():
+    from compatlas.plan.job_memory import edge_attribution_bytes
+    from compatlas.tiles import Shape
+
+    settings = {"sequences": 512, "length": 20, "methods": ["eap", "eap_ig"]}
+    assert edge_attribution_bytes(settings, None, None) == 512 * 122 * 8  # the tokens alone
+    shape = Shape(n_heads=4, n_kv_heads=2, d_model=32, d_head=8)  # 3 layers: [S, 3, 4, 3, 4 + 2 * 2] per method
+    assert edge_attribution_bytes(settings, shape, 3) == 512 * (122 * 8 + 2 * 3 * 4 * 3 * 8 * 8)
+
+
+def test_a_config_that_is_not_utf8_is_one_line(capsys, tmp_path):
+    """A Latin-1 config had given a 17-line UnicodeDecodeError traceback from `compatlas validate`."""
+    path = tmp_path / "c.yaml"
+    path.write_bytes("models:\n  toy:\n    description: caf\u00e9\n".encode("latin-1"))
+    assert validate_line(capsys, path) == (f"{path}: not UTF-8 text: byte 0xe9 at line 3; save it as UTF-8 "
+                                           "(e.g. iconv -f latin1 -t utf-8)")
+
+
+BOMB = """\
+a: &a ["lol", "lol", "lol", "lol", "lol", "lol", "lol", "lol", "lol"]
+b: &b [*a, *a, *a, *a, *a, *a, *a, *a, *a]
+c: &c [*b, *b, *b, *b, *b, *b, *b, *b, *b]
+d: &d [*c, *c, *c, *c, *c, *c, *c, *c, *c]
+e: &e [*d, *d, *d, *d, *d, *d, *d, *d, *d]
+f: &f [*e, *e, *e, *e, *e, *e, *e, *e, *e]
+g: &g [*f, *f, *f, *f, *f, *f, *f, *f, *f]
+models:
+  toy:
+    source: {kind: build, architecture: gpt2, n_layers: 2, n_heads: 2, d_head: 8, d_vocab: 64}
+    description: [*g, *g, *g, *g, *g, *g, *g, *g, *g]
+"""
+
+
+def test_a_yaml_alias_bomb_is_one_short_line(capsys, tmp_path):
+    """An alias bomb under `description` had given a "one line" error of 7.2 MB."""
+    path = tmp_path / "c.yaml"
+    path.write_text(BOMB)
+    line = validate_line(capsys, path)
+    assert line.startswith(f"{path}: config error at models.toy.description: 48,427,561 values once its YAML aliases "
+                           "are expanded, more than 1,000,000"), line
+    t0 = time.monotonic()
+    with pytest.raises(ConfigError, match=r"config error at models\.toy\.description: 48,427,561 values"):
+        validate_config(yaml.safe_load(BOMB))  # 1 + 9 (1 + 9 (...)): a dict loaded elsewhere (Snakemake's loader) too
+    assert time.monotonic() - t0 < 10 * machine_slowdown()  # counted, never expanded
+    path.write_text("models: &m\n  toy: {source: *m}\n")
+    assert "recursive node" in validate_line(capsys, path)  # PyYAML's own refusal, on one line
+    looped: dict = {"models": {}}
+    looped["models"]["toy"] = looped
+    with pytest.raises(ConfigError, match=r"^config error at models\.toy: a YAML alias refers to the value that holds it$"):
+        validate_config(looped)
+
+
+@pytest.mark.parametrize("name", sorted(p.name for p in (REPO / "config").glob("*.yaml")))
+def test_shipped_config_files_load_and_plan(name):
+    """Every shipped config through the loader `compatlas validate` and Snakemake use: YAML merge
+    keys (`<<: *recipe`, training-seeds.yaml) pass the duplicate-key and size checks."""
+    from compatlas.plan.config import load_config_file
+
+    def merged(base: dict, over: dict) -> dict:  # as Snakemake merges configs given one after the other
+        return {**base, **{k: merged(base[k], v) if isinstance(v, dict) and isinstance(base.get(k), dict) else v
+                           for k, v in over.items()}}
+
+    config = load_config_file(REPO / "config" / name)
+    if name == "gpu.yaml":  # an overlay of the default config
+        config = merged(load_config_file(REPO / "config" / "config.yaml"), config)
+    build_plan(config, check_sources=False)

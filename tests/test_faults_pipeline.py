@@ -248,3 +248,69 @@ def test_a_full_disk_names_the_file_and_the_rerun_after_freeing_space_completes(
         assert numbers(work) == clean[1]
     finally:
         subprocess.run(["umount", "-l", str(mnt)], capture_output=True)
+
+
+def children(pid: int) -> list[int]:
+    """The live processes whose parent is ``pid`` (/proc)."""
+    out = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == pid and fields[0] != "Z":
+            out.append(int(stat.parent.name))
+    return out
+
+
+def test_a_killed_job_server_leaves_no_writer_and_the_rerun_gives_its_own_numbers(tmp_path):
+    """kill -9 of the job server while toy-gpt2's edge attribution ran: Snakemake failed, but the
+    job's fork ran on and sealed its 512-sequence edges.parquet over the rerun's 64-sequence one,
+    with exit 0 after. Now the fork dies with its server, and the rerun's shard stays its own
+    (without the fork's death, it runs on for a minute here)."""
+    if not Path("/proc/self/stat").exists():
+        pytest.skip("finds the server's forks in /proc")
+    work = tmp_path / "s"
+    work.mkdir()
+    target = "results/edge_attribution/model=toy-gpt2/checkpoint=final/edges.parquet"
+    config = dict(CONFIG, models={"toy-gpt2": CONFIG["models"]["toy-gpt2"]})
+    # a minute's work for the toy (4 s at 512 sequences): a fork left running would be seen to
+    config["induction"] = dict(CONFIG["induction"], edge_attribution={"sequences": 8192})
+    cfg = work / "config.yaml"
+    cfg.write_text(yaml.safe_dump(config))
+    # stderr to a file, not a pipe: a fork left holding the pipe would hold up reading it to the end
+    stderr = (tmp_path / "first.err").open("w")
+    proc = subprocess.Popen([*SNAKEMAKE, target, "--directory", str(work), "--configfile", str(cfg)],
+                            stdout=subprocess.DEVNULL, stderr=stderr, start_new_session=True)
+    log = work / "results" / "logs" / "edge_attribution"
+    forks: list[int] = []
+    deadline = time.monotonic() + 600 * machine_slowdown()
+    while not forks:
+        assert proc.poll() is None and time.monotonic() < deadline, "the edge attribution job never started"
+        if log.exists() and any(log.rglob("*.log")):
+            servers = [c for c in children(proc.pid) if b"compatlas.worker.server" in Path(f"/proc/{c}/cmdline").read_bytes()]
+            forks = [f for s in servers for f in children(s)]
+            if forks:
+                for s in servers:
+                    os.kill(s, signal.SIGKILL)
+        time.sleep(0.05)
+    proc.wait(300 * machine_slowdown())
+    stderr.close()
+    err = (tmp_path / "first.err").read_text()
+    assert proc.returncode != 0 and "went away before the job ended" in err, err[-3000:]
+    gone = time.monotonic() + 10 * machine_slowdown()
+    while any(Path(f"/proc/{f}").exists() and "Z" != Path(f"/proc/{f}/stat").read_text().rsplit(")", 1)[1].split()[0]
+              for f in forks):
+        assert time.monotonic() < gone, "the job's fork outlived its server"
+        time.sleep(0.05)
+    config["induction"]["edge_attribution"]["sequences"] = 64  # the rerun, at once, with another config
+    cfg.write_text(yaml.safe_dump(config))
+    rerun = subprocess.run([*SNAKEMAKE, target, "--directory", str(work), "--configfile", str(cfg)],
+                           capture_output=True, text=True, timeout=600 * machine_slowdown())
+    assert rerun.returncode == 0, rerun.stderr[-3000:]
+    import polars as pl
+
+    edges = work / target
+    assert set(pl.read_parquet(edges)["n_sequences"]) == {64} and not bad_shards([edges])
+    time.sleep(10)  # a fork left running would write at any time: none is
+    assert set(pl.read_parquet(edges)["n_sequences"]) == {64} and not bad_shards([edges])

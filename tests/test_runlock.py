@@ -91,3 +91,122 @@ def test_snakemake_run_on_a_results_folder_in_use_stops_before_any_job(tmp_path:
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert (shared / "weights" / "tiny-gpt2" / "final" / "meta.json").exists()
     assert not (shared / runlock.LOCK_NAME).exists()
+
+
+# ----------------------------------------------------------------------------- concurrent takeovers
+
+
+def _take(results: Path, workdir: Path, start, done, answers) -> None:
+    """One taker (its own process): wait for every other, try to take the lock, say how it went,
+    and hold on (alive) until every taker has tried: a winner that left would be stale at once."""
+    start.wait(120)
+    try:
+        runlock.acquire(results, workdir)
+        answers.put(("won", ""))
+    except runlock.RunLockError as e:
+        answers.put(("lost", str(e)))
+    done.wait(300)
+
+
+def test_one_winner_among_100_concurrent_takeovers_of_a_stale_lock(tmp_path: Path, monkeypatch):
+    """Taking over by unlinking the stale lock and creating one's own let a second taker unlink
+    the first one's new lock: two winners in 10 of 30 trials of two takers. Each taker here takes
+    0 to 49 ms to judge the holder (a slow filesystem, a busy machine): a taker that acts on what it
+    read that long ago must not remove a lock taken meanwhile."""
+    import multiprocessing as mp
+    import queue
+
+    judge = runlock.stale_reason
+    monkeypatch.setattr(runlock, "stale_reason", lambda *a: time.sleep(0.001 * (os.getpid() % 50)) or judge(*a))
+    ctx = mp.get_context("fork")
+    n = 100
+    results = tmp_path / "results"
+    for trial in range(2):
+        fake_holder(results, pid=dead_pid(), token=f"dead-{trial}")  # a run killed on this host
+        start, done, answers = ctx.Barrier(n), ctx.Event(), ctx.Queue()
+        procs = [ctx.Process(target=_take, args=(results, tmp_path / f"w{i}", start, done, answers)) for i in range(n)]
+        for p in procs:
+            p.start()
+        try:
+            got = [answers.get(timeout=120 * machine_slowdown()) for _ in range(n)]
+        except queue.Empty:
+            pytest.fail("a taker hung")
+        finally:
+            done.set()
+            for p in procs:
+                p.join(60)
+                if p.is_alive():
+                    p.kill()
+        winners = [msg for kind, msg in got if kind == "won"]
+        assert len(winners) == 1, (trial, len(winners))
+        assert all("\n" not in msg and ("in use by another run" in msg or "changing hands" in msg)
+                   for kind, msg in got if kind == "lost")
+        holder = json.loads((results / runlock.LOCK_NAME).read_text())
+        assert holder["pid"] in {p.pid for p in procs}  # the winner's, whole
+        assert not [p for p in results.iterdir() if p.name.endswith(".new")]  # no private copy left
+
+
+# ----------------------------------------------------------------------------- a job left behind
+
+
+WRITER = """
+import os, sys, time
+from pathlib import Path
+go = Path(sys.argv[2])
+deadline = time.monotonic() + 120
+while not go.exists() and time.monotonic() < deadline:
+    time.sleep(0.02)
+from compatlas.storage import atomic_path
+with atomic_path(sys.argv[1]) as tmp:
+    tmp.write_text("written by the job left behind")
+"""
+
+
+def test_a_job_left_behind_by_its_run_writes_nothing(tmp_path: Path):
+    """A fork of a killed run had sealed its 512-sequence shard over the rerun's 64-sequence one,
+    with a matching seal: the next run exited 0 with the old config's numbers. A write is refused
+    once the job's run no longer holds the lock, whoever holds it now."""
+    results = tmp_path / "results"
+    target = results / "edge_attribution" / "edges.parquet"
+    env = {k: v for k, v in os.environ.items() if k not in (runlock.LOCK_ENV, runlock.TOKEN_ENV)}
+    limit = 120 * machine_slowdown()
+    for case in ("rerun", "released", "current"):
+        first = runlock.acquire(results, tmp_path / "a")
+        go = tmp_path / f"go-{case}"
+        job = subprocess.Popen([sys.executable, "-c", WRITER, str(target), str(go)], env={**env, **first.job_environ()},
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        target.unlink(missing_ok=True)
+        if case != "current":
+            first.release()  # the run failed (Snakemake saw the job's process go)
+        if case == "rerun":  # ... and was run again at once, with another config
+            rerun = runlock.acquire(results, tmp_path / "a")
+            target.parent.mkdir(parents=True, exist_ok=True)
+            target.write_text("the rerun's")
+        go.touch()
+        _, err = job.communicate(timeout=limit)
+        if case == "current":
+            assert job.returncode == 0, err
+            assert target.read_text() == "written by the job left behind"
+            first.release()
+            continue
+        assert job.returncode != 0 and "SupersededJob: refusing to write" in err, err
+        assert next(ln for ln in err.splitlines() if "SupersededJob: refusing to write" in ln).count(str(target)) == 1
+        assert target.read_text() == "the rerun's" if case == "rerun" else not target.exists()
+        assert not list(target.parent.glob(".*.tmp"))
+        if case == "rerun":
+            rerun.release()
+
+
+def test_a_fork_whose_server_is_gone_writes_nothing(tmp_path: Path, monkeypatch):
+    """Where PR_SET_PDEATHSIG is not there to kill it (not Linux), a fork left by its server writes nothing."""
+    from compatlas import worker
+    from compatlas.storage import atomic_path
+
+    monkeypatch.setattr(worker, "_IN_CHILD", True)
+    monkeypatch.setattr(worker, "_SERVER_PID", os.getppid())  # its server: this process's parent
+    with atomic_path(tmp_path / "a.txt") as tmp:
+        tmp.write_text("served")
+    monkeypatch.setattr(worker, "_SERVER_PID", dead_pid())  # its server gone: reparented
+    with pytest.raises(runlock.SupersededJob, match="this job's server is gone"), atomic_path(tmp_path / "b.txt") as tmp:
+        tmp.write_text("left behind")
+    assert (tmp_path / "a.txt").exists() and not (tmp_path / "b.txt").exists()

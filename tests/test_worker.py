@@ -35,30 +35,18 @@ sys.stderr.write("to stderr\\n")
 """
 
 
-@pytest.fixture
-def server(tmp_path: Path):
-    scripts = tmp_path / "scripts"
-    scripts.mkdir()
-    (scripts / "a.py").write_text("import json\nimport colorsys\n")  # what the server imports for its jobs
-    w = worker.start(tmp_path, scripts, tmp_path / "worker.log", common=False)
-    assert w is not None, (tmp_path / "worker.log").read_text()
-    os.environ.pop(worker.ENV)  # start() sets it for Snakemake's jobs; the tests pass it explicitly
-    yield w
-    w.stop()
-    assert w.process.poll() is not None and not Path(w.socket_path).exists()
-
-
 def job(tmp_path: Path, tail: str = "", name: str = "job.py") -> Path:
     path = tmp_path / name
     path.write_text(textwrap.dedent(JOB.format(loaded="'colorsys' in sys.modules", tail=tail)))
     return path
 
 
-def run(script: Path, socket_path: str | None, cwd: Path, **kw) -> subprocess.CompletedProcess:
+def run(script: Path, served: dict[str, str] | None, cwd: Path, **kw) -> subprocess.CompletedProcess:
+    """Run a job script as Snakemake would, with ``served`` (a server's ``environ``) in its environment."""
     env = {**os.environ, "JOB_VAR": "x1"}
     env.pop(worker.ENV, None)
-    if socket_path:
-        env[worker.ENV] = socket_path
+    env.pop(worker.SECRET_ENV, None)
+    env.update(served or {})
     return subprocess.run([sys.executable, str(script), "arg"], cwd=cwd, env=env, capture_output=True, text=True,
                           timeout=120, **kw)
 
@@ -69,7 +57,7 @@ def test_a_handed_off_job_runs_in_the_server_with_its_own_streams_directory_and_
     ready(tmp_path / "worker.log")
     elsewhere = tmp_path / "cwd"
     elsewhere.mkdir()
-    proc = run(job(tmp_path, "sys.exit(3)"), server.socket_path, elsewhere)
+    proc = run(job(tmp_path, "sys.exit(3)"), server.environ, elsewhere)
     assert proc.returncode == 3, proc.stderr
     out = json.loads(proc.stdout)
     assert out["ppid"] == server.process.pid  # a fork of the server, not the job's own process
@@ -79,10 +67,10 @@ def test_a_handed_off_job_runs_in_the_server_with_its_own_streams_directory_and_
 
 
 def test_the_exit_status_and_the_traceback_of_a_failing_job_come_back(server, tmp_path):
-    proc = run(job(tmp_path, "raise ValueError('bad input')"), server.socket_path, tmp_path)
+    proc = run(job(tmp_path, "raise ValueError('bad input')"), server.environ, tmp_path)
     assert proc.returncode == 1
     assert "ValueError: bad input" in proc.stderr and "Traceback" in proc.stderr
-    killed = run(job(tmp_path, "os.kill(os.getpid(), 9)", "k.py"), server.socket_path, tmp_path)
+    killed = run(job(tmp_path, "os.kill(os.getpid(), 9)", "k.py"), server.environ, tmp_path)
     assert killed.returncode == 128 + 9  # a shell's convention for a job killed by a signal
 
 
@@ -90,7 +78,7 @@ def test_without_a_server_the_job_runs_in_its_own_process(tmp_path):
     import json
 
     alone = run(job(tmp_path), None, tmp_path)
-    gone = run(job(tmp_path, name="j2.py"), str(tmp_path / "no-such-socket"), tmp_path)
+    gone = run(job(tmp_path, name="j2.py"), {worker.ENV: str(tmp_path / "no-such-socket")}, tmp_path)
     for proc in (alone, gone):
         assert proc.returncode == 0, proc.stderr
         assert json.loads(proc.stdout)["ppid"] != 1 and not json.loads(proc.stdout)["json_loaded_before"]
@@ -99,7 +87,7 @@ def test_without_a_server_the_job_runs_in_its_own_process(tmp_path):
 def test_a_cancelled_job_takes_its_fork_with_it(server, tmp_path):
     marker = tmp_path / "child.pid"
     script = job(tmp_path, f"open({str(marker)!r}, 'w').write(str(os.getpid()))\nimport time\ntime.sleep(300)")
-    env = {**os.environ, worker.ENV: server.socket_path}
+    env = {**os.environ, **server.environ}
     proc = subprocess.Popen([sys.executable, str(script)], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.monotonic() + 60
     while not marker.exists() or not marker.read_text():
@@ -124,10 +112,11 @@ def test_a_hub_job_and_one_whose_hub_settings_differ_run_in_their_own_process(tm
     (scripts / "a.py").write_text("import huggingface_hub\n")
     w = worker.start(tmp_path, scripts, tmp_path / "worker.log", common=False)
     assert w is not None
-    os.environ.pop(worker.ENV)
+    for name in w.environ:
+        os.environ.pop(name)
     try:
         ready(tmp_path / "worker.log")
-        same = {**os.environ, worker.ENV: w.socket_path}
+        same = {**os.environ, **w.environ}
         hub = job(tmp_path, name="hub.py")
         hub.write_text(hub.read_text().replace("hand_off(None)", "hand_off(None, network=True)"))
         runs = [(job(tmp_path, name="same.py"), same), (job(tmp_path, name="home.py"), {**same, "HF_HOME": str(tmp_path)}),
@@ -166,7 +155,8 @@ def test_a_killed_servers_folder_is_swept_by_the_next_start(tmp_path):
     scripts.mkdir()
     w = worker.start(tmp_path, scripts, tmp_path / "w.log", common=False)
     assert w is not None
-    os.environ.pop(worker.ENV)
+    for name in w.environ:
+        os.environ.pop(name)
     try:
         assert not stale.exists() and Path(w.socket_path).exists()
     finally:

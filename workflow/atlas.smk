@@ -33,21 +33,19 @@ rule atlas:
 # where its content is the one recorded.
 # The same for an atlas a read-write session wrote to (a WAL beside it, or its bytes changed): the
 # rebuild moves the session's WAL aside (compatlas/atlas/files.py).
-STALE = (1, 1)  # (atime, mtime): 1970-01-01 00:00:01
+# A dry run (-n) only says so (stale_atlas, common.smk).
+
 
 if workflow.is_main_process and os.path.exists(rules.atlas.output[0]):
     from compatlas.atlas.files import as_built, wal_path
 
+    _atlas = rules.atlas.output[0]
     _missing = [f for f in atlas_inputs() if not os.path.exists(f)]
     if _missing:
-        print(f"compatlas: {len(_missing)} inputs of the atlas are missing (e.g. {_missing[0]}): remaking them "
-              "and the atlas", file=sys.stderr)
-        os.utime(rules.atlas.output[0], STALE)
-    elif wal_path(rules.atlas.output[0]).exists() or as_built(rules.atlas.output[0]) is False:
-        print(f"compatlas: {rules.atlas.output[0]} was written to by a read-write session: rebuilding it",
-              file=sys.stderr)
-        os.utime(rules.atlas.output[0], STALE)
-    elif as_built(rules.atlas.output[0]) is None:
-        print(f"compatlas: {rules.atlas.output[0]} has no seal (.sha256 beside it), so whether it changed cannot be "
-              "told: rebuilding it", file=sys.stderr)
-        os.utime(rules.atlas.output[0], STALE)
+        stale_atlas(_atlas, f"{len(_missing)} inputs of the atlas are missing (e.g. {_missing[0]})",
+                    "remaking them and the atlas", "remakes them and the atlas")
+    elif wal_path(_atlas).exists() or as_built(_atlas) is False:
+        stale_atlas(_atlas, f"{_atlas} was written to by a read-write session", "rebuilding it", "rebuilds it")
+    elif as_built(_atlas) is None:
+        stale_atlas(_atlas, f"{_atlas} has no seal (.sha256 beside it), so whether it changed cannot be told",
+                    "rebuilding it", "rebuilds it")

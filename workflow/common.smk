@@ -30,6 +30,9 @@ for note in PLAN.notes:
 
 RESULTS = PLAN.results
 LOGS = f"{RESULTS}/logs"
+# A dry run (-n) writes nothing. While the Snakefile is parsed Snakemake tells it only through its
+# output settings (workflow.dryrun asks the executor, which is chosen after the parse).
+DRYRUN = bool(getattr(workflow.output_settings, "dryrun", False)) or workflow.dryrun
 # the run's metrics that the composition kernel scores from the weights, one job per space for all
 KERNEL_METRICS_RUN = [m for m in PLAN.metrics if m not in ACTIVATION_ONLY_METRICS]
 
@@ -261,6 +264,21 @@ def report_config():
     return {**thaw(PLAN.config), "models": list(PLAN.models)}
 
 
+STALE = (1, 1)  # (atime, mtime): 1970-01-01 00:00:01, what stale_atlas dates the atlas to (atlas.smk says why)
+
+
+def stale_atlas(atlas, why, doing, will):
+    """Date the atlas to STALE, so that this run rebuilds it, saying why; a dry run writes
+    nothing under results/ (dating it there had planned a rebuild for a later run that needed
+    none): it only says what a run will do, which its plan then lacks."""
+    if DRYRUN:
+        print(f"compatlas: {why}: a run {will} (this dry run writes nothing, and its plan does not show that)",
+              file=sys.stderr)
+    else:
+        print(f"compatlas: {why}: {doing}", file=sys.stderr)
+        os.utime(atlas, STALE)
+
+
 # One run at a time on a results folder (compatlas/runlock.py): Snakemake's own lock covers
 # only its working directory. Taken when jobs are about to run (onstart: never for dry runs nor
 # inside jobs), given back when the run ends; --nolock skips it, as it skips Snakemake's.
@@ -279,6 +297,9 @@ onstart:
         except runlock.RunLockError as e:
             print(f"compatlas: {e}", file=sys.stderr)
             raise SystemExit(1)
+        # the jobs inherit the run's lock and token: a job whose run no longer holds the lock (one
+        # left behind by a killed run) has its writes refused (runlock.check_current)
+        os.environ.update(_RUN["lock"].job_environ())
         # holding the lock, before any job: every temporary file under results/ is a killed job's
         gone = remove_leftover_temps(RESULTS)
         if gone:
@@ -295,7 +316,11 @@ def _end_run():
     if "worker" in _RUN and _RUN["worker"] is not None:
         _RUN.pop("worker").stop()
     if "lock" in _RUN:
+        from compatlas import runlock
+
         _RUN.pop("lock").release()
+        for name in (runlock.LOCK_ENV, runlock.TOKEN_ENV):
+            os.environ.pop(name, None)
 
 
 onsuccess:

@@ -144,6 +144,9 @@ def _refusal(stmt: duckdb.Statement) -> str | None:
             raise RefusedStatement("cannot tell whether this PIVOT statement only reads; name the values it pivots "
                                    "on (PIVOT ... ON col IN ('a', 'b')) and it runs")
         return _first_word(stmt.query)  # e.g. an ALTER that DuckDB splits in several statements
+    if stmt.type == duckdb.StatementType.LOAD:  # DuckDB types INSTALL a LOAD too: named by its own word
+        words = [t[2].decode().upper() for t in _tokens(stmt.query.encode())[:2]]
+        return "FORCE INSTALL" if words[:1] == ["FORCE"] else (words[0] if words else "LOAD")
     return stmt.type.name.replace("_", " ")
 
 

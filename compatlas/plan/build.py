@@ -31,6 +31,7 @@ from typing import Any
 from compatlas.plan.blocks import JOB_MEMORY_GB, resolve_blocks
 from compatlas.plan.checkpoints import checkpoint_label, checkpoint_step, hub_series, schedule, tokens_per_step
 from compatlas.plan.config import ConfigError, validate_config
+from compatlas.plan.job_memory import check_edge_attribution, machine_memory
 from compatlas.plan.model_checks import check_layers, check_model
 from compatlas.tiles import Shape, null_bytes
 from compatlas.vocab import ACTIVATION_ONLY_METRICS
@@ -239,6 +240,7 @@ def build_plan(config: Mapping[str, Any], check_sources: bool = True, check_hub:
     notes = _check_hub_sources(resolved) if check_hub else ()
     composition = validated["composition"]
     budget = composition.get("job_memory_gb", JOB_MEMORY_GB)
+    memory = machine_memory()
     for name, m in list(models.items()):
         blocks, why = resolve_blocks(name, m.kind, m.layers, m.shape, resolved[name].get("blocks", composition["blocks"]),
                                      budget)
@@ -250,6 +252,8 @@ def build_plan(config: Mapping[str, Any], check_sources: bool = True, check_hub:
                               f"{budget:g}; lower it (the default is 32)")
         models[name] = replace(m, blocks=blocks)
         notes += why
+        check_edge_attribution(f"{'training' if name in validated['training'] else 'models'}.{name}",
+                               resolved[name].get("induction", {}), m.induction, m.shape, m.n_layers, memory)
     return Plan(config=freeze(validated), models=MappingProxyType(models), notes=notes)
 
 

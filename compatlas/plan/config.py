@@ -13,6 +13,7 @@ Errors name the config key and the problem in one line, e.g.
 from __future__ import annotations
 
 import copy
+import re
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -24,6 +25,15 @@ SCHEMA_PATH = Path(__file__).resolve().parents[2] / "workflow" / "schemas" / "co
 
 class ConfigError(ValueError):
     pass
+
+
+# A model's (or training run's) name is a folder under results/ and a wildcard of every job: a
+# letter or digit, then letters, digits, '_', '.' and '-' (no '/', no '..', no space or line break)
+NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,99}", re.ASCII)
+# Values in a config once its YAML aliases are expanded: far above any real config (a model's
+# entry is tens), far below what an alias bomb expands to
+MAX_VALUES = 1_000_000
+MAX_DEPTH = 64
 
 
 def _key(path) -> str:
@@ -76,7 +86,14 @@ def _explain(error) -> str:
 
 def _line(error) -> str:
     msg = f"unknown key: {error.message}" if error.validator == "additionalProperties" else error.message
-    return f"config error at {_key(error.absolute_path)}: {msg}"
+    return _one_line(f"config error at {_key(error.absolute_path)}: {msg}")
+
+
+def _one_line(msg: str, limit: int = 300) -> str:
+    """``msg`` on one line, a value quoted in it cut short (a long description must not become a
+    line of megabytes)."""
+    msg = " ".join(msg.split())
+    return msg if len(msg) <= limit else msg[:limit] + " ..."
 
 
 def validate_config(config: Mapping[str, Any], schema_path: Path = SCHEMA_PATH) -> dict[str, Any]:
@@ -88,6 +105,8 @@ def validate_config(config: Mapping[str, Any], schema_path: Path = SCHEMA_PATH) 
     is checked while it is planned: ``compatlas.plan.build_plan`` validates, then plans."""
     import jsonschema
 
+    check_size(config)  # before anything walks it: an alias bomb is tiny in memory, huge expanded
+    _check_names(config)
     schema = yaml.safe_load(schema_path.read_text())
     validator = jsonschema.Draft202012Validator(schema)
     # deepest error first; at equal depth an unknown key explains more than a missing one
@@ -107,6 +126,53 @@ def validate_config(config: Mapping[str, Any], schema_path: Path = SCHEMA_PATH) 
     if not validated["models"] and not validated["training"]:
         raise ConfigError("config error at models: no models (and no training runs) to score")
     return validated
+
+
+def _check_names(config: Mapping[str, Any]) -> None:
+    """Every model and training run is named by a safe path component (``NAME``), or ConfigError
+    naming it (quoted: ``'toy\\n'``, a name with a line break, had passed)."""
+    for section in ("models", "training"):
+        entries = config.get(section)
+        for name in entries if isinstance(entries, Mapping) else ():
+            if not isinstance(name, str) or not NAME.fullmatch(name):
+                raise ConfigError(_one_line(
+                    f"config error at {section}.{name!r}: not a name a results folder can take: a letter or digit, "
+                    "then letters, digits, '_', '.' and '-', at most 100 characters"))
+
+
+def check_size(config: Any) -> None:
+    """ConfigError naming the key when ``config`` holds more than MAX_VALUES values once its YAML
+    aliases are expanded (an alias bomb: a few lines whose expansion every reader of the config, the
+    schema's check and an error message among them, would walk), or nests deeper than MAX_DEPTH or
+    into itself."""
+    sizes: dict[int, int] = {}
+
+    def size(node: Any, path: tuple[Any, ...]) -> int:
+        if not isinstance(node, (dict, list)):
+            return 1
+        if id(node) in sizes:  # an alias of a value already counted: its expansion again
+            if sizes[id(node)] < 0:
+                raise ConfigError(_one_line(f"config error at {_key(path)}: a YAML alias refers to the value that holds it"))
+            return sizes[id(node)]
+        if len(path) > MAX_DEPTH:
+            raise ConfigError(_one_line(f"config error at {_key(path[:MAX_DEPTH])}: nested deeper than {MAX_DEPTH} levels"))
+        sizes[id(node)] = -1
+        children = node.items() if isinstance(node, dict) else enumerate(node)
+        sizes[id(node)] = 1 + sum(size(v, (*path, k)) for k, v in children)
+        return sizes[id(node)]
+
+    if (total := size(config, ())) <= MAX_VALUES:
+        return
+    path: list[Any] = []
+    node = config
+    while isinstance(node, dict) and node:  # down to the key whose value alone is too large
+        key, child = max(node.items(), key=lambda kv: sizes.get(id(kv[1]), 1))
+        if sizes.get(id(child), 1) <= MAX_VALUES:
+            break
+        path, node = [*path, key], child
+    raise ConfigError(_one_line(f"config error at {_key(path)}: {sizes.get(id(node), total):,} values once its YAML "
+                                f"aliases are expanded, more than {MAX_VALUES:,}: a config this large is a mistake "
+                                "(aliases that repeat one another?)"))
 
 
 def _check_blocks(config: Mapping[str, Any]) -> None:
@@ -150,5 +216,18 @@ _UniqueKeyLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG,
 
 def load_config_file(path: str | Path) -> Any:
     """A config file's YAML, refusing duplicate keys (``ConfigError`` naming the key and its
-    line); ``yaml.YAMLError`` for YAML that does not parse."""
-    return yaml.load(Path(path).read_text(), Loader=_UniqueKeyLoader)
+    line), text that is not UTF-8 and a content too large once its aliases are expanded
+    (``check_size``), each in one line; ``yaml.YAMLError`` for YAML that does not parse."""
+    raw = Path(path).read_bytes()
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = raw[:e.start].count(b"\n") + 1
+        raise ConfigError(f"not UTF-8 text: byte 0x{raw[e.start]:02x} at line {line}; save it as UTF-8 "
+                          "(e.g. iconv -f latin1 -t utf-8)") from None
+    try:
+        data = yaml.load(text, Loader=_UniqueKeyLoader)
+    except RecursionError:
+        raise ConfigError(f"nested too deeply (more than {MAX_DEPTH} levels is a mistake)") from None
+    check_size(data)
+    return data

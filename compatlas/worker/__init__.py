@@ -20,7 +20,13 @@ What keeps it safe:
 - a job whose process goes away (Snakemake cancelled it, or was killed) loses its child: the
   server sees the connection close and kills it; the server and its children stay in Snakemake's
   process group, so a signal to the group reaches them as it reached the jobs before;
-- the server leaves when Snakemake's run ends (``stop``) or its process disappears;
+- the server leaves when Snakemake's run ends (``stop``) or its process disappears, and a child
+  dies with its server (``PR_SET_PDEATHSIG``; elsewhere ``left_behind`` refuses its writes): a
+  server killed alone had left a fork that sealed its shard two minutes after the run had failed;
+- the server serves its own run only: a request comes from a process of this user that descends
+  from the run's Snakemake (the socket's peer credentials) and carries the run's secret (in the
+  environment the jobs inherit); a request that is malformed, too large, or silent past
+  ``REQUEST_TIMEOUT_S`` is refused in one line of the server's log, and the server goes on;
 - anything that goes wrong before the child starts (no server, a refused connection, a server
   that died) makes ``hand_off`` return: the script then runs in its own process, as without one.
 
@@ -34,8 +40,10 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import secrets
 import signal
 import socket
+import stat
 import struct
 import subprocess
 import sys
@@ -45,8 +53,18 @@ from pathlib import Path
 from typing import Any
 
 ENV = "COMPATLAS_WORKER"  # the server's socket path, in the environment Snakemake's jobs inherit
+SECRET_ENV = "COMPATLAS_WORKER_SECRET"  # the run's secret, in the same environment: every request carries it
+PREFIX = "compatlas-worker-"  # a server's private folder in the system's temporary space
 _IN_CHILD = False  # set in a forked child: its own hand_off runs the script there
+_SERVER_PID = 0  # in a forked child: the server that forked it
 HEADER = struct.Struct("!I")  # a request: its length, then its JSON
+REQUEST_TIMEOUT_S = 30.0  # a connection that has not sent its whole request by then is dropped
+
+
+def left_behind() -> bool:
+    """Whether this process is a forked job whose server is gone (where ``PR_SET_PDEATHSIG``
+    did not take it down with the server): no run waits for its results any more."""
+    return _IN_CHILD and os.getppid() != _SERVER_PID
 
 
 # ----------------------------------------------------------------------------- the job's side
@@ -62,16 +80,18 @@ def hand_off(snakemake: Any = None, network: bool = False) -> None:
     path = os.environ.get(ENV, "")
     if _IN_CHILD or not path or path == "off":
         return
+    from compatlas.logs import STARTED_ENV, process_started
+
+    # the whole request is ready before connecting: the server drops one that is slow to come
+    env = dict(os.environ) | {STARTED_ENV: str(process_started() or time.time())}
+    request = {"argv": sys.argv, "cwd": os.getcwd(), "env": env, "path": sys.path, "network": network,
+               "secret": os.environ.get(SECRET_ENV, "")}
+    body = json.dumps(request).encode()
     try:
         conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         conn.connect(path)
-        from compatlas.logs import STARTED_ENV, process_started
-
-        env = dict(os.environ) | {STARTED_ENV: str(process_started() or time.time())}
-        request = {"argv": sys.argv, "cwd": os.getcwd(), "env": env, "path": sys.path, "network": network}
-        body = json.dumps(request).encode()
         socket.send_fds(conn, [HEADER.pack(len(body)) + body], [0, 1, 2])
-        if conn.recv(1) != b"S":  # the server could not fork: run here
+        if conn.recv(1) != b"S":  # the server could not fork, or refused the request: run here
             conn.close()
             return
     except OSError:
@@ -94,25 +114,54 @@ def hand_off(snakemake: Any = None, network: bool = False) -> None:
 
 
 def _sweep(tmp: Path) -> None:
-    """Remove the folders of servers killed without a chance to clean up (SIGKILL): a socket no
-    server listens on, or a folder without one that is an hour old."""
-    for folder in tmp.glob("compatlas-worker-*"):
-        sock = folder / "socket"
+    """Remove the folders of this user's servers killed without a chance to clean up (SIGKILL): a
+    socket no server listens on, or a folder without one that is an hour old. Only real folders
+    this user owns, holding nothing but a socket of this user's: a link (another user's
+    ``compatlas-worker-x -> /their/target``) is never followed, and the socket is removed through
+    the folder as opened (no link followed) and checked, not through its name."""
+    try:
+        names = [n for n in os.listdir(tmp) if n.startswith(PREFIX)]
+        tmp_fd = os.open(tmp, os.O_RDONLY | os.O_DIRECTORY)
+    except OSError:
+        return
+    try:
+        for name in names:
+            with contextlib.suppress(OSError):  # another user's, or gone meanwhile
+                _sweep_one(tmp, tmp_fd, name)
+    finally:
+        os.close(tmp_fd)
+
+
+def _sweep_one(tmp: Path, tmp_fd: int, name: str) -> None:
+    me = os.getuid()
+    st = os.stat(name, dir_fd=tmp_fd, follow_symlinks=False)
+    if not stat.S_ISDIR(st.st_mode) or st.st_uid != me:
+        return  # a link, a file, or another user's folder
+    fd = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=tmp_fd)
+    try:
+        opened = os.fstat(fd)
+        if (opened.st_dev, opened.st_ino) != (st.st_dev, st.st_ino) or set(os.listdir(fd)) - {"socket"}:
+            return  # replaced meanwhile, or holds what a server does not make
         try:
-            if sock.exists():
-                probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-                try:
-                    probe.connect(str(sock))
-                    continue  # a live server (another run's)
-                except ConnectionRefusedError:
-                    pass
-                finally:
-                    probe.close()
-            elif time.time() - folder.stat().st_mtime < 3600:
-                continue  # a server starting up
-            remove(str(sock))
-        except OSError:
-            continue  # another user's, or gone meanwhile
+            sock = os.stat("socket", dir_fd=fd, follow_symlinks=False)
+        except FileNotFoundError:
+            if time.time() - st.st_mtime < 3600:
+                return  # a server starting up
+        else:
+            if not stat.S_ISSOCK(sock.st_mode) or sock.st_uid != me:
+                return
+            probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            try:
+                probe.connect(str(tmp / name / "socket"))
+                return  # a live server (another run's)
+            except ConnectionRefusedError:
+                pass
+            finally:
+                probe.close()
+            os.unlink("socket", dir_fd=fd)
+    finally:
+        os.close(fd)
+    os.rmdir(name, dir_fd=tmp_fd)  # rmdir follows no link
 
 
 def remove(socket_path: str) -> None:
@@ -128,6 +177,12 @@ class Worker:
 
     process: subprocess.Popen[bytes]
     socket_path: str
+    secret: str
+
+    @property
+    def environ(self) -> dict[str, str]:
+        """What a job needs in its environment to be served (``start`` sets it in this process's)."""
+        return {ENV: self.socket_path, SECRET_ENV: self.secret}
 
     def stop(self) -> None:
         if self.process.poll() is None:
@@ -141,25 +196,28 @@ class Worker:
 
 
 def start(run_dir: str | os.PathLike[str], scripts_dir: str | os.PathLike[str], log: str | os.PathLike[str],
-          common: bool = True) -> Worker | None:
-    """Start the run's server (``COMPATLAS_WORKER`` set in this process's environment, which the
-    jobs inherit), logging to ``log``, importing what ``scripts_dir``'s scripts import (and, with
-    ``common``, torch and transformers); None where ``COMPATLAS_WORKER=off`` or no Unix socket fits.
-    The socket lives in a private folder of the system's temporary space: a socket path may not
-    exceed about 100 bytes, which a results folder's often does."""
+          common: bool = True, request_timeout_s: float = REQUEST_TIMEOUT_S) -> Worker | None:
+    """Start the run's server (``COMPATLAS_WORKER`` and the run's secret set in this process's
+    environment, which the jobs inherit), logging to ``log``, importing what ``scripts_dir``'s
+    scripts import (and, with ``common``, torch and transformers); None where
+    ``COMPATLAS_WORKER=off`` or no Unix socket fits. The socket lives in a private folder of the
+    system's temporary space: a socket path may not exceed about 100 bytes, which a results
+    folder's often does. The secret reaches the server in its environment, never its arguments,
+    which other users can read."""
     if os.environ.get(ENV) == "off" or not hasattr(os, "fork"):
         return None
     import tempfile
 
     _sweep(Path(tempfile.gettempdir()))
-    folder = tempfile.mkdtemp(prefix="compatlas-worker-")
+    folder = tempfile.mkdtemp(prefix=PREFIX)
     path = os.path.join(folder, "socket")
+    secret = secrets.token_hex(16)
     Path(log).parent.mkdir(parents=True, exist_ok=True)
     with open(log, "wb") as out:
         process = subprocess.Popen([sys.executable, "-m", "compatlas.worker.server", path, str(os.getpid()), str(scripts_dir),
-                                    str(int(common))],
+                                    str(int(common)), str(request_timeout_s)],
                                    stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
-                                   cwd=os.fspath(run_dir))
+                                   cwd=os.fspath(run_dir), env=os.environ | {SECRET_ENV: secret})
     for _ in range(200):  # the socket is bound before the first import: a fraction of a second
         if os.path.exists(path) or process.poll() is not None:
             break
@@ -168,5 +226,6 @@ def start(run_dir: str | os.PathLike[str], scripts_dir: str | os.PathLike[str], 
         process.kill()
         remove(path)
         return None
-    os.environ[ENV] = path
-    return Worker(process, path)
+    w = Worker(process, path, secret)
+    os.environ.update(w.environ)
+    return w

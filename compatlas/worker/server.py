@@ -1,7 +1,8 @@
 """The job server of ``compatlas.worker``: one process that imports what the pipeline's scripts
 import, then forks a child per job that runs the job's script from the top (the why and the
 guarantees: ``compatlas.worker``'s docstring). Run by ``worker.start`` as
-``python -m compatlas.worker.server SOCKET PARENT_PID SCRIPTS_DIR COMMON``."""
+``python -m compatlas.worker.server SOCKET PARENT_PID SCRIPTS_DIR COMMON REQUEST_TIMEOUT_S``, with the
+run's secret in its environment (``worker.SECRET_ENV``)."""
 
 from __future__ import annotations
 
@@ -16,15 +17,17 @@ import socket
 import struct
 import sys
 import time
-import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from compatlas import worker
 from compatlas.worker import HEADER, remove
+from compatlas.worker.admission import MAX_REQUEST, BadRequest, check_request, descends_from, peer, say
+from compatlas.worker.child import die_with, run_child
 
 KILL_GRACE_S = 5.0  # after SIGTERM, a cancelled job's child gets this long before SIGKILL
+MAX_PENDING = 256  # connections still sending their request; past it a new one is refused
 
 
 def script_imports(scripts: list[Path]) -> list[str]:
@@ -45,6 +48,19 @@ class _Job:
     conn: socket.socket
     pid: int
     killed_at: float | None = None
+
+
+@dataclass
+class _Pending:
+    """A connection whose request is still arriving (read as it comes: a slow or silent client
+    holds up no one)."""
+
+    conn: socket.socket
+    deadline: float
+    who: str  # "pid N (uid U)", for the log
+    stranger: str | None  # why its peer is not of this run, None where it is (or cannot be told)
+    data: bytearray = field(default_factory=bytearray)
+    fds: list[int] = field(default_factory=list)
 
 
 # Imported first: what every script needs, then (after the scripts' own imports) what the model
@@ -68,8 +84,11 @@ class _Server:
     sock: socket.socket
     parent: int
     preload: list[str]
+    secret: str = ""
+    request_timeout_s: float = worker.REQUEST_TIMEOUT_S
     sel: selectors.DefaultSelector = field(default_factory=selectors.DefaultSelector)
     jobs: dict[int, _Job] = field(default_factory=dict)  # by pid
+    pending: dict[int, _Pending] = field(default_factory=dict)  # by the connection's fd
     wakeup: tuple[int, int] = (-1, -1)  # a pipe a child's exit writes to (SIGCHLD): its job ends at once
     t0: float = field(default_factory=time.monotonic)
 
@@ -83,25 +102,41 @@ class _Server:
         self.sel.register(self.wakeup[0], selectors.EVENT_READ)
         while os.getppid() == self.parent:
             # import one module whenever nothing waits: the first jobs are not held up by all of them
-            events = self.sel.select(timeout=0 if self.preload else 1.0)
+            events = self.sel.select(timeout=0 if self.preload else self._wait())
             if not events and self.preload:
                 self._import(self.preload.pop(0))
                 if not self.preload:
                     print(f"imported the jobs' modules in {time.monotonic() - self.t0:.1f}s", file=sys.stderr, flush=True)
             for key, _ in events:
-                if key.fileobj is self.sock:
-                    self._accept()
-                elif key.fileobj == self.wakeup[0]:
-                    while True:
-                        try:
-                            if not os.read(self.wakeup[0], 512):
-                                break
-                        except BlockingIOError:
-                            break
-                else:
-                    self._lost(key.data)
+                try:
+                    if key.fileobj is self.sock:
+                        self._accept()
+                    elif key.fileobj == self.wakeup[0]:
+                        self._drain_wakeup()
+                    elif isinstance(key.data, _Pending):
+                        self._read(key.data)
+                    else:
+                        self._lost(key.data)
+                except Exception as e:  # noqa: BLE001 (one client's trouble is a line of the log, never the server's end)
+                    say(f"error serving a connection: {type(e).__name__}: {e}")
+                    if isinstance(key.data, _Pending):
+                        self._drop(key.data)
+            self._expire()
             self._reap()
         self.kill_all()
+
+    def _wait(self) -> float:
+        """How long select may wait: a second, or until the first pending request's deadline."""
+        first = min((p.deadline for p in self.pending.values()), default=time.monotonic() + 1.0)
+        return max(0.0, min(1.0, first - time.monotonic()))
+
+    def _drain_wakeup(self) -> None:
+        while True:
+            try:
+                if not os.read(self.wakeup[0], 512):
+                    break
+            except BlockingIOError:
+                break
 
     def close_in_child(self) -> None:
         """A forked child keeps none of the server's descriptors nor its SIGCHLD wake-up."""
@@ -112,6 +147,10 @@ class _Server:
             os.close(fd)
         for job in self.jobs.values():
             job.conn.close()
+        for p in self.pending.values():
+            p.conn.close()
+            for fd in p.fds:
+                os.close(fd)
 
     def _import(self, name: str) -> None:
         try:
@@ -123,34 +162,112 @@ class _Server:
 
     def _accept(self) -> None:
         conn, _ = self.sock.accept()
-        try:
-            head, fds, _, _ = socket.recv_fds(conn, HEADER.size, 3)
-            if not head:  # another run's start probing whether this server lives (_sweep)
-                conn.close()
-                return
-            (size,) = HEADER.unpack(head)
-            body = b""
-            while len(body) < size:
-                chunk = conn.recv(size - len(body))
-                if not chunk:
-                    raise OSError("the job closed its connection")
-                body += chunk
-            request = json.loads(body)
-        except (OSError, ValueError, struct.error) as e:
-            print(f"a job's request was unreadable: {e}", file=sys.stderr, flush=True)
+        conn.setblocking(False)
+        creds = peer(conn)
+        who, stranger = "a process", None
+        if creds is not None:
+            pid, uid = creds
+            who = f"pid {pid} (uid {uid})"
+            if uid != os.getuid():
+                stranger = f"it runs as uid {uid}, not {os.getuid()}"
+            elif descends_from(pid, self.parent) is False:
+                stranger = f"it is not a process of this run (Snakemake's pid {self.parent})"
+        if len(self.pending) >= MAX_PENDING:
+            say(f"refused a request from {who}: {MAX_PENDING} connections are already sending theirs")
             conn.close()
             return
+        p = _Pending(conn, time.monotonic() + self.request_timeout_s, who, stranger)
+        self.pending[conn.fileno()] = p
+        self.sel.register(conn, selectors.EVENT_READ, data=p)
+
+    def _drop(self, p: _Pending, why: str | None = None) -> None:
+        """Close a pending connection (and the descriptors it sent), saying why in the log."""
+        if why is not None:
+            say(f"refused a request from {p.who}: {why}")
+        with contextlib.suppress(KeyError, ValueError):
+            self.sel.unregister(p.conn)
+        self.pending.pop(p.conn.fileno(), None)
+        for fd in p.fds:
+            with contextlib.suppress(OSError):
+                os.close(fd)
+        p.fds.clear()
+        p.conn.close()
+
+    def _expire(self) -> None:
+        now = time.monotonic()
+        for p in [p for p in self.pending.values() if now > p.deadline]:
+            self._drop(p, p.stranger or f"it sent {len(p.data)} bytes of its request in {self.request_timeout_s:g} s")
+
+    def _read(self, p: _Pending) -> None:
+        """Read what has arrived of ``p``'s request; serve it once whole."""
+        size = HEADER.unpack(bytes(p.data[:HEADER.size]))[0] if len(p.data) >= HEADER.size else None
+        want = HEADER.size - len(p.data) if size is None else HEADER.size + size - len(p.data)
+        try:
+            chunk, fds, flags, _ = socket.recv_fds(p.conn, min(want, 1 << 16), 3)
+        except BlockingIOError:
+            return
+        except OSError as e:
+            self._drop(p, f"its connection failed: {e}")
+            return
+        p.fds += fds
+        if flags & getattr(socket, "MSG_CTRUNC", 0) or len(p.fds) > 3:  # the system dropped those past the 3 asked for
+            self._drop(p, "it sent more than 3 file descriptors, not its 3 standard streams")
+            return
+        if not chunk:
+            # nothing at all: another run's start probing whether this server lives (worker._sweep)
+            self._drop(p, None if not p.data and not p.fds else f"it closed its connection after {len(p.data)} bytes")
+            return
+        if p.stranger is not None:
+            self._drop(p, p.stranger)
+            return
+        p.data += chunk
+        if size is None and len(p.data) >= HEADER.size:
+            size = HEADER.unpack(bytes(p.data[:HEADER.size]))[0]
+            if size > MAX_REQUEST:
+                self._drop(p, f"its request would be {size:,} bytes, more than {MAX_REQUEST:,}")
+                return
+        if size is None or len(p.data) < HEADER.size + size:
+            return
+        try:
+            if len(p.fds) != 3:
+                raise BadRequest(f"it sent {len(p.fds)} file descriptors, not its 3 standard streams")
+            request = check_request(json.loads(bytes(p.data[HEADER.size:])), self.secret)
+        except (BadRequest, ValueError) as e:
+            self._drop(p, str(e) if isinstance(e, BadRequest) else f"its request is not JSON: {e}")
+            return
+        self.sel.unregister(p.conn)
+        del self.pending[p.conn.fileno()]
+        fds, p.fds = p.fds, []  # the request's now: never closed twice
+        p.conn.setblocking(True)
+        p.conn.settimeout(self.request_timeout_s)  # the answers are a few bytes: never a wait, unless the job stalls
+        self._serve(p.conn, request, fds)
+
+    def _serve(self, conn: socket.socket, request: dict[str, Any], fds: list[int]) -> None:
+        """Fork the child that runs ``request``'s script, or answer why not."""
         hf_loaded = "huggingface_hub" in sys.modules or "transformers" in sys.modules
-        if hf_loaded and (request.get("network") or import_time_env(request["env"]) != import_time_env(dict(os.environ))):
+        if hf_loaded and (request["network"] or import_time_env(request["env"]) != import_time_env(dict(os.environ))):
             for fd in fds:  # imported with other settings than the job's: it runs in its own process
                 os.close(fd)
-            conn.sendall(b"N")
+            with contextlib.suppress(OSError):
+                conn.sendall(b"N")
             conn.close()
             return
-        pid = os.fork()
+        server = os.getpid()
+        try:
+            pid = os.fork()
+        except OSError as e:
+            for fd in fds:
+                os.close(fd)
+            say(f"could not fork a job ({e}): it runs in its own process")
+            conn.close()
+            return
         if pid == 0:
-            self.close_in_child()
-            _child(request, fds, keep=conn)
+            try:
+                die_with(server)
+                self.close_in_child()
+                run_child(request, fds, keep=conn, server=server)
+            finally:
+                os._exit(1)
         for fd in fds:
             os.close(fd)
         self.jobs[pid] = _Job(conn, pid)
@@ -183,7 +300,8 @@ class _Server:
             except OSError:
                 pass
             if job.killed_at is None:
-                self.sel.unregister(job.conn)
+                with contextlib.suppress(KeyError, ValueError):
+                    self.sel.unregister(job.conn)
             job.conn.close()
             del self.jobs[pid]
 
@@ -199,66 +317,23 @@ def _signal(pid: int, sig: int) -> None:
         pass
 
 
-def _child(request: dict[str, Any], fds: list[int], keep: socket.socket) -> None:
-    """The forked job: the streams, directory, environment and arguments of the job's process,
-    then its script from the top (this module's ``hand_off`` now returns). Never returns."""
-    worker._IN_CHILD = True  # the script's hand_off now returns
-    code = 1
-    try:
-        keep.close()
-        for target, fd in zip((0, 1, 2), fds):
-            os.dup2(fd, target)
-            os.close(fd)
-        for sig in (signal.SIGTERM, signal.SIGHUP):
-            signal.signal(sig, signal.SIG_DFL)
-        signal.signal(signal.SIGINT, signal.default_int_handler)
-        sys.stdin, sys.stdout, sys.stderr = (open(i, mode, closefd=False, buffering=b)
-                                             for i, mode, b in ((0, "r", -1), (1, "w", 1), (2, "w", 1)))
-        os.chdir(request["cwd"])
-        os.environ.clear()
-        os.environ.update(request["env"])
-        # the threads Snakemake gives the job (its OMP_NUM_THREADS): the server's torch read its own at import
-        if "torch" in sys.modules and (threads := request["env"].get("OMP_NUM_THREADS", "")).isdigit():
-            sys.modules["torch"].set_num_threads(int(threads))
-        sys.argv = list(request["argv"])
-        sys.path[:] = list(request["path"])
-        script = Path(sys.argv[0])
-        globs = {"__name__": "__main__", "__file__": str(script), "__builtins__": __builtins__}
-        exec(compile(script.read_text(), str(script), "exec"), globs)  # Snakemake's script, its preamble included
-        code = 0
-    except SystemExit as e:
-        code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
-        if not isinstance(e.code, int) and e.code is not None:
-            print(e.code, file=sys.stderr)
-    except BaseException:  # noqa: BLE001 (the job's error, reported as its own process would)
-        exc_type, exc, tb = sys.exc_info()
-        if exc_type is not None and exc is not None and sys.excepthook is not sys.__excepthook__:
-            sys.excepthook(exc_type, exc, tb)  # compatlas.logs: into the rule's log and stderr
-        else:
-            traceback.print_exc()
-    finally:
-        try:
-            import logging
-
-            logging.shutdown()
-            sys.stdout.flush()
-            sys.stderr.flush()
-        finally:
-            os._exit(code)
-
-
-def serve(path: str, parent: int, scripts_dir: Path, common: bool = True) -> None:
+def serve(path: str, parent: int, scripts_dir: Path, common: bool = True,
+          request_timeout_s: float = worker.REQUEST_TIMEOUT_S) -> None:
     """Listen on ``path`` until process ``parent`` (Snakemake's) is gone or stops the server,
-    importing the scripts' modules while it waits (with ``common``, PRELOAD_FIRST and _LAST too)."""
+    importing the scripts' modules while it waits (with ``common``, PRELOAD_FIRST and _LAST too).
+    A request must carry the secret this process inherited (``worker.SECRET_ENV``)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is Snakemake's to handle; it stops us
     os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")  # is_available() without a CUDA context
     os.environ["HF_HUB_OFFLINE"] = "1"  # the Hugging Face libraries imported offline (import_time_env)
+    secret = os.environ.get(worker.SECRET_ENV, "")
+    if not secret:
+        raise SystemExit(f"no {worker.SECRET_ENV} in the environment: not serving (worker.start sets it)")
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     sock.bind(path)
     sock.listen(256)
     first, last = (PRELOAD_FIRST, PRELOAD_LAST) if common else ((), ())
     preload = list(dict.fromkeys([*first, *script_imports(sorted(scripts_dir.glob("*.py"))), *last]))
-    server = _Server(sock, parent, preload)
+    server = _Server(sock, parent, preload, secret, request_timeout_s)
 
     def stop(*_: Any) -> None:
         server.kill_all()
@@ -273,4 +348,4 @@ def serve(path: str, parent: int, scripts_dir: Path, common: bool = True) -> Non
 
 
 if __name__ == "__main__":
-    serve(sys.argv[1], int(sys.argv[2]), Path(sys.argv[3]), sys.argv[4] == "1")
+    serve(sys.argv[1], int(sys.argv[2]), Path(sys.argv[3]), sys.argv[4] == "1", float(sys.argv[5]))

@@ -101,7 +101,7 @@ def floor_note(floor: pl.DataFrame, q_cut: float | None) -> str:
         if k > tail:
             sit = "sits" if k - tail == 1 else "sit"
             text += (f"; {k - tail:,} of them {sit} at the floor 1/(N+1) = {fmt(1 / (n + 1))}, where q is about "
-                     f"{fmt(chance)}/{k:,} = {fmt(chance / k)} (largest q among the {k:,}: {fmt_q(r['q_k'], q_cut)}): of those, "
+                     f"{fmt(chance)}/{k:,} = {fmt_q(chance / k, q_cut)} (largest q among the {k:,}: {fmt_q(r['q_k'], q_cut)}): of those, "
                      f"about {fmt(chance)} {'is' if round(chance) == 1 else 'are'} expected by chance")
         if tail:
             text += (f"; {tail:,} {'lies' if tail == 1 else 'lie'} far enough beyond the null's largest score for its "

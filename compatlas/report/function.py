@@ -102,7 +102,7 @@ def adds_line(f: CompFunction) -> str:
     if part is None:
         return ""
     lo, hi = part.interval()
-    adds = sorted((i for i, c in enumerate(f.cells) if c not in ORACLES and np.isfinite(lo[i]) and lo[i] > 0),
+    adds = sorted((i for i, c in enumerate(f.cells) if c not in REFERENCES and np.isfinite(lo[i]) and lo[i] > 0),
                   key=lambda i: -part.partial[i])
     if not adds:
         return ". <b>No cell adds to scale and depth</b>: every partial Spearman beyond both oracles has an interval reaching 0"

@@ -38,6 +38,7 @@ TABLES = {
     "composition_vs_behaviour": "how well each metric picks out the induction heads (Spearman, AUROC)",
     "edge_attribution": "each writer -> reader edge per comp scored by its effect on induction (EAP, EAP-IG, exact)",
     "eap_vs_exact": "how well the attribution estimates agree with exact edge patching",
+    "circuit_edge_rank": "the K edge exact patching ranks first: its rank by composition among its reader's edges, per cell and checkpoint",
     "composition_vs_function": "which composition score predicts the edges that matter (Spearman, AUROC, precision)",
     "training_loss": "the loss of the pipeline's own training runs, per step",
     "excluded_shards": "result shards left out of the views: missing, truncated, or failing their checksum",

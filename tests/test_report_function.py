@@ -346,3 +346,33 @@ def test_each_comp_shows_the_method_exact_patching_supports():
     # K: the top edge outranks a higher Spearman; Q: both agree, the higher Spearman; V: a tie, EAP
     assert q.edge_methods(con, "m", "c") == {"Q": "eap_attn", "K": "eap_attn", "V": "eap"}
     assert q.edge_methods(con, "other", "c") is None
+
+
+def test_circuit_edge_rank_is_the_top_exact_edges_rank_among_its_readers_edges(report):
+    """circuit_edge_rank: the K edge of largest |exact| at the model's last checkpoint, and at every
+    checkpoint its rank by composition (largest first) among the K edges into its reader, computed
+    here again from the composition and edge_attribution views."""
+    db, _ = report
+    con = atlas_connect(db)
+    got = con.sql("SELECT * FROM circuit_edge_rank WHERE model = 'run'").pl()
+    last = con.execute("SELECT checkpoint FROM checkpoints WHERE model = 'run' AND latest").fetchall()[0][0]
+    e = con.sql("""SELECT writer_layer, writer_head, reader_layer, reader_kv_head, exact FROM edge_attribution
+                   WHERE model = 'run' AND checkpoint = ? AND comp = 'K' AND exact IS NOT NULL""", params=[last]).pl()
+    top = e.sort(pl.col("exact").abs(), descending=True).row(0, named=True)
+    comp = con.sql("SELECT checkpoint, metric, space, writer_layer, writer_head, reader_layer, reader_head, score "
+                   "FROM composition WHERE model = 'run' AND comp = 'K'").pl()
+    group = con.execute("SELECT n_heads // coalesce(n_kv_heads, n_heads) FROM models WHERE model = 'run' LIMIT 1").fetchall()[0][0]
+    units = (comp.with_columns(unit=pl.col("reader_head") // group)
+             .group_by("checkpoint", "metric", "space", "writer_layer", "writer_head", "reader_layer", "unit")
+             .agg(pl.col("score").max()))
+    mine = units.filter((pl.col("reader_layer") == top["reader_layer"]) & (pl.col("unit") == top["reader_kv_head"]))
+    checked = 0
+    for (ck, metric, space), g in mine.group_by("checkpoint", "metric", "space"):
+        edge = g.filter((pl.col("writer_layer") == top["writer_layer"]) & (pl.col("writer_head") == top["writer_head"]))
+        want = 1 + int((g["score"] > edge["score"].item()).sum())
+        row = got.filter((pl.col("checkpoint") == ck) & (pl.col("metric") == metric) & (pl.col("space") == space))
+        assert row.height == 1 and row["rank"].item() == want and row["n_edges"].item() == g.height, (ck, metric, space)
+        assert (row["writer_layer"].item(), row["writer_head"].item()) == (top["writer_layer"], top["writer_head"])
+        assert row["exact_last"].item() == pytest.approx(top["exact"])
+        checked += 1
+    assert checked == got.height > 0

@@ -61,7 +61,7 @@ log = logging.getLogger(__name__)
 # views/<name>.sql beside this module; {fdr}, {prev} and {ind} in it are build_atlas's thresholds,
 # {min_readers} and {min_class} the counts below which a statistic is NULL (MIN_READERS, MIN_CLASS).
 DERIVED_VIEWS = ("checkpoints", "composition_z", "discoveries", "discovery_floor", "induction_summary", "reader_best_composition",
-                 "composition_vs_behaviour", "composition_vs_function", "eap_vs_exact")
+                 "composition_vs_behaviour", "composition_vs_function", "eap_vs_exact", "circuit_edge_rank")
 # Of those, the ones stored as tables when the atlas is built (their SQL stays the definition):
 # each aggregates every edge of every metric x space, tens of seconds a query as a view.
 MATERIALISED = ("composition_vs_function",)

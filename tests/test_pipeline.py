@@ -159,11 +159,12 @@ def test_edge_attribution_views(pipeline_run: Path):
                           reader_layer, reader_kv_head)""").fetchone()[0] == 1
     assert con.execute("SELECT DISTINCT method FROM edge_attribution ORDER BY 1").fetchall() == [("eap",), ("eap_attn",), ("eap_ig",)]
     assert con.execute("SELECT count(*) FROM eap_vs_exact WHERE method = 'eap'").fetchone()[0] == (2 + 3) * 3
-    assert con.execute("SELECT count(*) FROM composition_vs_function WHERE method = 'eap' AND space <> 'oracle'"
+    assert con.execute("SELECT count(*) FROM composition_vs_function WHERE method = 'eap' AND space NOT IN ('oracle', 'prior')"
                        ).fetchone()[0] == 2 * 3 * 2 * 3 + 3 * 3 * 1 * 3
-    # two reference rows (scale and depth oracles) per model x checkpoint x comp, and it is a table
-    assert con.execute("""SELECT metric, count(*) FROM composition_vs_function WHERE method = 'eap' AND space = 'oracle'
-                          GROUP BY 1 ORDER BY 1""").fetchall() == [("oracle_depth", 5 * 3), ("oracle_scale", 5 * 3)]
+    # three reference rows (scale and depth oracles, the distance prior) per model x checkpoint x comp, and it is a table
+    assert con.execute("""SELECT metric, count(*) FROM composition_vs_function WHERE method = 'eap' AND space IN ('oracle', 'prior')
+                          GROUP BY 1 ORDER BY 1""").fetchall() == [("oracle_depth", 5 * 3), ("oracle_scale", 5 * 3),
+                                                                   ("prior_distance", 5 * 3)]
     assert con.execute("SELECT table_type FROM information_schema.tables WHERE table_name = 'composition_vs_function'"
                        ).fetchone()[0] == "BASE TABLE"
     edges = con.execute("""SELECT writer_layer, writer_head, reader_layer, reader_kv_head, any_value(abs(score))

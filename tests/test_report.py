@@ -257,7 +257,7 @@ def test_the_null_floor_is_explained_with_its_numbers():
                           "p_min": [1 / 35236]})
     text = floor_note(floor, 0.05)
     assert "1/(N+1) = 1/35,236 = 2.84e-05" in text and "20 of the 35,235 tests" in text
-    assert "m/(N+1) = 1.00" in text and "1.00/20 = 0.0500" in text and "largest q among the 20: 0.0499" in text
+    assert "m/(N+1) = 1.00" in text and "1.00/20 = 0.049999" in text and "largest q among the 20: 0.0499" in text
     assert "20 of them sit at the floor" in text and "tail model to give" not in text
     assert "the p of every pair below the null's largest score" in text and "generalised Pareto" in text
     tail = floor_note(floor.with_columns(k=pl.lit(6), k_tail=pl.lit(6), p_min=pl.lit(3.1e-9)), 0.05)

@@ -460,3 +460,22 @@ def test_eap_vs_exact_ranks_on_the_draw_and_agrees_on_every_patched_edge():
     con.register("edge_attribution", old.to_arrow())
     r = con.execute("SELECT n_random, n_top, spearman FROM eap_vs_exact").fetchall()[0]
     assert r[:2] == (30, 0) and r[2] == pytest.approx(stats.spearmanr(score, exact)[0], abs=1e-12)
+
+
+def test_a_memory_budget_bounds_the_batch_not_the_scores(gqa):
+    """gradient_rows: the batch that fits memory_gb by gradient_bytes (hand-computed here), never
+    above batch_size nor below 1; and EAP over batches of 1 gives the scores of batches of 12 (a
+    float64 model: to rounding)."""
+    from compatlas.function.edge_attribution import gradient_bytes, gradient_rows
+
+    task = induction_task(POOL, sequences=12, length=6, seed=0)
+    cfg = gqa.cfg
+    per = 2 * 3 * cfg.n_layers * cfg.n_heads * cfg.d_model * task.clean.shape[1] * 4  # the two copies (and BOS, if any)
+    assert gradient_bytes(gqa, task) == per
+    assert gradient_rows(gqa, task, 12, None) == 12 and gradient_rows(gqa, task, 12, 5 * per / 1e9) == 5
+    assert gradient_rows(gqa, task, 3, 5 * per / 1e9) == 3 and gradient_rows(gqa, task, 12, 1e-12) == 1
+    settings = {**SETTINGS, "sequences": 12, "length": 6, "methods": ["eap"], "exact_edges": 0, "exact_sequences": 1}
+    whole, facts = attribute_edges(gqa, POOL, settings, seed=0)
+    ones, facts1 = attribute_edges(gqa, POOL, {**settings, "memory_gb": 1e-12}, seed=0)
+    assert facts1["gradient_batch"] == 1 and facts["gradient_batch"] == 12
+    assert np.allclose(ones["score"].to_numpy(), whole["score"].to_numpy(), rtol=1e-9, atol=1e-12)

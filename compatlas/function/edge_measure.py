@@ -18,6 +18,7 @@ from compatlas.function.edge_attribution import (
     attribution_work,
     causal_edges,
     exact_scores,
+    gradient_rows,
     induction_task,
     mean_stderr,
     n_kv_heads,
@@ -156,7 +157,8 @@ def attribute_edges(model, tokens, settings: dict, seed: int = 0,
         work, unit = attribution_work(model, method, S, settings["steps"])
         tm = time.perf_counter()
         scores[method] = attribution_scores(model, task, method, settings["steps"], bs,
-                                            Progress(log, f"edge attribution ({method})", work, unit))
+                                            Progress(log, f"edge attribution ({method})", work, unit),
+                                            settings.get("memory_gb"))
         seconds[method] = round(time.perf_counter() - tm, 3)
         log.info("%s: %d edges x %d sequences in %.1fs", method, len(edges), S, seconds[method])
     t1 = time.perf_counter()
@@ -172,6 +174,7 @@ def attribute_edges(model, tokens, settings: dict, seed: int = 0,
                          Progress(log, "exact edge patching", len(sample) * len(sub.clean), "edge x sequence"))
     log.info("exact patching: %d edges x %d sequences in %.1fs", len(sample), len(sub.clean), time.perf_counter() - t1)
     facts = {"edges": len(edges), "exact_edges": len(sample), "exact_random": len(drawn), "exact_top": len(added),
+             "gradient_batch": min(S, gradient_rows(model, task, bs, settings.get("memory_gb"))),
              "exact_sequences": len(sub.clean),
              "exact_stratified_by": "|score| of " + settings["methods"][0]
              + ("" if composition is None else " and composition " + "/".join(

@@ -97,6 +97,14 @@ EDGE_ATTRIBUTION_SCHEMA: Schema = {
     "n_sequences": pl.Int64, "exact_sample": pl.Utf8,
 }
 
+# An attribution job's share of the sequences, summed per edge (``function.edge_sums.EdgeSums``):
+# every entry of a method x comp's [writer layer, writer head, reader layer, reader head] tensor,
+# flattened to ``index``; not a view (the edge attribution job merges the shares into its table).
+EDGE_SUMS_SCHEMA: Schema = {
+    "method": pl.Utf8, "comp": pl.Utf8, "index": pl.Int64, "total": pl.Float64, "m2": pl.Float64,
+    "even": pl.Float64, "odd": pl.Float64,
+}
+
 # The loss of every step of the pipeline's own training runs (``training.train_segment``).
 TRAINING_LOSS_SCHEMA: Schema = {"model": pl.Utf8, "step": pl.Int64, "tokens": pl.Int64, "loss": pl.Float64}
 

@@ -14,16 +14,17 @@ import polars as pl
 
 from compatlas.function.edge_measure import boot_and_attribute_edges
 from compatlas.logs import exit_now, setup
-from compatlas.storage import check_shards, write_shard
+from compatlas.storage import check_shards, read_provenance, write_shard
 
 log = setup(snakemake.log[0], snakemake.threads)
 wc = snakemake.wildcards
 results = Path(snakemake.output[0]).parents[3]  # results/edge_attribution/model=.../checkpoint=.../edges.parquet
-check_shards(snakemake.input.composition, results)  # a bad one: named, set aside, remade next run
+check_shards([*snakemake.input.composition, *snakemake.input.shares], results)  # a bad one: named, set aside, remade next run
 composition = pl.read_parquet(snakemake.input.composition)
+shares = [(pl.read_parquet(p), read_provenance(p)) for p in snakemake.input.shares]  # the sequences' attribution, split
 edges, provenance = boot_and_attribute_edges(wc.model, snakemake.params.entry, snakemake.params.checkpoint,
                                              snakemake.params.settings, snakemake.input.meta,
-                                             Path(snakemake.params.workdir), snakemake.params.device, composition)
+                                             Path(snakemake.params.workdir), snakemake.params.device, composition, shares)
 write_shard(edges, snakemake.output[0], provenance | {"table": "edge_attribution"})
 log.info("wrote %d edge rows in %.1fs", edges.height, provenance["seconds"])
 exit_now()  # outputs written: skip the interpreter's teardown

@@ -462,6 +462,20 @@ def test_edge_attribution_memory_by_hand():
     assert edge_attribution_bytes(settings, None, None) == 512 * 122 * 8  # the tokens alone
     shape = Shape(n_heads=4, n_kv_heads=2, d_model=32, d_head=8)  # 3 layers: [S, 3, 4, 3, 4 + 2 * 2] per method
     assert edge_attribution_bytes(settings, shape, 3) == 512 * (122 * 8 + 2 * 3 * 4 * 3 * 8 * 8)
+    # split over jobs, one job holds its share: 171 of 512 (rounded up)
+    assert edge_attribution_bytes({**settings, "jobs": 3}, shape, 3) == 171 * (122 * 8 + 2 * 3 * 4 * 3 * 8 * 8)
+
+
+def test_more_attribution_jobs_than_pairs_of_sequences_is_one_line(capsys, tmp_path):
+    """Each attribution job needs two sequences (a standard error): the key is named before any job."""
+    path = tmp_path / "c.yaml"
+    cfg = tiny()
+    cfg["models"]["tiny-llama"]["induction"] = {"edge_attribution": {"sequences": 8, "jobs": 5}}
+    path.write_text(yaml.safe_dump(cfg))
+    assert validate_line(capsys, path) == (f"{path}: config error at models.tiny-llama.induction.edge_attribution.jobs: "
+                                           "5 jobs for 8 sequences; each job needs 2 or more (at most sequences / 2)")
+    cfg["models"]["tiny-llama"]["induction"]["edge_attribution"]["jobs"] = 4
+    build_plan(cfg, check_sources=False)
 
 
 def test_a_config_that_is_not_utf8_is_one_line(capsys, tmp_path):

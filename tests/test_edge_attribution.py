@@ -406,6 +406,7 @@ def test_edge_table_halves_and_tests_against_scipy():
     from scipy import stats
 
     from compatlas.function.edge_measure import edge_table
+    from compatlas.function.edge_sums import EdgeSums
 
     class Cfg:
         n_layers, n_heads, n_key_value_heads = 3, 4, 2
@@ -417,7 +418,7 @@ def test_edge_table_halves_and_tests_against_scipy():
     S = 10
     per = {c: torch.randn(S, 3, 4, 3, 4 if c == "Q" else 2, generator=gen, dtype=torch.float64) * 0.5
            + (0.4 if c == "K" else 0.0) for c in "QKV"}
-    table = edge_table(M(), {"eap": per}, [], torch.empty(0, S))
+    table = edge_table(M(), {"eap": EdgeSums.of(per)}, [], torch.empty(0, S))
     k = table.filter((pl.col("comp") == "K") & (pl.col("reader_head") % 2 == 0))  # one row per KV-head edge
     x = np.stack([per["K"][:, r["writer_layer"], r["writer_head"], r["reader_layer"], r["reader_kv_head"]].numpy()
                   for r in k.iter_rows(named=True)], 1)
@@ -479,3 +480,58 @@ def test_a_memory_budget_bounds_the_batch_not_the_scores(gqa):
     ones, facts1 = attribute_edges(gqa, POOL, {**settings, "memory_gb": 1e-12}, seed=0)
     assert facts1["gradient_batch"] == 1 and facts["gradient_batch"] == 12
     assert np.allclose(ones["score"].to_numpy(), whole["score"].to_numpy(), rtol=1e-9, atol=1e-12)
+
+
+def test_edge_sums_of_shares_merge_into_the_whole():
+    """Sums over shares of the sequences (sequence_share: even starts, every sequence once) merge
+    into the figures of all of them, checked against numpy on the per-sequence scores: the mean,
+    the standard error (ddof 1) and the means over the even and the odd sequences; a frame's rows
+    read back are the same sums."""
+    from compatlas.function.edge_sums import EdgeSums, sequence_share
+
+    gen = torch.Generator().manual_seed(1)
+    S = 23
+    per = {c: torch.randn(S, 2, 3, 2, 3, generator=gen, dtype=torch.float64) * 3 + 5 for c in "QKV"}
+    for jobs in (1, 2, 3, 5):
+        shares = [sequence_share(S, jobs, j) for j in range(jobs)]
+        assert [s.start for s in shares] == [0, *[s.stop for s in shares[:-1]]] and shares[-1].stop == S
+        assert all(s.start % 2 == 0 and s.stop > s.start for s in shares)
+        parts = [EdgeSums.of({c: x[s] for c, x in per.items()}, s.start) for s in shares]
+        merged = parts[0]
+        for p in parts[1:]:
+            merged = merged.merge(p)
+        x = per["K"].numpy()
+        assert merged.n == S
+        np.testing.assert_allclose(merged.mean("K").numpy(), x.mean(0), rtol=1e-13)
+        np.testing.assert_allclose(merged.stderr("K").numpy(), x.std(0, ddof=1) / math.sqrt(S), rtol=1e-12)
+        a, b = merged.halves("K")
+        np.testing.assert_allclose(a.numpy(), x[0::2].mean(0), rtol=1e-13)
+        np.testing.assert_allclose(b.numpy(), x[1::2].mean(0), rtol=1e-13)
+    shapes = {c: tuple(x.shape[1:]) for c, x in per.items()}
+    back = EdgeSums.from_frame(merged.frame("eap"), merged.counts(), shapes)
+    assert back.n == merged.n and all(torch.equal(back.m2[c], merged.m2[c]) for c in "QKV")
+    with pytest.raises(ValueError, match="each job needs 2 or more"):
+        sequence_share(5, 3, 0)
+
+
+def test_attribution_split_over_jobs_gives_the_one_jobs_table(gqa):
+    """attribute_edges on two attribution jobs' shares (attribute_share, one per half of the
+    sequences) writes the table of one job over all of them: the same exact sample, and every
+    figure to float64 rounding; a share computed with other settings is refused by name."""
+    from compatlas.function.edge_measure import attribute_share
+
+    settings = {**SETTINGS, "sequences": 10, "length": 6, "methods": ["eap", "eap_ig"], "exact_edges": 3,
+                "exact_sequences": 4}
+    whole, _ = attribute_edges(gqa, POOL, settings, seed=0)
+    shares = [attribute_share(gqa, POOL, settings, 0, j, 2) for j in range(2)]
+    assert [(f["sequences_from"], f["sequences_to"]) for _, f in shares] == [(0, 6), (6, 10)]
+    split, facts = attribute_edges(gqa, POOL, settings, seed=0, shares=shares)
+    assert facts["attribution_jobs"] == 2
+    key = ["method", "comp", "writer_layer", "writer_head", "reader_layer", "reader_head"]
+    a, b = whole.sort(key), split.sort(key)
+    assert a.select(key, "exact_sample").equals(b.select(key, "exact_sample"))
+    for col in ("score", "score_stderr", "score_half_a", "score_half_b", "p_value", "q_value", "exact"):
+        np.testing.assert_allclose(b[col].to_numpy().astype(float), a[col].to_numpy().astype(float), rtol=1e-9,
+                                   atol=1e-15, equal_nan=True, err_msg=col)
+    with pytest.raises(ValueError, match="do not cover"):
+        attribute_edges(gqa, POOL, settings, seed=0, shares=shares[:1])

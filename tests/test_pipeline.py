@@ -17,6 +17,7 @@ import yaml
 from conftest import machine_slowdown, tiny_config
 
 from compatlas.atlas import connect
+from compatlas.storage import read_provenance
 
 REPO = Path(__file__).resolve().parent.parent
 SNAKEMAKE = [sys.executable, "-m", "snakemake", "-s", str(REPO / "Snakefile"), "--cores", "2", "--nolock"]
@@ -158,6 +159,12 @@ def test_edge_attribution_views(pipeline_run: Path):
                           WHERE model = 'tiny-llama' AND comp <> 'Q' GROUP BY method, comp, writer_layer, writer_head,
                           reader_layer, reader_kv_head)""").fetchone()[0] == 1
     assert con.execute("SELECT DISTINCT method FROM edge_attribution ORDER BY 1").fetchall() == [("eap",), ("eap_attn",), ("eap_ig",)]
+    # tiny-llama's sequences ran as two attribution jobs (induction.edge_attribution.jobs), merged
+    edges = pipeline_run / "results" / "edge_attribution" / "model=tiny-llama" / "checkpoint=final" / "edges.parquet"
+    shares = sorted((pipeline_run / "results" / "edge_sums" / "model=tiny-llama" / "checkpoint=final").glob("*.parquet"))
+    assert read_provenance(edges)["attribution_jobs"] == 2 and [p.name for p in shares] == ["share=0.parquet", "share=1.parquet"]
+    assert [read_provenance(p)["sequences_to"] for p in shares] == [256, 512]
+    assert not (pipeline_run / "results" / "edge_sums" / "model=tiny-gpt2").exists()  # one job: no shares
     assert con.execute("SELECT count(*) FROM eap_vs_exact WHERE method = 'eap'").fetchone()[0] == (2 + 3) * 3
     assert con.execute("SELECT count(*) FROM composition_vs_function WHERE method = 'eap' AND space NOT IN ('oracle', 'prior')"
                        ).fetchone()[0] == 2 * 3 * 2 * 3 + 3 * 3 * 1 * 3

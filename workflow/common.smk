@@ -10,7 +10,7 @@ from snakemake.exceptions import WorkflowError
 from compatlas.plan.config import ConfigError, load_config_file
 from compatlas.plan import build_plan, thaw
 from compatlas.storage import remove_leftover_temps
-from compatlas.vocab import ACTIVATION_ONLY_METRICS, METRICS, SPACES
+from compatlas.vocab import ACTIVATION_ONLY_METRICS, EXACT_PATCHING_KEYS, METRICS, SPACES
 
 # Validate and plan before any job is scheduled: one line naming the config file, the key and the
 # problem (not this file's line, which a WorkflowError would point at). `config` is left as the
@@ -42,6 +42,7 @@ INVARIANCE = f"{RESULTS}/invariance/model={{model}}/checkpoint={{checkpoint}}/in
 INDUCTION_TOKENS = f"{RESULTS}/induction/model={{model}}/checkpoint={{checkpoint}}/tokens.parquet"
 HEAD_SCORES = f"{RESULTS}/induction/model={{model}}/checkpoint={{checkpoint}}/heads.parquet"
 EDGE_ATTRIBUTION = f"{RESULTS}/edge_attribution/model={{model}}/checkpoint={{checkpoint}}/edges.parquet"
+EDGE_SHARE = f"{RESULTS}/edge_sums/model={{model}}/checkpoint={{checkpoint}}/share={{share}}.parquet"
 TRAIN_STATE = f"{RESULTS}/train/{{model}}/{{checkpoint}}/state.pt"
 TRAIN_LOSS = f"{RESULTS}/train/{{model}}/{{checkpoint}}/loss.parquet"
 SHARD = f"{RESULTS}/composition/model={{model}}/checkpoint={{checkpoint}}/metric={{metric}}/space={{space}}/block={{block}}.parquet"
@@ -57,6 +58,7 @@ wildcard_constraints:
     metric="|".join(METRICS),
     space="|".join(SPACES),
     block=r"\d+",
+    share=r"\d+",
 
 
 # Keys of a model's entry that say how it is scored or measured, not how it is loaded: each
@@ -256,6 +258,21 @@ def model_edge_settings(wildcards):
     the sweep's settings does not rerun it)."""
     ind = PLAN.models[wildcards.model].induction
     return thaw({k: ind[k] for k in ("pool", "prepend_bos", "seed", "dtype", "device_map", "edge_attribution")})
+
+
+def model_share_settings(wildcards):
+    """What an attribution job over a share of the sequences reads of the model's induction settings."""
+    settings = model_edge_settings(wildcards)
+    settings["edge_attribution"] = {k: v for k, v in settings["edge_attribution"].items() if k not in EXACT_PATCHING_KEYS}
+    return settings
+
+
+def edge_share_shards(wildcards):
+    """The attribution jobs' shards an edge attribution job merges: one per share of the
+    sequences where ``induction.edge_attribution.jobs`` splits them, none where one job runs all."""
+    jobs = PLAN.models[wildcards.model].induction["edge_attribution"]["jobs"]
+    return [] if jobs == 1 else expand(EDGE_SHARE, model=wildcards.model, checkpoint=wildcards.checkpoint,
+                                       share=range(jobs))
 
 
 def report_config():

@@ -29,10 +29,37 @@ rule induction:
 # Function beside the weights: every causal writer -> reader edge per comp scored by its effect
 # on the induction task (the config's methods for all, exact edge patching for a sample stratified
 # over |attribution| and over one composition score), on the same boot.
+# Where induction.edge_attribution.jobs splits the sequences: each share's attribution (every
+# method, every edge) as sums that the edge attribution job merges exactly, so that the longest
+# chain of a large model runs on several cores.
+rule edge_attribution_share:
+    input:
+        meta=WEIGHTS_META,
+    output:
+        EDGE_SHARE,
+    params:
+        entry=model_entry,
+        checkpoint=checkpoint_spec,
+        settings=model_share_settings,
+        workdir=lambda wc: f"{RESULTS}/models/{wc.model}/{wc.checkpoint}",
+        device=setting("device"),
+    conda:
+        "../envs/compatlas.yaml"
+    log:
+        f"{LOGS}/edge_attribution_share/{{model}}/{{checkpoint}}/{{share}}.log",
+    priority: model_priority
+    resources:
+        mem_mb=8000,
+        runtime=120,
+    script:
+        "../scripts/edge_attribution_share.py"
+
+
 rule edge_attribution:
     input:
         meta=WEIGHTS_META,
         composition=edge_stratify_shards,
+        shares=edge_share_shards,
     output:
         EDGE_ATTRIBUTION,
     params:

@@ -83,7 +83,11 @@ class InductionTask:
 
     def first(self, n: int) -> InductionTask:
         """The task on its first ``n`` sequences (all of them where there are fewer)."""
-        return InductionTask(self.clean[:n], self.corrupt[:n], self.positions, self.targets[:n])
+        return self.share(slice(0, n))
+
+    def share(self, rows: slice) -> InductionTask:
+        """The task on the sequences ``rows``."""
+        return InductionTask(self.clean[rows], self.corrupt[rows], self.positions, self.targets[rows])
 
 
 @dataclass(frozen=True)

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import time
@@ -14,6 +15,7 @@ import torch
 from compatlas.function.agreement import edge_p_values
 from compatlas.function.edge_attribution import (
     Edge,
+    InductionTask,
     attribution_scores,
     attribution_work,
     causal_edges,
@@ -23,11 +25,12 @@ from compatlas.function.edge_attribution import (
     mean_stderr,
     n_kv_heads,
 )
+from compatlas.function.edge_sums import EdgeSums, sequence_share
 from compatlas.function.exact_sample import exact_sample, top_edges
 from compatlas.multiple_testing import bh_q_values
 from compatlas.progress import Progress
 from compatlas.tables import EDGE_ATTRIBUTION_SCHEMA
-from compatlas.vocab import COMPS, Comp
+from compatlas.vocab import COMPS, EXACT_PATCHING_KEYS, Comp
 
 log = logging.getLogger(__name__)
 def _grid(model, values: dict[str, dict[Comp, torch.Tensor]]) -> dict[str, list]:
@@ -54,10 +57,7 @@ def split_halves(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The means over the even and over the odd sequences (first axis): two independent estimates
     of the same edge's function, whose product is unbiased for its square (the sequences are drawn
     independently) and whose agreement is the measurement's own reliability (its noise ceiling)."""
-    if x.shape[0] < 2:
-        nan = torch.full(x.shape[1:], math.nan, dtype=x.dtype)
-        return nan, nan.clone()
-    return x[0::2].mean(0), x[1::2].mean(0)
+    return EdgeSums.of({"K": x}).halves("K")
 
 
 def _causal(model) -> torch.Tensor:
@@ -77,13 +77,14 @@ def edge_tests(model, mean: torch.Tensor, se: torch.Tensor, n_sequences: int) ->
     return p, q
 
 
-def edge_table(model, scores: dict[str, dict[Comp, torch.Tensor]], exact_edges: Sequence[Edge],
+def edge_table(model, sums: dict[str, EdgeSums], exact_edges: Sequence[Edge],
                exact: torch.Tensor, n_random: int | None = None) -> pl.DataFrame:
     """One row per method x causal edge (x query head of a KV group for K/V): the mean score over
     sequences, its standard error, the means over the even and the odd sequences (split halves),
     the t-test's p and q (``edge_tests``), and the exact patching value where measured (else null),
     with ``exact_sample``: ``random`` for the first ``n_random`` of ``exact_edges`` (the stratified
-    draw; None: all of them), ``top`` for the rest (``top_edges``)."""
+    draw; None: all of them), ``top`` for the rest (``top_edges``). ``sums``: each method's sums
+    over the sequences (``EdgeSums``)."""
     L, H = model.cfg.n_layers, model.cfg.n_heads
     width = {"Q": H, "K": n_kv_heads(model), "V": n_kv_heads(model)}
     ex = {c: torch.full((L, H, L, width[c]), math.nan, dtype=torch.float64) for c in COMPS}
@@ -96,13 +97,13 @@ def edge_table(model, scores: dict[str, dict[Comp, torch.Tensor]], exact_edges: 
             at = (e.writer_layer, e.writer_head, e.reader_layer, e.reader_index)
             ex[e.comp][at], ex_se[e.comp][at], kind[e.comp][at] = m, s, 1.0 if i < n_random else 2.0
     frames = []
-    for method, per_comp in scores.items():
-        n_seq = next(iter(per_comp.values())).shape[0]
+    for method, per in sums.items():
+        n_seq = per.n
         cols_of: dict[str, dict[Comp, torch.Tensor]] = {k: {} for k in (
             "score", "score_stderr", "score_half_a", "score_half_b", "p_value", "q_value")}
         for c in COMPS:
-            mean, se = mean_stderr(per_comp[c])
-            half_a, half_b = split_halves(per_comp[c])
+            mean, se = per.mean(c), per.stderr(c)
+            half_a, half_b = per.halves(c)
             p, q = edge_tests(model, mean, se, n_seq)
             for k, v in zip(cols_of, (mean, se, half_a, half_b, p, q)):
                 cols_of[k][c] = v
@@ -141,32 +142,68 @@ def composition_grid(model, composition: pl.DataFrame | None) -> dict[Comp, torc
     return out
 
 
-def attribute_edges(model, tokens, settings: dict, seed: int = 0,
-                    composition: pl.DataFrame | None = None) -> tuple[pl.DataFrame, dict]:
-    """Every method of ``settings["methods"]`` for every causal edge, and exact patching of the
-    sample ``exact_sample`` draws, stratified over the first method's |score| and over
-    ``composition`` (one metric x space's composition rows; None: |score| alone), on the first
-    ``exact_sequences`` sequences. ``tokens``: a TokenSet."""
-    S, T, bs = settings["sequences"], settings["length"], settings["batch_size"]
-    task = induction_task(tokens, S, T, seed)
-    edges = causal_edges(model)
-    t0 = time.perf_counter()
-    scores: dict[str, dict[Comp, torch.Tensor]] = {}
+def attribution_sums(model, task: InductionTask, settings: dict, rows: slice | None = None
+                     ) -> tuple[dict[str, EdgeSums], dict[str, float]]:
+    """Every method of ``settings["methods"]`` for every causal edge over the task's sequences
+    ``rows`` (None: all): each method's ``EdgeSums`` and its seconds."""
+    rows = slice(0, len(task.clean)) if rows is None else rows
+    share = task.share(rows)
+    S = len(share.clean)
+    sums: dict[str, EdgeSums] = {}
     seconds: dict[str, float] = {}
     for method in settings["methods"]:
         work, unit = attribution_work(model, method, S, settings["steps"])
         tm = time.perf_counter()
-        scores[method] = attribution_scores(model, task, method, settings["steps"], bs,
-                                            Progress(log, f"edge attribution ({method})", work, unit),
-                                            settings.get("memory_gb"))
+        per_sequence = attribution_scores(model, share, method, settings["steps"], settings["batch_size"],
+                                          Progress(log, f"edge attribution ({method})", work, unit),
+                                          settings.get("memory_gb"))
+        sums[method] = EdgeSums.of(per_sequence, rows.start)
+        del per_sequence
         seconds[method] = round(time.perf_counter() - tm, 3)
-        log.info("%s: %d edges x %d sequences in %.1fs", method, len(edges), S, seconds[method])
+        log.info("%s: %d edges x %d sequences in %.1fs", method, len(causal_edges(model)), S, seconds[method])
+    return sums, seconds
+
+
+def attribute_share(model, tokens, settings: dict, seed: int, job: int, jobs: int
+                    ) -> tuple[dict[str, EdgeSums], dict]:
+    """Attribution job ``job`` of ``jobs`` (``induction.edge_attribution.jobs``): every method
+    over its share of the sequences (``sequence_share``), as sums, and its facts."""
+    S = settings["sequences"]
+    task = induction_task(tokens, S, settings["length"], seed)
+    rows = sequence_share(S, jobs, job)
+    sums, seconds = attribution_sums(model, task, settings, rows)
+    return sums, {"job": job, "jobs": jobs, "sequences_from": rows.start, "sequences_to": rows.stop,
+                  "method_seconds": seconds,
+                  "gradient_batch": min(S, gradient_rows(model, task, settings["batch_size"], settings.get("memory_gb")))}
+
+
+def attribute_edges(model, tokens, settings: dict, seed: int = 0, composition: pl.DataFrame | None = None,
+                    shares: Sequence[tuple[dict[str, EdgeSums], dict]] = ()) -> tuple[pl.DataFrame, dict]:
+    """Every method of ``settings["methods"]`` for every causal edge, and exact patching of the
+    sample ``exact_sample`` draws, stratified over the first method's |score| and over
+    ``composition`` (one metric x space's composition rows; None: |score| alone), on the first
+    ``exact_sequences`` sequences. ``tokens``: a TokenSet. ``shares``: the attribution jobs' sums
+    and facts (``attribute_share``), merged here; none: the methods run here, over every sequence."""
+    S, T, bs = settings["sequences"], settings["length"], settings["batch_size"]
+    task = induction_task(tokens, S, T, seed)
+    edges = causal_edges(model)
+    t0 = time.perf_counter()
+    if shares:
+        got = sorted((f["sequences_from"], f["sequences_to"]) for _, f in shares)
+        if [a for a, _ in got] != [0] + [b for _, b in got[:-1]] or got[-1][1] != S:
+            raise ValueError(f"the attribution jobs' sequences {got} do not cover the {S} sequences once")
+        sums = {m: functools.reduce(EdgeSums.merge, [s[m] for s, _ in shares]) for m in settings["methods"]}
+        seconds = {m: round(sum(f["method_seconds"][m] for _, f in shares), 3) for m in settings["methods"]}
+        gradient_batch = shares[0][1]["gradient_batch"]
+    else:
+        sums, seconds = attribution_sums(model, task, settings)
+        gradient_batch = min(S, gradient_rows(model, task, bs, settings.get("memory_gb")))
     t1 = time.perf_counter()
-    first = scores[settings["methods"][0]]
+    first = sums[settings["methods"][0]]
     grid = composition_grid(model, composition)
-    drawn = exact_sample({c: first[c].mean(0) for c in COMPS}, grid, edges, settings["exact_edges"], seed)
+    drawn = exact_sample({c: first.mean(c) for c in COMPS}, grid, edges, settings["exact_edges"], seed)
     # beside the draw, what matters: each method's largest |score| and the composition's largest scores
-    tops = [{c: per[c].mean(0).abs() for c in COMPS} for per in scores.values()] + ([grid] if grid is not None else [])
+    tops = [{c: per.mean(c).abs() for c in COMPS} for per in sums.values()] + ([grid] if grid is not None else [])
     added = top_edges(tops, edges, settings.get("exact_top", 0), drawn)
     sample = drawn + added
     sub = task.first(settings["exact_sequences"])
@@ -174,43 +211,82 @@ def attribute_edges(model, tokens, settings: dict, seed: int = 0,
                          Progress(log, "exact edge patching", len(sample) * len(sub.clean), "edge x sequence"))
     log.info("exact patching: %d edges x %d sequences in %.1fs", len(sample), len(sub.clean), time.perf_counter() - t1)
     facts = {"edges": len(edges), "exact_edges": len(sample), "exact_random": len(drawn), "exact_top": len(added),
-             "gradient_batch": min(S, gradient_rows(model, task, bs, settings.get("memory_gb"))),
+             "gradient_batch": gradient_batch, "attribution_jobs": max(1, len(shares)),
              "exact_sequences": len(sub.clean),
              "exact_stratified_by": "|score| of " + settings["methods"][0]
              + ("" if composition is None else " and composition " + "/".join(
                  str(composition[k][0]) for k in ("metric", "space") if k in composition.columns and composition.height)),
              "corruption": "every token but BOS resampled",
-             "attribution_seconds": round(t1 - t0, 3), "method_seconds": seconds,
-             "exact_seconds": round(time.perf_counter() - t1, 3)}
-    return edge_table(model, scores, sample, exact, len(drawn)), facts
+             "attribution_seconds": round(sum(seconds.values()), 3) if shares else round(t1 - t0, 3),
+             "method_seconds": seconds, "exact_seconds": round(time.perf_counter() - t1, 3)}
+    return edge_table(model, sums, sample, exact, len(drawn)), facts
 
 
-def boot_and_attribute_edges(model_id: str, entry: dict, checkpoint: dict | None, settings: dict, meta_path: str,
-                             workdir, device: str = "auto", composition: pl.DataFrame | None = None
-                             ) -> tuple[pl.DataFrame, dict]:
+def boot_for_edges(model_id: str, entry: dict, checkpoint: dict | None, settings: dict, meta_path: str,
+                   workdir, device: str = "auto"):
     """Boot one model (x checkpoint) as the induction job does (same devices, dtypes and token
-    pool) and attribute its edges: the ``edge_attribution`` table and its shard's provenance.
-    ``settings``: the model's ``induction`` section (``edge_attribution`` in it); ``composition``:
-    the composition rows exact patching's sample is stratified over (``attribute_edges``)."""
+    pool) for edge attribution: the booted model (``induction.boot_for_forward``) and its token
+    pool (a TokenSet). ``settings``: the model's ``induction`` section."""
     from compatlas.behaviour.induction import boot_for_forward
     from compatlas.behaviour.tokens import clean_tokens, sample_tokens, token_directions, token_set
-    from compatlas.tables import provenance
 
-    t0 = time.perf_counter()
     edge = settings["edge_attribution"]
     need = 2 * edge["length"] + 1
     m = boot_for_forward(model_id, entry, checkpoint, settings, meta_path, workdir, device, "edge attribution",
                          lambda n_ctx: f"induction.edge_attribution.length {edge['length']} needs {need}"
                          if need > n_ctx else None)
-    meta, bridge, dtype, device_map, dev = m.meta, m.bridge, m.dtype, m.device_map, m.device
-    clean, _ = clean_tokens(bridge.tokenizer, m.W_E, token_directions(m.W_E, m.W_U))
-    tokens = token_set(bridge.tokenizer, sample_tokens(clean, settings["pool"], settings["seed"], "pool"),
-                       settings["prepend_bos"])
-    table, facts = attribute_edges(bridge, tokens, edge, settings["seed"], composition)
-    label = meta.get("checkpoint", "final")
+    clean, _ = clean_tokens(m.bridge.tokenizer, m.W_E, token_directions(m.W_E, m.W_U))
+    return m, token_set(m.bridge.tokenizer, sample_tokens(clean, settings["pool"], settings["seed"], "pool"),
+                        settings["prepend_bos"])
+
+
+def _record(m, settings: dict, **facts) -> dict:
+    """An edge attribution shard's provenance: the model's, the settings, how it was booted."""
+    from compatlas.tables import provenance
+
+    return provenance(m.meta, processing="none", weight_processing="none (forward passes on the loaded model)",
+                      settings=settings["edge_attribution"], dtype=str(m.dtype).removeprefix("torch."),
+                      device_map=m.device_map, device=str(m.device),
+                      kv_group=m.bridge.cfg.n_heads // n_kv_heads(m.bridge), **facts)
+
+
+def boot_and_attribute_share(model_id: str, entry: dict, checkpoint: dict | None, settings: dict, meta_path: str,
+                             workdir, job: int, jobs: int, device: str = "auto") -> tuple[pl.DataFrame, dict]:
+    """Attribution job ``job`` of ``jobs`` on the booted model: its sums as rows of
+    ``EDGE_SUMS_SCHEMA`` (every method) and its shard's provenance (the counts per method in ``counts``)."""
+    t0 = time.perf_counter()
+    m, tokens = boot_for_edges(model_id, entry, checkpoint, settings, meta_path, workdir, device)
+    sums, facts = attribute_share(m.bridge, tokens, settings["edge_attribution"], settings["seed"], job, jobs)
+    frame = pl.concat([s.frame(method) for method, s in sums.items()])
+    return frame, _record(m, settings, counts={k: s.counts() for k, s in sums.items()}, **facts,
+                          seconds=round(time.perf_counter() - t0, 3))
+
+
+def read_share(df: pl.DataFrame, record: dict, model) -> tuple[dict[str, EdgeSums], dict]:
+    """An attribution job's shard (``boot_and_attribute_share``) back as ``attribute_edges``' share."""
+    L, H, kv = model.cfg.n_layers, model.cfg.n_heads, n_kv_heads(model)
+    shapes: dict[Comp, tuple[int, ...]] = {"Q": (L, H, L, H), "K": (L, H, L, kv), "V": (L, H, L, kv)}
+    return ({method: EdgeSums.from_frame(df.filter(pl.col("method") == method), counts, shapes)
+             for method, counts in record["counts"].items()}, record)
+
+
+def boot_and_attribute_edges(model_id: str, entry: dict, checkpoint: dict | None, settings: dict, meta_path: str,
+                             workdir, device: str = "auto", composition: pl.DataFrame | None = None,
+                             shares: Sequence[tuple[pl.DataFrame, dict]] = ()) -> tuple[pl.DataFrame, dict]:
+    """Boot one model (x checkpoint) and attribute its edges: the ``edge_attribution`` table and
+    its shard's provenance. ``settings``: the model's ``induction`` section (``edge_attribution``
+    in it); ``composition``: the composition rows exact patching's sample is stratified over
+    (``attribute_edges``); ``shares``: the attribution jobs' shards (rows and provenance), if
+    the sequences were split over jobs (``induction.edge_attribution.jobs``)."""
+    t0 = time.perf_counter()
+    attribution = {k: v for k, v in settings["edge_attribution"].items() if k not in EXACT_PATCHING_KEYS}
+    for _, record in shares:  # a share computed with other settings would merge silently into wrong figures
+        if record.get("settings") != attribution:
+            raise ValueError(f"an attribution share (job {record.get('job')}) was computed with the settings "
+                             f"{record.get('settings')}, not this run's {attribution}: delete it and rerun")
+    m, tokens = boot_for_edges(model_id, entry, checkpoint, settings, meta_path, workdir, device)
+    table, facts = attribute_edges(m.bridge, tokens, settings["edge_attribution"], settings["seed"], composition,
+                                   [read_share(df, record, m.bridge) for df, record in shares])
+    label = m.meta.get("checkpoint", "final")
     table = table.with_columns(model=pl.lit(model_id), checkpoint=pl.lit(label)).select(list(EDGE_ATTRIBUTION_SCHEMA))
-    record = provenance(meta, processing="none", weight_processing="none (forward passes on the loaded model)",
-                        settings=edge, dtype=str(dtype).removeprefix("torch."), device_map=device_map, device=str(dev),
-                        kv_group=bridge.cfg.n_heads // n_kv_heads(bridge), **facts,
-                        seconds=round(time.perf_counter() - t0, 3))
-    return table, record
+    return table, _record(m, settings, **facts, seconds=round(time.perf_counter() - t0, 3))

@@ -30,13 +30,13 @@ def edge_attribution_bytes(settings: Mapping[str, Any], shape: Shape | None, n_l
     """The bytes an edge attribution job holds in proportion to its sequences: their tokens (the
     repeated span, clean and corrupted inputs of 2 length + 1 tokens, the targets: about
     6 length + 2 int64 a sequence) and, where the model's shape is known, every method's score of
-    every edge on every sequence (float64 [sequences, L, H, L, H + 2 H_kv]). A lower bound: the
+    every edge on every sequence of one job's share (float64 [sequences / jobs, L, H, L, H + 2 H_kv]). A lower bound: the
     model and its activations come on top."""
     per_sequence = (6 * settings["length"] + 2) * INT64
     if shape is not None and n_layers is not None:
         per_sequence += (len(settings["methods"]) * n_layers**2 * shape.n_heads
                          * (shape.n_heads + 2 * shape.n_kv_heads) * FLOAT64)
-    return settings["sequences"] * per_sequence
+    return -(-settings["sequences"] // settings.get("jobs", 1)) * per_sequence  # one job's share
 
 
 def check_edge_attribution(model_key: str, overrides: Mapping[str, Any], induction: Mapping[str, Any],
@@ -45,7 +45,14 @@ def check_edge_attribution(model_key: str, overrides: Mapping[str, Any], inducti
     induction section, or the section's own) when the edge attribution job of the model at
     ``model_key`` (``models.<name>``) needs more than ``memory`` bytes."""
     ea = induction["edge_attribution"]
-    if memory is None or not induction["enabled"] or not ea["enabled"]:
+    if not induction["enabled"] or not ea["enabled"]:
+        return
+    if 2 * ea.get("jobs", 1) > ea["sequences"]:  # each share needs two sequences for its standard errors' sake
+        own = "jobs" in overrides.get("edge_attribution", {})
+        key = f"{model_key}.induction.edge_attribution.jobs" if own else "induction.edge_attribution.jobs"
+        raise ConfigError(f"config error at {key}: {ea['jobs']} jobs for {ea['sequences']} sequences; each job needs "
+                          "2 or more (at most sequences / 2)")
+    if memory is None:
         return
     if (need := edge_attribution_bytes(ea, shape, n_layers)) > memory:
         own = "sequences" in overrides.get("edge_attribution", {})

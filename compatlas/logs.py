@@ -50,11 +50,22 @@ def setup(log_path: str | None, threads: int | None = None) -> logging.Logger:
     return log
 
 
+def log_peak_memory() -> None:
+    """Log the job's peak resident memory so far (a fork of the job server counts the server's
+    pages it shares, as the kernel does): benchmarks/bench_default_run.py reads it per rule."""
+    import resource
+
+    peak_kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KB on Linux
+    logging.getLogger("compatlas").info("peak resident memory %.0f MB", peak_kb / 1024)
+
+
 def exit_now() -> None:
     """End a job whose outputs are written: flush the logs, then leave without the interpreter's
     teardown. With torch loaded, tearing down every module (and torch's C++ state) takes about
     0.4 s of a 2 s job, a minute of CPU over the default run's jobs (benchmarks/README.md,
-    "Job start-up and teardown"). Outputs are already on disk: they are written atomically."""
+    "Job start-up and teardown"). Outputs are already on disk: they are written atomically.
+    Its last log line is the job's peak memory (``log_peak_memory``)."""
+    log_peak_memory()
     logging.shutdown()
     sys.stdout.flush()
     sys.stderr.flush()

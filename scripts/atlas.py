@@ -5,7 +5,7 @@ hand_off(snakemake)  # run in the run's job server, where torch is already impor
 
 from compatlas.atlas import build_atlas
 from compatlas.function.comp_agreement import agreement_table
-from compatlas.logs import setup
+from compatlas.logs import log_peak_memory, setup
 
 log = setup(snakemake.log[0])
 
@@ -25,3 +25,4 @@ build_atlas(snakemake.output[0], shards, list(inp.metas), **thresholds,
             computed={"function_agreement": lambda con: agreement_table(con, thresholds["fdr"])})
 log.info("atlas %s: %s shards, %d models", snakemake.output[0], {k: len(v) for k, v in shards.items()},
          len(inp.metas))
+log_peak_memory()

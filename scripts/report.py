@@ -5,9 +5,10 @@ hand_off(snakemake)  # run in the run's job server, where torch is already impor
 
 from pathlib import Path
 
-from compatlas.logs import setup
+from compatlas.logs import log_peak_memory, setup
 from compatlas.report import build_report
 
 log = setup(snakemake.log[0])
 files = build_report(snakemake.input[0], Path(snakemake.output[0]).parent, config=snakemake.params.config)
 log.info("report: %d files in %s", len(files), Path(snakemake.output[0]).parent)
+log_peak_memory()

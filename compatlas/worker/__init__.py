@@ -195,6 +195,13 @@ class Worker:
         remove(self.socket_path)
 
 
+# numpy's BLAS reads its threads once, when the server imports it, and every job forked from the
+# server keeps them: one, as every job of the run has one core (with one per core on a busy
+# 2-core machine, the atlas's bootstrap of partial correlations took 51 s against 6 s on one
+# thread: its threads spun against the other work). A user's own setting is kept.
+ONE_BLAS_THREAD = {"OPENBLAS_NUM_THREADS": "1"}
+
+
 def start(run_dir: str | os.PathLike[str], scripts_dir: str | os.PathLike[str], log: str | os.PathLike[str],
           common: bool = True, request_timeout_s: float = REQUEST_TIMEOUT_S) -> Worker | None:
     """Start the run's server (``COMPATLAS_WORKER`` and the run's secret set in this process's
@@ -217,7 +224,7 @@ def start(run_dir: str | os.PathLike[str], scripts_dir: str | os.PathLike[str], 
         process = subprocess.Popen([sys.executable, "-m", "compatlas.worker.server", path, str(os.getpid()), str(scripts_dir),
                                     str(int(common)), str(request_timeout_s)],
                                    stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
-                                   cwd=os.fspath(run_dir), env=os.environ | {SECRET_ENV: secret})
+                                   cwd=os.fspath(run_dir), env=ONE_BLAS_THREAD | os.environ | {SECRET_ENV: secret})
     for _ in range(200):  # the socket is bound before the first import: a fraction of a second
         if os.path.exists(path) or process.poll() is not None:
             break

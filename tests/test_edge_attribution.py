@@ -320,7 +320,7 @@ def _reference_eap_attn(model, task: InductionTask, edges) -> torch.Tensor:
     group = H // n_kv_heads(model)
     out = torch.empty(len(edges), S, dtype=torch.float64)
     with split_inputs(model):
-        z_corrupt, _, _ = _pass(model, task, slice(0, S), corrupt=True)
+        z_corrupt, _ = _pass(model, task, slice(0, S), corrupt=True)
         z: dict = {}
 
         def keep(name):

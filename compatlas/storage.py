@@ -23,7 +23,7 @@ import os
 import shutil
 import tempfile
 import time
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -40,6 +40,42 @@ def file_sha256(path: str | os.PathLike, chunk: int = 1 << 22) -> str:
         while block := f.read(chunk):
             h.update(block)
     return h.hexdigest()
+
+
+def pieces_sha256(path: str | os.PathLike, pieces: Mapping[str, Sequence[tuple[int, int]]],
+                  chunk: int = 1 << 22) -> tuple[str, dict[str, str]]:
+    """The sha256 of a file's bytes and of each named piece of it (``pieces``: name -> its byte
+    ranges ``[start, end)``, ascending, hashed in that order), all in one streamed read: the
+    weight shard's per-layer seals are computed from the written file without a second pass over
+    it nor a copy of it in memory. Pieces may overlap each other; ValueError where a piece's own
+    ranges are not ascending, and where one reaches past the end of the file."""
+    segments: list[tuple[int, int, str]] = []
+    for name, ranges in pieces.items():
+        last = 0
+        for a, b in ranges:
+            if not last <= a <= b:
+                raise ValueError(f"piece {name!r}: its byte ranges are not ascending and disjoint at [{a}, {b})")
+            segments.append((a, b, name))
+            last = b
+    segments.sort(key=lambda s: s[0])
+    whole, digests = hashlib.sha256(), {name: hashlib.sha256() for name in pieces}
+    active: list[tuple[int, int, str]] = []
+    nxt, pos = 0, 0
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            whole.update(block)
+            end, view = pos + len(block), memoryview(block)
+            while nxt < len(segments) and segments[nxt][0] < end:
+                active.append(segments[nxt])
+                nxt += 1
+            for a, b, name in active:
+                if b > pos and a < end:
+                    digests[name].update(view[max(a, pos) - pos:min(b, end) - pos])  # a view: no copy
+            active = [s for s in active if s[1] > end]
+            pos = end
+    if past := [name for a, b, name in segments if b > pos]:
+        raise ValueError(f"{path} is {pos} bytes: pieces {sorted(set(past))} reach past its end")
+    return whole.hexdigest(), {name: h.hexdigest() for name, h in digests.items()}
 
 
 @contextlib.contextmanager

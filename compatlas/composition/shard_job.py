@@ -4,8 +4,9 @@ the pattern_output rule's (``scripts/pattern_output.py``), which cuts the moment
 
 One job is one model x checkpoint x space x block: it reads only the layers its block's pairs
 touch (``block_pairs`` and ``null_pairs``: at Llama-2-70B shapes the whole weight shard is 47 GiB,
-a layer 0.6 GB), scores every metric at once (``table.score_space``: the metrics share the heads'
-factors, the causal and null pairs the GEMMs) and writes each metric's rows as two sealed shards."""
+a layer 0.6 GB) and checks only those bytes against their seals (``load_weights``), scores every
+metric at once (``table.score_space``: the metrics share the heads' factors, the causal and null
+pairs the GEMMs) and writes each metric's rows as two sealed shards."""
 
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ from compatlas.composition.table import pattern_output_table, score_space
 from compatlas.models.weights import load_meta, load_weights
 from compatlas.storage import path_key, write_shard
 from compatlas.tables import provenance
-from compatlas.vocab import Metric, ScoreDtype, Space
+from compatlas.vocab import TOKEN_SPACES, Metric, ScoreDtype, Space
 
 log = logging.getLogger(__name__)
 
@@ -38,7 +39,9 @@ def composition_job(tensors: Path_, meta: Path_, space: Space, causal: Sequence[
     job's facts (its provenance, timings included)."""
     metrics: tuple[Metric, ...] = tuple(path_key(p, "metric") for p in causal)  # type: ignore[misc]
     pairs, null_p = block_pairs(layers, blocks, block), null_pairs(layers, blocks, block)
-    w = load_weights(tensors, meta, layers=touched_layers(pairs + null_p) or layers[:1])
+    # the vocabulary side (W_E, W_U, the token-space factors: 4 GB at 70B) only where the space's basis
+    # comes from it: the residual and activation spaces read neither it nor its seals
+    w = load_weights(tensors, meta, layers=touched_layers(pairs + null_p) or layers[:1], vocabulary=space in TOKEN_SPACES)
     log.info("%s/%s %s block %d, %s: %d layer pairs, %d null layer pairs", w.meta.get("model"), w.meta.get("checkpoint"),
              space, block, ", ".join(metrics), len(pairs), len(null_p))
     m = load_moments(*moments) if space == "activation" and moments is not None else None

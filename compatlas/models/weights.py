@@ -14,8 +14,10 @@ Shapes follow TransformerLens (row vectors):
 
 from __future__ import annotations
 
+import hashlib
 import io
 import json
+import logging
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -24,7 +26,9 @@ from typing import Any
 import torch
 
 from compatlas.runtime import library_versions
-from compatlas.storage import atomic_path, file_sha256, read_sealed_json, sealed_json
+from compatlas.storage import atomic_path, file_sha256, pieces_sha256, read_sealed_json, sealed_json
+
+log = logging.getLogger(__name__)
 
 WEIGHT_KEYS = ("W_Q", "W_K", "W_V", "W_O", "W_E", "W_U", "ln1_w", "ln_final_w")
 
@@ -164,7 +168,8 @@ def extracted_weights(W_Q: torch.Tensor, W_K: torch.Tensor, W_V: torch.Tensor, W
 
 
 def save_weights(w: AttentionWeights, tensors_path: str | os.PathLike, meta_path: str | os.PathLike) -> None:
-    """Write the safetensors shard, then the metadata (with the shard's checksum), both atomically.
+    """Write the safetensors shard, then the metadata (with the shard's checksum and its seals,
+    ``shard_seals``), both atomically.
 
     The metadata is written last, so a shard without metadata is an unfinished one.
     """
@@ -174,7 +179,9 @@ def save_weights(w: AttentionWeights, tensors_path: str | os.PathLike, meta_path
     with atomic_path(tensors_path, need=sum(t.numel() * t.element_size() for t in tensors.values())) as tmp:
         write_safetensors(tensors, tmp)
     meta = dict(w.meta)
-    meta["weights_sha256"] = file_sha256(tensors_path)
+    # the whole file's sha256 (provenance: what the atlas compares) and the per-layer seals (what
+    # each job checks of what it reads), from one read of the file as written
+    meta["weights_sha256"], meta[SEALS] = shard_seals(tensors_path)
     meta["weights_file"] = Path(tensors_path).name
     with atomic_path(meta_path) as tmp:
         Path(tmp).write_text(sealed_json(meta))
@@ -219,16 +226,31 @@ def write_safetensors(tensors: dict[str, torch.Tensor], path: str | os.PathLike)
                 f.write(t.reshape(-1).view(torch.uint8).numpy().data)  # the tensor's bytes, no copy
 
 
-PER_LAYER_KEYS = ("W_Q", "W_K", "W_V", "W_O", "ln1_w")  # first dimension: layer
-_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
+PER_LAYER_KEYS = ("W_Q", "W_K", "W_V", "W_O", "ln1_w")  # first dimension: layer; the order of a layer's seal
+_DTYPES = {v: k for k, v in _ST_DTYPES.items()}
+VOCABULARY_KEYS = ("W_E", "W_U")  # with the extras (token-space factors of W_E): what load_weights(vocabulary=False) leaves out
+SEALS = "weights_seals"  # meta.json's key of the shard's per-layer seals (``shard_seals``)
+MAX_HEADER = 100 << 20  # safetensors' own limit on a header: a corrupt length never makes us read the file whole
+
+
+def _raw_header(f: io.BufferedReader) -> bytes:
+    """The bytes of a safetensors file's header: 8 bytes of little-endian length, then the JSON."""
+    length = f.read(8)
+    n = int.from_bytes(length, "little")
+    if len(length) < 8 or n > MAX_HEADER:
+        raise ValueError(f"not a safetensors file (a header of {n} bytes)")
+    raw = length + f.read(n)
+    if len(raw) < 8 + n:
+        raise ValueError("its header is cut short")
+    return raw
 
 
 def _header(tensors_path: str | os.PathLike) -> tuple[dict[str, Any], int]:
     """A safetensors file's header (name -> dtype, shape, data_offsets) and where its data starts:
     8 bytes of little-endian header length, the JSON header, then the tensors' bytes."""
     with open(tensors_path, "rb") as f:
-        n = int.from_bytes(f.read(8), "little")
-        return json.loads(f.read(n)), 8 + n
+        raw = _raw_header(f)
+    return json.loads(raw[8:]), len(raw)
 
 
 def shard_n_layers(tensors_path: str | os.PathLike) -> int:
@@ -236,54 +258,175 @@ def shard_n_layers(tensors_path: str | os.PathLike) -> int:
     return _header(tensors_path)[0]["W_Q"]["shape"][0]
 
 
-def _read_layers(f: io.BufferedReader, header: dict[str, Any], start: int, name: str, layers: list[int]) -> torch.Tensor:
+def _tensor_names(header: dict[str, Any]) -> list[str]:
+    return [k for k in header if k != "__metadata__"]
+
+
+def seal_pieces(header: dict[str, Any], start: int) -> tuple[list[list[tuple[int, int]]], dict[str, list[tuple[int, int]]]]:
+    """The byte ranges a weight shard is sealed by: each layer's (that layer's bytes of each
+    per-layer tensor present, in ``PER_LAYER_KEYS`` order), and each shared piece's: ``header``
+    (the 8 length bytes and the JSON) and every other tensor whole (W_E, W_U, ln_final_w, extras).
+    Together they cover every byte of a file ``write_safetensors`` wrote (it leaves no gap)."""
+    n_layers = header["W_Q"]["shape"][0]
+    layers: list[list[tuple[int, int]]] = [[] for _ in range(n_layers)]
+    for k in PER_LAYER_KEYS:
+        if k in header:
+            a, b = header[k]["data_offsets"]
+            per_layer = (b - a) // n_layers
+            for layer in range(n_layers):
+                layers[layer].append((start + a + layer * per_layer, start + a + (layer + 1) * per_layer))
+    shared = {"header": [(0, start)]}
+    shared |= {k: [(start + header[k]["data_offsets"][0], start + header[k]["data_offsets"][1])]
+               for k in _tensor_names(header) if k not in PER_LAYER_KEYS}
+    return layers, shared
+
+
+def shard_seals(tensors_path: str | os.PathLike) -> tuple[str, dict[str, Any]]:
+    """The whole file's sha256 and its seals (meta.json's ``SEALS``), in one streamed read of it
+    (``storage.pieces_sha256``: no copy of the shard in memory): ``layers[k]`` the sha256 of layer
+    k's bytes of ``layer_keys`` (those of ``PER_LAYER_KEYS`` present, in that order) concatenated;
+    ``shared`` the sha256 of each shared piece (``seal_pieces``). A job checks the layers it reads
+    and the shared pieces it reads, never the file whole (``load_weights``)."""
+    header, start = _header(tensors_path)
+    layers, shared = seal_pieces(header, start)
+    whole, digests = pieces_sha256(tensors_path, {**{f"layer {k}": r for k, r in enumerate(layers)}, **shared})
+    return whole, {"algorithm": "sha256", "layer_keys": [k for k in PER_LAYER_KEYS if k in header],
+                   "layers": [digests[f"layer {k}"] for k in range(len(layers))],
+                   "shared": {k: digests[k] for k in shared}}
+
+
+def _fill(f: io.BufferedReader, out: torch.Tensor, at: int, digest: Any | None) -> bool:
+    """Read ``out``'s bytes from ``f`` at ``at`` into its own memory (no memory map, no second
+    copy), and feed them to ``digest`` (the bytes just read: never read twice). False when the
+    file ends first."""
+    buf = out.reshape(-1).view(torch.uint8).numpy().data
+    f.seek(at)
+    if f.readinto(buf) != len(buf):
+        return False
+    if digest is not None:
+        digest.update(buf)
+    return True
+
+
+def _read_layers(f: io.BufferedReader, header: dict[str, Any], start: int, name: str, layers: list[int],
+                 digests: list[Any] | None = None) -> torch.Tensor:
     """Some layers of a per-layer tensor of the open shard ``f`` (``header`` and data ``start``
     from ``_header``), read into a fresh tensor with plain reads: each layer is one contiguous
     byte range, and no page of the other layers (nor a memory map of the file, which would count
-    twice in the job's resident memory) is touched."""
+    twice in the job's resident memory) is touched. ``digests[i]``, when given, takes the bytes
+    of ``layers[i]``."""
     info = header[name]
     shape, dtype = info["shape"], _DTYPES[info["dtype"]]
     out = torch.empty((len(layers), *shape[1:]), dtype=dtype)
     per_layer = out[0].numel() * out.element_size()
+    if info["data_offsets"][1] - info["data_offsets"][0] != per_layer * shape[0]:
+        raise ValueError(f"{name}'s byte range does not fit its shape {shape}")
     for i, layer in enumerate(layers):
-        f.seek(start + info["data_offsets"][0] + layer * per_layer)
-        if f.readinto(out[i].view(torch.uint8).numpy().data) != per_layer:  # into the tensor's memory
-            raise CorruptShardError(f"weight shard {f.name}: {name} layer {layer} is truncated")
+        if not _fill(f, out[i], start + info["data_offsets"][0] + layer * per_layer, None if digests is None else digests[i]):
+            raise CorruptShardError(f"weight shard {f.name} is corrupt or truncated: {name} of layer {layer} is cut short")
     return out
 
 
+def _read_tensor(f: io.BufferedReader, header: dict[str, Any], start: int, name: str, digest: Any | None) -> torch.Tensor:
+    """A tensor of the open shard ``f`` whole, its bytes fed to ``digest`` as they are read."""
+    info = header[name]
+    out = torch.empty(info["shape"], dtype=_DTYPES[info["dtype"]])
+    a, b = info["data_offsets"]
+    if b - a != out.numel() * out.element_size():
+        raise ValueError(f"{name}'s byte range does not fit its shape {info['shape']}")
+    if not _fill(f, out, start + a, digest):
+        raise CorruptShardError(f"weight shard {f.name} is corrupt or truncated: {name} is cut short")
+    return out
+
+
+def _whole_file_check(tensors_path: str | os.PathLike, meta: dict[str, Any], meta_path: str | os.PathLike) -> None:
+    digest = file_sha256(tensors_path)
+    if digest != meta.get("weights_sha256"):
+        raise CorruptShardError(
+            f"weight shard {tensors_path} is corrupt or truncated: sha256 {digest[:12]}... "
+            f"does not match {str(meta.get('weights_sha256'))[:12]}... recorded in {meta_path}; "
+            "delete it and rerun the extract rule"
+        )
+
+
+def _unsealed(tensors_path: str | os.PathLike, meta_path: str | os.PathLike, layers: list[int],
+              shared: list[str]) -> CorruptShardError:
+    """The error naming what failed its seal: the layers, the shared pieces."""
+    what = ([f"layer{'s' if len(layers) > 1 else ''} {', '.join(map(str, layers))}"] if layers else []) + \
+        ["its header" if k == "header" else k for k in shared]
+    n = len(layers) + len(shared)
+    return CorruptShardError(
+        f"weight shard {tensors_path} is corrupt or truncated: the bytes of {' and '.join(what)} do not match "
+        f"{'their seals' if n > 1 else 'the seal'} recorded in {meta_path}; delete {tensors_path} and rerun the "
+        "extract rule")
+
+
 def load_weights(tensors_path: str | os.PathLike, meta_path: str | os.PathLike, verify: bool = True,
-                 layers: list[int] | None = None) -> AttentionWeights:
+                 layers: list[int] | None = None, vocabulary: bool = True) -> AttentionWeights:
     """Read a weight shard back; a truncated or altered file raises CorruptShardError naming it.
 
     With ``layers``, only those layers' attention tensors are read (``_read_layers``): a
     composition job at Llama-2-70B shapes holds the few layers its block touches (0.6 GB each in
-    float32) instead of all 80 (47 GiB). The per-model tensors (W_E, W_U, extras) are read whole."""
-    from safetensors import SafetensorError, safe_open
+    float32) instead of all 80 (47 GiB). ``vocabulary=False`` leaves out W_E, W_U and the extras
+    (the token-space factors of W_E; 4 GB at 70B), which the residual and activation spaces never
+    read. The other per-model tensors are read whole.
 
+    ``verify`` checks what is read, as it is read, against the seals meta.json records
+    (``shard_seals``): the header, each layer read, each shared tensor read; a flipped byte in
+    layer k fails exactly the loads that read layer k, naming it. Reading it all checks every
+    byte, in the same single pass. Metadata written before the seals: the whole file's sha256."""
     meta = load_meta(meta_path)
-    if verify:
-        digest = file_sha256(tensors_path)
-        if digest != meta.get("weights_sha256"):
-            raise CorruptShardError(
-                f"weight shard {tensors_path} is corrupt or truncated: sha256 {digest[:12]}... "
-                f"does not match {str(meta.get('weights_sha256'))[:12]}... recorded in {meta_path}; "
-                "delete it and rerun the extract rule"
-            )
+    seals = meta.get(SEALS) if verify else None
+    if verify and seals is None:
+        log.info("weight shard %s: %s records no per-layer seals (written before them): checking the whole "
+                 "file's sha256 instead", tensors_path, meta_path)
+        _whole_file_check(tensors_path, meta, meta_path)
     try:
-        header, start = _header(tensors_path)
-        names = set(header) - {"__metadata__"}
-        missing = [k for k in ("W_Q", "W_K", "W_V", "W_O", "W_E") if k not in names]  # a shard always has W_E
-        if missing:
-            raise CorruptShardError(f"weight shard {tensors_path} lacks {missing}")
-        with safe_open(str(tensors_path), framework="pt") as st, open(tensors_path, "rb") as f:
-            tensors = {k: _read_layers(f, header, start, k, layers) if layers is not None and k in PER_LAYER_KEYS
-                       else st.get_tensor(k) for k in names}
-    except (SafetensorError, OSError, ValueError) as e:
+        opened = open(tensors_path, "rb")
+    except OSError as e:
         raise CorruptShardError(f"cannot read weight shard {tensors_path}: {e}") from e
+    with opened as f:
+        try:
+            raw = _raw_header(f)
+            if seals is not None and hashlib.sha256(raw).hexdigest() != seals["shared"].get("header"):
+                raise _unsealed(tensors_path, meta_path, [], ["header"])
+            header, start = json.loads(raw[8:]), len(raw)
+            names = _tensor_names(header)
+            missing = [k for k in ("W_Q", "W_K", "W_V", "W_O", "W_E") if k not in names]  # a shard always has W_E
+            if missing:
+                raise CorruptShardError(f"weight shard {tensors_path} lacks {missing}")
+            size, end = os.fstat(f.fileno()).st_size, start + max(header[k]["data_offsets"][1] for k in names)
+            n_layers = header["W_Q"]["shape"][0]
+        except (OSError, ValueError, KeyError, TypeError, IndexError) as e:  # json.JSONDecodeError: a ValueError
+            raise CorruptShardError(f"cannot read weight shard {tensors_path}: {e}") from e
+        if seals is not None and size != end:  # a stat: truncated or grown, whichever layers a job reads
+            raise CorruptShardError(f"weight shard {tensors_path} is corrupt or truncated: {size} bytes, its "
+                                    f"header says {end}; delete it and rerun the extract rule")
+        ids = list(range(n_layers)) if layers is None else list(layers)
+        if outside := [layer for layer in ids if not 0 <= layer < n_layers]:
+            raise ValueError(f"layers {outside} are not in weight shard {tensors_path} (it holds {n_layers})")
+        layer_digests = [hashlib.sha256() for _ in ids] if seals is not None else None
+        shared_digests: dict[str, Any] = {}
+        try:
+            # per-layer tensors in PER_LAYER_KEYS order: each layer's digest takes its bytes in the seal's order
+            tensors = {k: _read_layers(f, header, start, k, ids, layer_digests) for k in PER_LAYER_KEYS if k in header}
+            for k in names:
+                if k in PER_LAYER_KEYS or (not vocabulary and (k in VOCABULARY_KEYS or k.startswith("extra."))):
+                    continue
+                digest = shared_digests[k] = hashlib.sha256() if seals is not None else None
+                tensors[k] = _read_tensor(f, header, start, k, digest)
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            raise CorruptShardError(f"cannot read weight shard {tensors_path}: {e}") from e
+    if seals is not None and layer_digests is not None:
+        bad_layers = sorted({layer for layer, d in zip(ids, layer_digests, strict=True)
+                             if d.hexdigest() != seals["layers"][layer]})
+        bad_shared = [k for k, d in shared_digests.items() if d.hexdigest() != seals["shared"].get(k)]
+        if bad_layers or bad_shared:
+            raise _unsealed(tensors_path, meta_path, bad_layers, bad_shared)
     extras = {k.removeprefix("extra."): v for k, v in tensors.items() if k.startswith("extra.")}
-    w = AttentionWeights(W_Q=tensors["W_Q"], W_K=tensors["W_K"], W_V=tensors["W_V"], W_O=tensors["W_O"], W_E=tensors["W_E"],
-                         W_U=tensors.get("W_U"), ln1_w=tensors.get("ln1_w"), ln_final_w=tensors.get("ln_final_w"),
-                         meta=meta, extras=extras, layer_ids=None if layers is None else tuple(layers))
+    w = AttentionWeights(W_Q=tensors["W_Q"], W_K=tensors["W_K"], W_V=tensors["W_V"], W_O=tensors["W_O"],
+                         W_E=tensors.get("W_E"), W_U=tensors.get("W_U"), ln1_w=tensors.get("ln1_w"),
+                         ln_final_w=tensors.get("ln_final_w"), meta=meta, extras=extras,
+                         layer_ids=None if layers is None else tuple(layers))
     w.validate()
     return w

@@ -3,7 +3,7 @@
 Not handed to the run's job server: training pins its CPU float kernels (compatlas.runtime.
 pin_cpu_kernels), which torch reads once, so it runs in its own process, pinned before torch
 is imported."""
-from compatlas.runtime import pin_cpu_kernels
+from compatlas.runtime import cpu_kernels, pin_cpu_kernels
 
 pin_cpu_kernels()
 
@@ -11,7 +11,6 @@ from pathlib import Path
 
 from compatlas.logs import exit_now, setup
 from compatlas.models.training import train_segment
-from compatlas.runtime import cpu_kernels
 from compatlas.storage import write_shard
 from compatlas.tables import provenance
 

@@ -10,16 +10,9 @@ import pytest
 import torch
 from conftest import random_weights
 
+from compatlas.composition.nulls import gaussian_baseline, haar_overlap_blocks, spectrum_baseline
 from compatlas.composition.precision import gemm_operand, round_tf32
-from compatlas.composition.scores import (
-    block_pairs,
-    gaussian_baseline,
-    haar_overlap_blocks,
-    head_factors,
-    layer_pair_scores,
-    null_pairs,
-    spectrum_baseline,
-)
+from compatlas.composition.scores import block_pairs, head_factors, layer_pair_scores, null_pairs
 from compatlas.composition.table import score_block, score_space
 from compatlas.composition.token_space import add_space_factors
 from compatlas.runtime import stable_seed

@@ -39,7 +39,6 @@ from __future__ import annotations
 from contextlib import nullcontext
 from dataclasses import dataclass, field
 
-import numpy as np
 import torch
 
 from compatlas.composition.small_linalg import on_host
@@ -347,77 +346,6 @@ def layer_pair_scores(f: HeadFactors, l1: int, readers: list[int], comp: Comp) -
     den = pair_denominator(f.metric, f.writer_norm[l1], f.writer_sv[l1], r_norm.reshape(-1),
                            r_sv.reshape(r_norm.numel(), -1))
     return normalised_score(f.metric, sq.reshape(H1, -1), den).view(H1, nR, -1).transpose(0, 1).contiguous()
-
-
-# ----------------------------------------------------------------------------- nulls
-
-
-def haar_overlap_blocks(d: int, k: int, n: int, seed: int, dtype: torch.dtype = torch.float64,
-                        device: str | torch.device = "cpu") -> torch.Tensor:
-    """n samples [n, k, k] of ``V^T U`` for independent uniformly random orthonormal frames V, U in R^{d x k}.
-
-    By rotation invariance this is the top k x k block of one random frame. The Q factor of a
-    Gaussian ``G = [G_top; G_rest]`` is such a frame, and its top block is ``G_top R^-1`` with
-    ``R^T R = G_top^T G_top + G_rest^T G_rest``; the second term is Wishart, drawn by Bartlett's
-    decomposition, so a sample costs O(k^3), never O(d k^2).
-    """
-    rng = np.random.default_rng(seed)  # numpy only draws numbers; the algebra runs in torch
-    dof = d - k
-    G_top = rng.standard_normal((n, k, k))
-    if dof >= k:  # Bartlett: W = A A^T, A lower triangular, A_ii^2 ~ chi2(dof - i)
-        A = np.tril(rng.standard_normal((n, k, k)), -1)
-        idx = np.arange(k)
-        A[:, idx, idx] = np.sqrt(rng.chisquare(dof - idx, size=(n, k)))
-        A_t = torch.from_numpy(A).to(device)
-        W_rest = A_t @ A_t.transpose(-2, -1)
-    else:  # small d: draw G_rest itself
-        G_rest = torch.from_numpy(rng.standard_normal((n, dof, k))).to(device)
-        W_rest = G_rest.transpose(-2, -1) @ G_rest
-    G_top_t = torch.from_numpy(G_top).to(device)
-    L = torch.linalg.cholesky(G_top_t.transpose(-2, -1) @ G_top_t + W_rest)  # gram = L L^T, R = L^T
-    P = torch.linalg.solve_triangular(L, G_top_t.transpose(-2, -1), upper=False).transpose(-2, -1)
-    return P.to(dtype)
-
-
-def spectrum_baseline(metric: Metric, w_norm, w_sv, r_norm, r_sv, P2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Mean and std [H1, H2] of each pair's score with its spectra kept and singular vectors random.
-
-    ``||diag(s_L) P diag(s_R)||_F^2 = s_L^2 (P o P) s_R^2`` with P a random overlap block
-    (``P2 = haar_overlap_blocks(...) ** 2``, [n, d_head, d_head]). All pairs share the n draws
-    (common random numbers): each pair's n samples are still exact, and comparisons between
-    pairs get sharper, at the cost of one einsum per layer pair.
-    """
-    a, b = (w_sv, r_sv) if metric == "subspace" else (w_sv.pow(2), r_sv.pow(2))
-    sq = torch.einsum("wi,nij,rj->nwr", a, P2, b)
-    scores = normalised_score(metric, sq, pair_denominator(metric, w_norm, w_sv, r_norm, r_sv))
-    return scores.mean(0), scores.std(0)
-
-
-def gaussian_baseline(metric: Metric, comp: Comp, d_model: int, d_head: int, n: int, seed: int,
-                      dtype: torch.dtype = torch.float64, device: str | torch.device = "cpu") -> tuple[float, float]:
-    """Mean and std of the score over n x n pairs of n writer and n reader heads with Gaussian factors
-    of the model's shapes, computed by the same kernel as the real scores."""
-    s = layer_pair_scores(head_factors(gaussian_heads(d_model, d_head, n, seed, dtype, device), metric, (comp,)),
-                          0, [1], comp)
-    return float(s.mean()), float(s.std())
-
-
-def gaussian_heads(d_model: int, d_head: int, n: int, seed: int, dtype: torch.dtype = torch.float64,
-                   device: str | torch.device = "cpu") -> AttentionWeights:
-    """Standard Gaussian weights of two layers of n heads each: layer 0 the Gaussian baseline's
-    writers, layer 1 its readers. Drawn in ``dtype`` by a generator on ``device`` (at 70B shapes
-    they are 268M numbers: on a GPU, drawn there, never copied from the host); a GPU draws other
-    numbers of the same law than the CPU."""
-    g = torch.Generator(device=device).manual_seed(seed)
-
-    def gauss(*shape: int) -> torch.Tensor:
-        return torch.randn(*shape, generator=g, dtype=dtype, device=device)
-
-    return AttentionWeights(
-        W_Q=gauss(2, n, d_model, d_head), W_K=gauss(2, n, d_model, d_head),
-        W_V=gauss(2, n, d_model, d_head), W_O=gauss(2, n, d_head, d_model),
-        W_E=torch.zeros(1, d_model, dtype=dtype, device=device),
-    )
 
 
 # ----------------------------------------------------------------------------- layer pairs

@@ -18,8 +18,9 @@ import polars as pl
 import torch
 
 from compatlas.composition.activation_space import activation_weights
-from compatlas.composition.job import JobClock, draw_nulls, score_tiles
+from compatlas.composition.job import JobClock, score_tiles
 from compatlas.composition.job_factors import job_factors
+from compatlas.composition.nulls import draw_nulls
 from compatlas.composition.precision import storage_dtype
 from compatlas.composition.scores import touched_layers
 from compatlas.composition.token_space import EmbeddingBasis, change_basis, space_basis

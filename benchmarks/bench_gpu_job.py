@@ -290,17 +290,25 @@ def rule_job(w: AttentionWeights, dev: torch.device, layers: list[int]) -> Calla
 
 def factor_times(w_dev: AttentionWeights) -> dict:
     """``head_factors`` of each family on the device, its small factorisations on the host
-    (``small_linalg.ON_HOST``, the default) and on the GPU, one timed call each after a warm-up."""
-    from compatlas.composition import small_linalg
+    (``small_linalg.ON_HOST``, the default) and on the GPU, and subspace's bases by each method
+    (``scores.BASIS``: CholeskyQR2, the GPU's default, or Householder QR), one timed call each after
+    a warm-up."""
+    from compatlas.composition import scores, small_linalg
     from compatlas.composition.scores import head_factors
 
     out = {}
+    dev_type, default = w_dev.W_Q.device.type, dict(scores.BASIS)
     for on_host in (True, False):
         small_linalg.ON_HOST = on_host
         for fam in FAMILIES:
             head_factors(w_dev, fam)
             out[f"{fam} {'host' if on_host else 'gpu'} small"] = timed(w_dev.W_Q.device, lambda: head_factors(w_dev, fam))
     small_linalg.ON_HOST = True
+    for method in ("cholesky_qr2", "householder"):
+        scores.BASIS[dev_type] = method
+        head_factors(w_dev, "subspace")
+        out[f"subspace bases {method}"] = timed(w_dev.W_Q.device, lambda: head_factors(w_dev, "subspace"))
+    scores.BASIS.update(default)
     return out
 
 

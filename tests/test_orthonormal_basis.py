@@ -1,7 +1,9 @@
-"""The subspace family's orthonormal bases (``composition.scores._orthonormal_bases``: CholeskyQR2 on
-the device, Householder QR for the heads it flags) against independent computations: the float64
-SVD of each head's matrix (its rank and the projector onto its column space), the Householder
-path itself for flagged heads, and the subspace scores of the same weights in float64.
+"""The subspace family's orthonormal bases (``composition.scores._orthonormal_bases``: CholeskyQR2,
+the GPU's, with Householder QR for the heads it flags; Householder QR, the CPU's) against
+independent computations: the float64 SVD of each head's matrix (its rank and the projector onto
+its column space), the Householder path itself for flagged heads, dense d_model x d_model
+references and the subspace scores of the same weights in float64. CholeskyQR2 is asked for by
+name (or through ``scores.BASIS``), so that the CPU checks the GPU's algorithm.
 """
 
 from __future__ import annotations
@@ -10,7 +12,9 @@ import numpy as np
 import pytest
 import torch
 from conftest import random_weights
+from test_composition import dense_LR, dense_score, random_model
 
+from compatlas.composition import scores
 from compatlas.composition.scores import (
     _cholesky_qr2,
     _householder_basis,
@@ -76,7 +80,7 @@ def test_cholesky_qr2_takes_the_well_conditioned_heads_and_flags_the_others(dtyp
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 def test_basis_spans_the_column_space_with_the_svd_rank(dtype):
     A, names = heads(dtype)
-    U, keep = _orthonormal_basis(A)
+    U, keep = _orthonormal_basis(A, "cholesky_qr2")
     rank, P_ref = reference(A)
     assert keep.sum(-1).tolist() == rank.tolist()
     assert rank.tolist() == [K, K, K, K, 0, K // 2, 20, K]  # the cases are what their names say
@@ -93,7 +97,7 @@ def test_basis_spans_the_column_space_with_the_svd_rank(dtype):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 def test_flagged_heads_get_the_householder_basis_itself(dtype):
     A, names = heads(dtype)
-    U, keep = _orthonormal_basis(A)
+    U, keep = _orthonormal_basis(A, "cholesky_qr2")
     flagged = [i for i, n in enumerate(names) if n not in ("gauss", "kappa100")]
     U_h, keep_h = _householder_basis(A[flagged])
     torch.testing.assert_close(U[flagged], U_h, rtol=0, atol=0)
@@ -105,7 +109,7 @@ def test_one_flagged_head_leaves_the_others_on_cholesky_qr2():
     CholeskyQR2's Q (the old path rotated every head of a batch by its R's singular vectors)."""
     A, _ = heads(torch.float64)
     batch = A[[0, 1, 4]]  # gauss, gauss, zero
-    U, keep = _orthonormal_basis(batch)
+    U, keep = _orthonormal_basis(batch, "cholesky_qr2")
     Q, _, ok = _cholesky_qr2(batch)
     assert ok.tolist() == [True, True, False]
     torch.testing.assert_close(U[:2], Q[:2], rtol=0, atol=0)
@@ -121,10 +125,37 @@ def _with_degenerate_heads(w: AttentionWeights) -> AttentionWeights:
     return AttentionWeights(W_Q=W_Q, W_K=W_K, W_V=W_V, W_O=W_O, W_E=w.W_E)
 
 
+@pytest.fixture
+def cholesky_qr2_on_cpu(monkeypatch):
+    monkeypatch.setitem(scores.BASIS, "cpu", "cholesky_qr2")
+
+
+def test_the_cpu_default_is_householder_and_the_gpu_default_cholesky_qr2():
+    A, _ = heads(torch.float64)
+    for got, expect in zip(_orthonormal_basis(A), _householder_basis(A), strict=True):
+        torch.testing.assert_close(got, expect, rtol=0, atol=0)
+    assert scores.BASIS["cuda"] == "cholesky_qr2"
+
+
+@pytest.mark.usefixtures("cholesky_qr2_on_cpu")
+@pytest.mark.parametrize("comp", COMPS)
+def test_subspace_by_cholesky_qr2_matches_the_dense_reference(comp):
+    """As test_composition's dense-reference test, with the GPU's bases."""
+    w = random_model(5, L=3, H=4, Hkv=2, d=32, dh=8)
+    f = head_factors(w, "subspace")
+    for l1 in range(3):
+        got = layer_pair_scores(f, l1, [0, 1, 2], comp)
+        expect = torch.tensor([[[dense_score("subspace", *dense_LR(w, l1, h1, l2, h2, comp), w.d_head)
+                                 for h2 in range(w.n_heads)] for h1 in range(w.n_heads)] for l2 in range(3)],
+                              dtype=torch.float64)
+        torch.testing.assert_close(got, expect, atol=1e-10, rtol=0)
+
+
+@pytest.mark.usefixtures("cholesky_qr2_on_cpu")
 @pytest.mark.parametrize("comp", COMPS)
 def test_subspace_scores_in_float32_match_float64(comp):
-    """The kernel's float32 subspace scores (CholeskyQR2 on most heads) against its float64 ones
-    (checked against dense references in test_composition), degenerate heads included."""
+    """The kernel's float32 subspace scores (CholeskyQR2 on most heads) against its float64 ones,
+    degenerate heads included, and against the Householder bases' float32 scores."""
     w64 = _with_degenerate_heads(random_weights(3, L=3, H=4, Hkv=2, d=64, dh=8, spectrum=0.7, scale=1.0))
     w32 = AttentionWeights(W_Q=w64.W_Q.float(), W_K=w64.W_K.float(), W_V=w64.W_V.float(), W_O=w64.W_O.float(),
                            W_E=w64.W_E.float())
@@ -132,7 +163,10 @@ def test_subspace_scores_in_float32_match_float64(comp):
     torch.testing.assert_close(f32.writer_sv.double(), f64.writer_sv, rtol=0, atol=0)  # the same ranks
     torch.testing.assert_close(f32.reader_sv[comp].double(), f64.reader_sv[comp], rtol=0, atol=0)
     assert f64.writer_sv[0, 1].eq(0).all()  # the zero head has rank 0
+    scores.BASIS["cpu"] = "householder"  # monkeypatch restores it
+    f32_h = head_factors(w32, "subspace")
     for l1 in range(3):
         s64 = layer_pair_scores(f64, l1, [0, 1, 2], comp)
         s32 = layer_pair_scores(f32, l1, [0, 1, 2], comp)
         torch.testing.assert_close(s32.double(), s64, rtol=0, atol=2e-5)
+        torch.testing.assert_close(s32, layer_pair_scores(f32_h, l1, [0, 1, 2], comp), rtol=0, atol=2e-6)

@@ -102,6 +102,11 @@ def _r_factor(A: torch.Tensor) -> torch.Tensor:
 
 
 CHOLQR2_MAX_LOSS = 0.5  # ||Q1^T Q1 - I||_F past which a head leaves CholeskyQR2 for Householder QR
+# the subspace bases' algorithm per device type (``_orthonormal_bases``). A GPU: CholeskyQR2, 0.013 s
+# a 70B layer's heads on an H200 against torch.linalg.qr's 0.169 s (issue 47). The CPU: Householder
+# QR, whose LAPACK runs at GEMM speed there on half CholeskyQR2's FLOPs (4 n k^2 against 8): on 2
+# cores, 256 heads of 2048 x 128, 0.89 s on one thread against 0.59 s (two threads) to 1.04 s (one)
+BASIS: dict[str, str] = {"cuda": "cholesky_qr2", "cpu": "householder"}
 
 
 def _cholesky_qr2(A: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -159,15 +164,22 @@ def _householder_basis(A: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return (Q @ U_R) * keep[..., None, :], keep
 
 
-def _orthonormal_bases(mats: list[torch.Tensor]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def _orthonormal_bases(mats: list[torch.Tensor], method: str | None = None) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Orthonormal bases of the column spaces of each A [..., n, k] of ``mats`` (same k), zero-padded
     past their ranks: (U [..., n, k], indicator [..., k] of the kept columns) per A.
 
-    CholeskyQR2 for every head (``_cholesky_qr2``), on the device; the rank test (singular values
-    above ``s_max max(n, k) eps``) on the singular values of its small R, all of ``mats``' heads in
-    one batch (``small_linalg.on_host``: one trip to the host on a GPU, not one per weight). A head
-    CholeskyQR2 flags, or that is rank deficient, gets ``_householder_basis``, alone. A full-rank
-    head's basis is Q itself: no score sees its rotation."""
+    ``method`` (default: ``BASIS`` of the device's type): ``"householder"``, ``_householder_basis``
+    of each A; or ``"cholesky_qr2"``, CholeskyQR2 for every head (``_cholesky_qr2``), on the device,
+    with the rank test (singular values above ``s_max max(n, k) eps``) on the singular values of
+    its small R, all of ``mats``' heads in one batch (``small_linalg.on_host``: one trip to the host
+    on a GPU, not one per weight); a head CholeskyQR2 flags, or that is rank deficient, gets
+    ``_householder_basis``, alone. A full-rank head's basis is Q itself: no score sees its rotation."""
+    method = method or BASIS.get(mats[0].device.type, "cholesky_qr2")
+    if method == "householder":
+        with one_thread():  # small batched factorisations: a thread hand-off per call costs more (runtime.one_thread)
+            return [_householder_basis(A) for A in mats]
+    if method != "cholesky_qr2":
+        raise ValueError(f"no basis method {method!r}: householder or cholesky_qr2")
     parts = [_cholesky_qr2(A) for A in mats]
     k = mats[0].shape[-1]
     # a flagged head's R may hold NaN (a failed Cholesky), which the SVD refuses: zeros, and the head is redone
@@ -188,10 +200,10 @@ def _orthonormal_bases(mats: list[torch.Tensor]) -> list[tuple[torch.Tensor, tor
     return out
 
 
-def _orthonormal_basis(A: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def _orthonormal_basis(A: torch.Tensor, method: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Orthonormal basis of the column space of A [..., n, k], zero-padded past its rank:
     (U [..., n, k], indicator [..., k] of the kept columns); ``_orthonormal_bases`` of one."""
-    return _orthonormal_bases([A])[0]
+    return _orthonormal_bases([A], method)[0]
 
 
 def _core_spectra(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> list[tuple[torch.Tensor, torch.Tensor]]:

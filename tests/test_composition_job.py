@@ -224,3 +224,33 @@ def test_activation_space_all_metrics_in_one_pass_equal_one_metric_jobs(gqa):
         for col in ("score", "score_share"):
             np.testing.assert_allclose(tables[metric][col].to_numpy().astype(float), one[col].to_numpy().astype(float),
                                        rtol=1e-9, atol=1e-12)
+
+
+@pytest.mark.parametrize("blocks", [1, 3, 8])
+def test_a_block_job_factors_each_touched_layer_once_per_family(gqa, monkeypatch, blocks):
+    """Blocks cost what their pairs cost: however many GEMM tiles a job's pairs fall into (tiny
+    tiles here: one writer layer by one reader layer), each layer it touches is factored once per
+    family, and no layer it does not touch is."""
+    from compatlas import tiles
+    from compatlas.composition import job_factors
+
+    built: list[tuple[str, tuple[int, ...]]] = []
+    real = job_factors.head_factors
+
+    def counting(w, metric, *args, **kwargs):  # which model layers: known by their W_Q
+        built.append((metric, tuple(next(i for i in range(gqa.n_layers) if torch.equal(x, gqa.W_Q[i].to(x.dtype))) for x in w.W_Q)))
+        return real(w, metric, *args, **kwargs)
+
+    monkeypatch.setattr(job_factors, "head_factors", counting)
+    monkeypatch.setattr(job_factors, "CHUNK_BYTES", 1)  # one layer a chunk
+    layers = list(range(gqa.n_layers))
+    w = gqa
+    for b in range(blocks):
+        built.clear()
+        pairs = block_pairs(layers, blocks, b) + null_pairs(layers, blocks, b)
+        if not pairs:
+            continue
+        score_space(w, KERNEL_METRICS, "residual", pairs, baseline_samples=4, device="cpu", tile_bytes=1)
+        touched = tuple(tiles.block_layers(layers, blocks, b))
+        for fam in ("frobenius", "subspace"):
+            assert sorted(ids for m, ids in built if m == fam) == [(layer,) for layer in touched]

@@ -197,7 +197,7 @@ class Floor:
 # ----------------------------------------------------------------------------- one shape
 
 
-def measure_shape(key: str, dev: torch.device, repeats: int, dtypes: tuple[str, ...], share_cores: bool = False) -> dict:
+def measure_shape(key: str, dev: torch.device, repeats: int, dtypes: tuple[str, ...], share_cores: bool = True) -> dict:
     """Floor, kernel and job of one shape in interleaved rounds; the median of per-round ratios."""
     from compatlas.composition.table import on_device, score_space
 
@@ -436,8 +436,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--shapes", default=None, help=f"comma-separated, of {list(SHAPES)} (default: GPU {GPU_SHAPES}, CPU {CPU_SHAPES})")
     ap.add_argument("--repeats", type=int, default=3, help="interleaved timed rounds, after one warm-up")
     ap.add_argument("--json", type=Path, default=None, help="write the results here")
-    ap.add_argument("--share-cores", action="store_true",
-                    help="the job's magnitude cores as sandwiches of subspace's (score_space(share_cores=True)); the rule does not")
+    ap.add_argument("--own-gemms", action="store_true",
+                    help="each factor family its own d_model-long GEMMs (score_space(share_cores=False)); the rule makes the "
+                         "magnitude cores sandwiches of subspace's")
     a = ap.parse_args(argv)
     dev = torch.device(a.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     keys = a.shapes.split(",") if a.shapes else list(GPU_SHAPES if dev.type == "cuda" else CPU_SHAPES)
@@ -448,7 +449,7 @@ def main(argv: list[str] | None = None) -> int:
     for key in keys:
         log(f"measuring {key} ...")
         try:
-            results["shapes"][key] = measure_shape(key, dev, 1 if key in BIG else a.repeats, dtypes, a.share_cores)
+            results["shapes"][key] = measure_shape(key, dev, 1 if key in BIG else a.repeats, dtypes, not a.own_gemms)
         except Exception:  # noqa: BLE001 - one shape's failure (memory, a driver) must not lose the others' figures
             traceback.print_exc()
             results.setdefault("failed", []).append(key)

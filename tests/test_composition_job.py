@@ -254,3 +254,29 @@ def test_a_block_job_factors_each_touched_layer_once_per_family(gqa, monkeypatch
         touched = tuple(tiles.block_layers(layers, blocks, b))
         for fam in ("frobenius", "subspace"):
             assert sorted(ids for m, ids in built if m == fam) == [(layer,) for layer in touched]
+
+
+def test_the_magnitude_family_is_always_a_sandwich_of_subspace_and_matches_its_own_gemms(gqa):
+    """share_cores (the default): a job without subspace still makes the magnitude cores from
+    subspace's bases, so its numbers are those of a job with subspace; against each family's own
+    GEMMs (share_cores=False) they differ by float32 rounding only, a zero and a rank-deficient head
+    (directions the bases drop) included."""
+    from compatlas.composition.job_factors import job_factors
+    from compatlas.models.weights import AttentionWeights
+
+    assert set(job_factors(gqa, ("frobenius",)).sand) == {"frobenius"}
+    assert job_factors(gqa, ("frobenius",), share_cores=False).sand == {}
+    W_O, W_Q = gqa.W_O.clone(), gqa.W_Q.clone()
+    W_O[1, 2] = 0
+    W_Q[2, 1, :, 1:] = W_Q[2, 1, :, :1]  # rank one
+    w = AttentionWeights(W_Q=W_Q, W_K=gqa.W_K, W_V=gqa.W_V, W_O=W_O, W_E=gqa.W_E)
+    pairs = block_pairs(list(range(4)), 1, 0) + null_pairs(list(range(4)), 1, 0)
+    mag = ("frobenius", "svd_bound", "contribution")
+    kw = dict(baseline_samples=N, device="cpu", dtype="float32")
+    alone, _ = score_space(w, mag, "residual", pairs, **kw)
+    beside, _ = score_space(w, KERNEL_METRICS, "residual", pairs, **kw)
+    own, _ = score_space(w, mag, "residual", pairs, share_cores=False, **kw)
+    for m in mag:
+        assert alone[m].equals(beside[m]), m
+        got, want = alone[m]["score"].to_numpy(), own[m]["score"].to_numpy()
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6 * np.nanmax(np.abs(want)))  # a zero head: 0 / 0

@@ -50,6 +50,7 @@ from compatlas.vocab import COMPS, KERNEL_METRICS  # noqa: E402
 
 SHAPES = {  # n_heads, n_kv_heads, d_model, d_head
     "llama2-70b": dict(name="Llama-2-70B widths", H=64, Hkv=8, d=8192, dh=128),
+    "small": dict(name="small GQA (CPU)", H=16, Hkv=2, d=1024, dh=64),
     "tiny": dict(name="tiny GQA (smoke test)", H=4, Hkv=2, d=64, dh=16),
 }
 DEFAULT_METRICS = ("frobenius", "svd_bound", "contribution", "subspace")

@@ -135,7 +135,7 @@ def time_spectrum_baseline(timer: Timer, f, metric: str, comp: str, l1: int, l2:
     """
     import inspect
 
-    from compatlas.composition.scores import scores as C
+    from compatlas.composition import nulls as C
 
     args = (f.writer_norm[l1], f.writer_sv[l1], f.reader_norm[comp][l2], f.reader_sv[comp][l2])
     sv = f.writer_sv

@@ -203,7 +203,7 @@ class Floor:
 # ----------------------------------------------------------------------------- one shape
 
 
-def measure_shape(key: str, dev: torch.device, repeats: int, dtypes: tuple[str, ...], share_cores: bool = False) -> dict:
+def measure_shape(key: str, dev: torch.device, repeats: int, dtypes: tuple[str, ...], share_cores: bool = True) -> dict:
     """Floor, kernel and job of one shape in interleaved rounds; the median of per-round ratios."""
     from compatlas.composition.table import on_device, score_space
 
@@ -316,17 +316,25 @@ def read_and_verify(w: AttentionWeights) -> dict:
 
 def factor_times(w_dev: AttentionWeights) -> dict:
     """``head_factors`` of each family on the device, its small factorisations on the host
-    (``small_linalg.ON_HOST``, the default) and on the GPU, one timed call each after a warm-up."""
-    from compatlas.composition import small_linalg
+    (``small_linalg.ON_HOST``, the default) and on the GPU, and subspace's bases by each method
+    (``scores.BASIS``: CholeskyQR2, the GPU's default, or Householder QR), one timed call each after
+    a warm-up."""
+    from compatlas.composition import scores, small_linalg
     from compatlas.composition.scores import head_factors
 
     out = {}
+    dev_type, default = w_dev.W_Q.device.type, dict(scores.BASIS)
     for on_host in (True, False):
         small_linalg.ON_HOST = on_host
         for fam in FAMILIES:
             head_factors(w_dev, fam)
             out[f"{fam} {'host' if on_host else 'gpu'} small"] = timed(w_dev.W_Q.device, lambda: head_factors(w_dev, fam))
     small_linalg.ON_HOST = True
+    for method in ("cholesky_qr2", "householder"):
+        scores.BASIS[dev_type] = method
+        head_factors(w_dev, "subspace")
+        out[f"subspace bases {method}"] = timed(w_dev.W_Q.device, lambda: head_factors(w_dev, "subspace"))
+    scores.BASIS.update(default)
     return out
 
 
@@ -478,8 +486,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--shapes", default=None, help=f"comma-separated, of {list(SHAPES)} (default: GPU {GPU_SHAPES}, CPU {CPU_SHAPES})")
     ap.add_argument("--repeats", type=int, default=3, help="interleaved timed rounds, after one warm-up")
     ap.add_argument("--json", type=Path, default=None, help="write the results here")
-    ap.add_argument("--share-cores", action="store_true",
-                    help="the job's magnitude cores as sandwiches of subspace's (score_space(share_cores=True)); the rule does not")
+    ap.add_argument("--own-gemms", action="store_true",
+                    help="each factor family its own d_model-long GEMMs (score_space(share_cores=False)); the rule makes the "
+                         "magnitude cores sandwiches of subspace's")
     a = ap.parse_args(argv)
     dev = torch.device(a.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     keys = a.shapes.split(",") if a.shapes else list(GPU_SHAPES if dev.type == "cuda" else CPU_SHAPES)
@@ -490,7 +499,7 @@ def main(argv: list[str] | None = None) -> int:
     for key in keys:
         log(f"measuring {key} ...")
         try:
-            results["shapes"][key] = measure_shape(key, dev, 1 if key in BIG else a.repeats, dtypes, a.share_cores)
+            results["shapes"][key] = measure_shape(key, dev, 1 if key in BIG else a.repeats, dtypes, not a.own_gemms)
         except Exception:  # noqa: BLE001 - one shape's failure (memory, a driver) must not lose the others' figures
             traceback.print_exc()
             results.setdefault("failed", []).append(key)

@@ -15,7 +15,8 @@ import pytest
 import torch
 from conftest import random_weights, tiny_hf_model
 
-from compatlas.composition.scores import gaussian_baseline, haar_overlap_blocks, head_factors, layer_pair_scores
+from compatlas.composition.nulls import gaussian_baseline, haar_overlap_blocks
+from compatlas.composition.scores import head_factors, layer_pair_scores
 from compatlas.models.weights import AttentionWeights
 from compatlas.vocab import COMPS, KERNEL_METRICS
 

@@ -10,16 +10,9 @@ import pytest
 import torch
 from conftest import random_weights
 
+from compatlas.composition.nulls import gaussian_baseline, haar_overlap_blocks, spectrum_baseline
 from compatlas.composition.precision import gemm_operand, round_tf32
-from compatlas.composition.scores import (
-    block_pairs,
-    gaussian_baseline,
-    haar_overlap_blocks,
-    head_factors,
-    layer_pair_scores,
-    null_pairs,
-    spectrum_baseline,
-)
+from compatlas.composition.scores import block_pairs, head_factors, layer_pair_scores, null_pairs
 from compatlas.composition.table import score_block, score_space
 from compatlas.composition.token_space import add_space_factors
 from compatlas.runtime import stable_seed
@@ -231,3 +224,59 @@ def test_activation_space_all_metrics_in_one_pass_equal_one_metric_jobs(gqa):
         for col in ("score", "score_share"):
             np.testing.assert_allclose(tables[metric][col].to_numpy().astype(float), one[col].to_numpy().astype(float),
                                        rtol=1e-9, atol=1e-12)
+
+
+@pytest.mark.parametrize("blocks", [1, 3, 8])
+def test_a_block_job_factors_each_touched_layer_once_per_family(gqa, monkeypatch, blocks):
+    """Blocks cost what their pairs cost: however many GEMM tiles a job's pairs fall into (tiny
+    tiles here: one writer layer by one reader layer), each layer it touches is factored once per
+    family, and no layer it does not touch is."""
+    from compatlas import tiles
+    from compatlas.composition import job_factors
+
+    built: list[tuple[str, tuple[int, ...]]] = []
+    real = job_factors.head_factors
+
+    def counting(w, metric, *args, **kwargs):  # which model layers: known by their W_Q
+        built.append((metric, tuple(next(i for i in range(gqa.n_layers) if torch.equal(x, gqa.W_Q[i].to(x.dtype))) for x in w.W_Q)))
+        return real(w, metric, *args, **kwargs)
+
+    monkeypatch.setattr(job_factors, "head_factors", counting)
+    monkeypatch.setattr(job_factors, "CHUNK_BYTES", 1)  # one layer a chunk
+    layers = list(range(gqa.n_layers))
+    w = gqa
+    for b in range(blocks):
+        built.clear()
+        pairs = block_pairs(layers, blocks, b) + null_pairs(layers, blocks, b)
+        if not pairs:
+            continue
+        score_space(w, KERNEL_METRICS, "residual", pairs, baseline_samples=4, device="cpu", tile_bytes=1)
+        touched = tuple(tiles.block_layers(layers, blocks, b))
+        for fam in ("frobenius", "subspace"):
+            assert sorted(ids for m, ids in built if m == fam) == [(layer,) for layer in touched]
+
+
+def test_the_magnitude_family_is_always_a_sandwich_of_subspace_and_matches_its_own_gemms(gqa):
+    """share_cores (the default): a job without subspace still makes the magnitude cores from
+    subspace's bases, so its numbers are those of a job with subspace; against each family's own
+    GEMMs (share_cores=False) they differ by float32 rounding only, a zero and a rank-deficient head
+    (directions the bases drop) included."""
+    from compatlas.composition.job_factors import job_factors
+    from compatlas.models.weights import AttentionWeights
+
+    assert set(job_factors(gqa, ("frobenius",)).sand) == {"frobenius"}
+    assert job_factors(gqa, ("frobenius",), share_cores=False).sand == {}
+    W_O, W_Q = gqa.W_O.clone(), gqa.W_Q.clone()
+    W_O[1, 2] = 0
+    W_Q[2, 1, :, 1:] = W_Q[2, 1, :, :1]  # rank one
+    w = AttentionWeights(W_Q=W_Q, W_K=gqa.W_K, W_V=gqa.W_V, W_O=W_O, W_E=gqa.W_E)
+    pairs = block_pairs(list(range(4)), 1, 0) + null_pairs(list(range(4)), 1, 0)
+    mag = ("frobenius", "svd_bound", "contribution")
+    kw = dict(baseline_samples=N, device="cpu", dtype="float32")
+    alone, _ = score_space(w, mag, "residual", pairs, **kw)
+    beside, _ = score_space(w, KERNEL_METRICS, "residual", pairs, **kw)
+    own, _ = score_space(w, mag, "residual", pairs, share_cores=False, **kw)
+    for m in mag:
+        assert alone[m].equals(beside[m]), m
+        got, want = alone[m]["score"].to_numpy(), own[m]["score"].to_numpy()
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6 * np.nanmax(np.abs(want)))  # a zero head: 0 / 0

@@ -258,7 +258,7 @@ def test_baseline_samples_beyond_a_jobs_memory_is_named_before_any_job():
     naming no key. Where a model's size is known, validation compares the nulls' memory
     (compatlas.tiles.null_bytes, by hand here) with composition.job_memory_gb; the job itself
     compares it with the device's free memory (for a model validation cannot size)."""
-    from compatlas.composition.job import draw_nulls
+    from compatlas.composition.nulls import draw_nulls
     from compatlas.tiles import null_bytes
 
     cfg = tiny()

@@ -1,9 +1,9 @@
 """One composition job on one device: every requested metric of one space over a block of layer
 pairs, in few large GEMMs, resident on the device from the weights to the finished block.
 
-The metrics themselves are ``composition``'s (``head_factors``, ``pair_denominator``,
-``normalised_score``, ``spectrum_baseline``); this module only decides what runs where and how
-often:
+The metrics themselves are ``composition.scores``' (``head_factors``, ``pair_denominator``,
+``normalised_score``), the nulls ``composition.nulls``' (``draw_nulls``, ``spectrum_baseline``,
+``gaussian_baselines``); this module only decides what runs where and how often:
 
 - metrics that share their head factors (``composition.factor_family``: frobenius, svd_bound and
   contribution) share them and their core products, each metric only adds its denominators; with
@@ -32,21 +32,11 @@ from dataclasses import dataclass, field
 import torch
 
 from compatlas.composition.job_factors import JobFactors, Sandwich
+from compatlas.composition.nulls import Nulls, gaussian_baselines, spectrum_baseline
 from compatlas.composition.precision import core_gemm, gemm_operand
-from compatlas.composition.scores import (
-    HeadFactors,
-    factor_family,
-    gaussian_heads,
-    haar_overlap_blocks,
-    head_factors,
-    normalised_score,
-    pair_denominator,
-    spectrum_baseline,
-)
-from compatlas.models.weights import AttentionWeights
-from compatlas.runtime import free_bytes, one_thread, stable_seed
-from compatlas.tiles import null_bytes
-from compatlas.vocab import COMPS, Comp, Metric, ScoreDtype, Space
+from compatlas.composition.scores import HeadFactors, factor_family, normalised_score, pair_denominator
+from compatlas.runtime import one_thread
+from compatlas.vocab import COMPS, Comp, Metric, ScoreDtype
 
 CPU_TILE_BYTES = 32 * 2**20  # one GPT-2-small writer layer's products (28 MiB); stacking more was no faster on 2 cores
 GPU_TILE_SHARE = 0.15  # of the device's free memory, for one tile's products (its post products and their
@@ -174,32 +164,6 @@ def tile_spectra(f: HeadFactors, comp: Comp, writers: list[int],
             _heads(f.reader_norm[comp], readers), _heads(f.reader_sv[comp], readers))
 
 
-@dataclass
-class Nulls:
-    """The nulls' draws of one job: each metric x comp's squared overlap blocks (the spectrum
-    null, ``composition.spectrum_baseline``) and the Gaussian baseline's random heads."""
-
-    P2: dict[tuple[Metric, Comp], torch.Tensor]
-    gaussian: AttentionWeights
-
-
-def draw_nulls(metrics: tuple[Metric, ...], space: Space, d_model: int, d_head: int, n: int, seed: int,
-               dt: torch.dtype, dev: torch.device) -> Nulls:
-    """The spectrum null's draws keep ``composition_table``'s seeds (one per metric x space x comp);
-    the Gaussian heads are one draw per job shape, shared by every metric and comp. ValueError naming
-    ``composition.baseline_samples`` where they would not fit the device's free memory (a model whose
-    size validation could not know: it checks the others against composition.job_memory_gb)."""
-    need, free = null_bytes(d_model, d_head, n, len(metrics), dt.itemsize), free_bytes(dev)
-    if free is not None and need > free:
-        raise ValueError(f"composition.baseline_samples: {n} needs about {need / 1e9:,.1f} GB for this job's nulls "
-                         f"(d_model {d_model}, d_head {d_head}), more than the {free / 1e9:,.1f} GB free on {dev}; "
-                         "lower it (the default is 32)")
-    with one_thread() if dev.type == "cpu" else nullcontext():
-        P2 = {(m, c): haar_overlap_blocks(d_model, d_head, n, stable_seed(seed, "spectrum", m, space, c),
-                                          device=dev).pow(2).to(dt) for m in metrics for c in COMPS}
-    return Nulls(P2, gaussian_heads(d_model, d_head, n, stable_seed(seed, "gaussian", d_model, d_head), dt, dev))
-
-
 def sandwich_sq_norms(core: torch.Tensor, s: Sandwich, comp: Comp, writers: list[int], readers: list[int]) -> torch.Tensor:
     """Squared norms [k H1, nR H2] of another family's cores from a tile's base products ``core``
     [k H1 dh, nR Hg dh] (``tile_sq_norms(..., keep=True)``): two d_head-long products, each
@@ -238,7 +202,9 @@ def score_tiles(jf: JobFactors, metrics: tuple[Metric, ...], pairs: list[tuple[i
     if nulls is not None:
         with clock.phase("nulls"):
             for fam, idx in families.items():
-                g = gaussian_baselines(nulls.gaussian, fam, [metrics[i] for i in idx], dtype, small)
+                g = gaussian_baselines(nulls.gaussian, fam, [metrics[i] for i in idx],
+                                       lambda f: tile_sq_norms(f, gemm_operands(f, dtype), "Q", [0], [1], dtype)[0],
+                                       small)
                 gauss[idx] = g[:, None, :].expand(len(idx), len(COMPS), 2)
     for c_i, c in enumerate(COMPS):
         for t in tiles:
@@ -262,23 +228,6 @@ def score_tiles(jf: JobFactors, metrics: tuple[Metric, ...], pairs: list[tuple[i
                             for j, x in enumerate(spectrum_baseline(metrics[i], *spectra, nulls.P2[metrics[i], c])):
                                 block[i, c_i, 1 + j, t.pos] = x.view(shape)[t.wi, :, t.ri, :]
     return block, gauss
-
-
-def gaussian_baselines(heads: AttentionWeights, family: Metric, metrics: list[Metric], dtype: ScoreDtype,
-                       small=nullcontext) -> torch.Tensor:
-    """Mean and std [metrics, 2] of each metric's score over the n x n pairs of Gaussian heads
-    (layer 0 writers, layer 1 readers), by the same kernel as the real scores.
-
-    Computed once, for Q, and given to K and V: with i.i.d. Gaussian weights the three comps'
-    scores have one law (each reader matrix, ``W_Q W_K^T``, ``W_K W_Q^T`` or ``W_V W_O``, is a
-    product of two independent Gaussian d_model x d_head factors; for ``subspace`` each reader
-    subspace is the span of one), so three computations would be three estimates of one number."""
-    f = head_factors(heads, family, ("Q",))
-    sq, _ = tile_sq_norms(f, gemm_operands(f, dtype), "Q", [0], [1], dtype)
-    spectra = tile_spectra(f, "Q", [0], [1])
-    with small():
-        scores = [normalised_score(m, sq, pair_denominator(m, *spectra)) for m in metrics]
-        return torch.stack([torch.stack([s.mean(), s.std()]) for s in scores])
 
 
 def default_tile_bytes(dev: torch.device) -> int:

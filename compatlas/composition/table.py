@@ -18,8 +18,9 @@ import polars as pl
 import torch
 
 from compatlas.composition.activation_space import activation_weights
-from compatlas.composition.job import JobClock, draw_nulls, score_tiles
+from compatlas.composition.job import JobClock, score_tiles
 from compatlas.composition.job_factors import job_factors
+from compatlas.composition.nulls import draw_nulls
 from compatlas.composition.precision import storage_dtype
 from compatlas.composition.scores import touched_layers
 from compatlas.composition.token_space import EmbeddingBasis, change_basis, space_basis
@@ -68,16 +69,17 @@ def on_device(w: AttentionWeights, dev: torch.device, dt: torch.dtype) -> Attent
 def score_space(w: AttentionWeights, metrics: tuple[Metric, ...], space: Space, pairs: list[tuple[int, int]], *,
                 baseline_samples: int = 32, seed: int = 0, device: str = "auto", dtype: ScoreDtype = "float32",
                 max_condition: float = 1e6, moments: Moments | None = None,
-                tile_bytes: int | None = None, share_cores: bool = False) -> tuple[dict[Metric, pl.DataFrame], dict]:
+                tile_bytes: int | None = None, share_cores: bool = True) -> tuple[dict[Metric, pl.DataFrame], dict]:
     """``score_block`` for several metrics of one space in one pass: the weights go to the device
     a few layers at a time, metrics of one ``factor_family`` share their factors and core
     products, and the finished block comes back in one copy. Returns each metric's table and the
     job's facts (``seconds_by_phase``: where the time went, ``composition_job.JobClock``).
 
-    A metric's numbers do not depend on the metrics beside it: each family's cores come from its
-    own GEMMs, bit for bit what ``score_block`` gives alone. ``share_cores`` makes the magnitude
-    family's cores sandwiches of subspace's (``job_factors``: fewer d_model-long GEMMs, the same
-    values to float rounding, which then depend on whether subspace is in the job)."""
+    A metric's numbers do not depend on the metrics beside it, bit for bit what ``score_block``
+    gives alone: with ``share_cores`` (the default) the magnitude family's cores are always
+    sandwiches of subspace's (``job_factors``: one family's d_model-long GEMMs, subspace's bases
+    made where subspace is not scored), without it each family's come from its own GEMMs (the
+    same values to float rounding)."""
     metrics = tuple(metrics)
     if forward := [m for m in metrics if m in ACTIVATION_ONLY_METRICS]:  # measured by the moments rule
         t0 = time.perf_counter()

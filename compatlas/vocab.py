@@ -112,9 +112,10 @@ EdgeMethod = Literal["eap", "eap_attn", "eap_ig"]
 patching; the same with the attention softmax of Q and K edges computed exactly (AtP*'s QK fix,
 ``compatlas.function.eap_attn``); or with integrated gradients. Exact patching measures a sample beside them."""
 EDGE_METHODS: tuple[EdgeMethod, ...] = get_args(EdgeMethod)
-# the settings of induction.edge_attribution that exact patching alone reads: an attribution job
-# over a share of the sequences does not (changing them reruns only the edge attribution job)
-EXACT_PATCHING_KEYS = ("exact_edges", "exact_sequences", "exact_top")
+ExactPatchingKey = Literal["exact_edges", "exact_sequences", "exact_top"]
+"""The settings of ``induction.edge_attribution`` that exact patching alone reads: an attribution job
+over a share of the sequences does not (changing them reruns only the edge attribution job)."""
+EXACT_PATCHING_KEYS: tuple[ExactPatchingKey, ...] = get_args(ExactPatchingKey)
 
 Architecture = Literal["gpt2", "llama"]
 """The shapes a built or trained small model takes (GPT-2: learned positions, LayerNorm;

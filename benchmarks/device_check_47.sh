@@ -11,7 +11,7 @@
 #  2. bench_blocks.py: 8 blocks (tiles of the layer grid) against one job, Llama-2-70B widths,
 #     16 layers (target: the 8 jobs' sum <= 1.3x one job's time).
 # `bash benchmarks/device_check_47.sh --cpu` is the same on this machine's CPU, at the shapes a CPU
-# runs in minutes (GPT-2-small; blocks at the tiny shape): target, the rule job within 1.25x of
+# runs in minutes (GPT-2-small; blocks at a d_model 1024 shape): target, the rule job within 1.25x of
 # its kernel job.
 set -euo pipefail
 OUT=${OUT:-/tmp/device_check_47}
@@ -19,7 +19,7 @@ mkdir -p "$OUT"
 if [ "${1:-}" = "--cpu" ]; then
     timeout 1200 python3 benchmarks/bench_gpu_job.py --device cpu --shapes gpt2 --repeats 3 --json "$OUT/gpu_job_cpu.json" \
         | tee "$OUT/gpu_job_cpu.txt"
-    timeout 600 python3 benchmarks/bench_blocks.py --device cpu --shape tiny --layers 16 --blocks 8 --json "$OUT/blocks_cpu.json" \
+    timeout 600 python3 benchmarks/bench_blocks.py --device cpu --shape small --layers 16 --blocks 8 --json "$OUT/blocks_cpu.json" \
         | tee "$OUT/blocks_cpu.txt"
 else
     timeout 240 python3 benchmarks/bench_gpu_job.py --device cuda --shapes gpt2,llama2-70b-8 --repeats 3 --json "$OUT/gpu_job.json" \

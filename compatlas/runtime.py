@@ -13,7 +13,7 @@ import importlib.metadata
 import os
 import sys
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -114,3 +114,9 @@ def one_thread() -> Iterator[None]:
         yield
     finally:
         torch.set_num_threads(threads)
+
+
+def one_thread_on(device: torch.device) -> AbstractContextManager[None]:
+    """``one_thread`` where ``device`` (a torch device) is the CPU, nothing elsewhere: the small
+    batched factorisations of a job on a GPU run there, not on the host's threads."""
+    return one_thread() if device.type == "cpu" else nullcontext()

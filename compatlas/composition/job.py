@@ -26,7 +26,7 @@ from __future__ import annotations
 import time
 from collections import defaultdict
 from collections.abc import Iterator
-from contextlib import contextmanager, nullcontext
+from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass, field
 
 import torch
@@ -35,7 +35,7 @@ from compatlas.composition.job_factors import JobFactors, Sandwich
 from compatlas.composition.nulls import Nulls, gaussian_baselines, spectrum_baseline
 from compatlas.composition.precision import core_gemm, gemm_operand
 from compatlas.composition.scores import HeadFactors, factor_family, normalised_score, pair_denominator
-from compatlas.runtime import one_thread
+from compatlas.runtime import one_thread_on
 from compatlas.vocab import COMPS, Comp, Metric, ScoreDtype
 
 CPU_TILE_BYTES = 32 * 2**20  # one GPT-2-small writer layer's products (28 MiB); stacking more was no faster on 2 cores
@@ -193,7 +193,8 @@ def score_tiles(jf: JobFactors, metrics: tuple[Metric, ...], pairs: list[tuple[i
     families: dict[Metric, list[int]] = defaultdict(list)  # family -> indices into metrics
     for i, m in enumerate(metrics):
         families[factor_family(m)].append(i)
-    small = one_thread if dev.type == "cpu" else nullcontext  # runtime.one_thread: small ops pay a thread hand-off
+    def small() -> AbstractContextManager[None]:  # runtime.one_thread: small ops pay a thread hand-off
+        return one_thread_on(dev)
     tile_bytes = tile_bytes or default_tile_bytes(dev)
     # a head pair's core (a shared absorb's post products take as much again, beside it)
     tiles = plan_tiles(pairs, dh * dh * ref.element_size(), H, tile_bytes, dev)

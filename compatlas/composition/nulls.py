@@ -33,7 +33,7 @@ import torch
 
 from compatlas.composition.scores import HeadFactors, head_factors, layer_pair_scores, normalised_score, pair_denominator
 from compatlas.models.weights import AttentionWeights
-from compatlas.runtime import free_bytes, one_thread, stable_seed
+from compatlas.runtime import free_bytes, one_thread_on, stable_seed
 from compatlas.tiles import null_bytes
 from compatlas.vocab import COMPS, Comp, Metric, Space
 
@@ -128,7 +128,7 @@ def draw_nulls(metrics: tuple[Metric, ...], space: Space, d_model: int, d_head: 
         raise ValueError(f"composition.baseline_samples: {n} needs about {need / 1e9:,.1f} GB for this job's nulls "
                          f"(d_model {d_model}, d_head {d_head}), more than the {free / 1e9:,.1f} GB free on {dev}; "
                          "lower it (the default is 32)")
-    with one_thread() if dev.type == "cpu" else nullcontext():
+    with one_thread_on(dev):
         P2 = {(m, c): haar_overlap_blocks(d_model, d_head, n, stable_seed(seed, "spectrum", m, space, c),
                                           device=dev).pow(2).to(dt) for m in metrics for c in COMPS}
     return Nulls(P2, gaussian_heads(d_model, d_head, n, stable_seed(seed, "gaussian", d_model, d_head), dt, dev))

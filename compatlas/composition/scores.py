@@ -36,14 +36,13 @@ Metrics (the first three in [0, 1]):
 
 from __future__ import annotations
 
-from contextlib import nullcontext
 from dataclasses import dataclass, field
 
 import torch
 
 from compatlas.composition.small_linalg import on_host
 from compatlas.models.weights import AttentionWeights
-from compatlas.runtime import one_thread
+from compatlas.runtime import one_thread, one_thread_on
 from compatlas.tiles import (  # noqa: F401 -- re-exported (the section "layer pairs" below)
     block_layers,
     block_pairs,
@@ -137,12 +136,12 @@ def _cholesky_qr2(A: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Te
     k = A.shape[-1]
     eye = torch.eye(k, dtype=A.dtype, device=A.device)
     G = A.transpose(-2, -1) @ A  # the d_model-long products: all threads
-    with one_thread() if A.device.type == "cpu" else nullcontext():  # k x k work: a thread hand-off costs more
+    with one_thread_on(A.device):  # k x k work: a thread hand-off costs more
         R1, info1 = torch.linalg.cholesky_ex(G, upper=True)
         X1 = torch.linalg.solve_triangular(R1, eye, upper=True)
     Q1 = A @ X1
     G2 = Q1.transpose(-2, -1) @ Q1
-    with one_thread() if A.device.type == "cpu" else nullcontext():
+    with one_thread_on(A.device):
         R2, info2 = torch.linalg.cholesky_ex(G2, upper=True)
         X2 = torch.linalg.solve_triangular(R2, eye, upper=True)
         loss = torch.linalg.matrix_norm(G2 - eye)  # NaN where R1 failed: not <=, so not ok
@@ -184,7 +183,7 @@ def _orthonormal_bases(mats: list[torch.Tensor], method: str | None = None) -> l
     k = mats[0].shape[-1]
     # a flagged head's R may hold NaN (a failed Cholesky), which the SVD refuses: zeros, and the head is redone
     R_all = torch.cat([torch.where(ok[..., None, None], R, 0).reshape(-1, k, k) for _, R, ok in parts])
-    with one_thread() if R_all.device.type == "cpu" else nullcontext():
+    with one_thread_on(R_all.device):
         S_all = on_host(torch.linalg.svdvals, R_all).split([A[..., 0, 0].numel() for A in mats])
     out = []
     for A, (Q, _, ok), S in zip(mats, parts, S_all):
@@ -194,7 +193,7 @@ def _orthonormal_bases(mats: list[torch.Tensor], method: str | None = None) -> l
         keep = torch.ones_like(S)
         if not bool(good.all()):
             bad = ~good
-            with one_thread() if A.device.type == "cpu" else nullcontext():
+            with one_thread_on(A.device):
                 Q[bad], keep[bad] = _householder_basis(A[bad])
         out.append((Q, keep))
     return out

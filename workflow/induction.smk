@@ -26,9 +26,6 @@ rule induction:
         "../scripts/induction.py"
 
 
-# Function beside the weights: every causal writer -> reader edge per comp scored by its effect
-# on the induction task (the config's methods for all, exact edge patching for a sample stratified
-# over |attribution| and over one composition score), on the same boot.
 # Where induction.edge_attribution.jobs splits the sequences: each share's attribution (every
 # method, every edge) as sums that the edge attribution job merges exactly, so that the longest
 # chain of a large model runs on several cores.
@@ -55,6 +52,9 @@ rule edge_attribution_share:
         "../scripts/edge_attribution_share.py"
 
 
+# Function beside the weights: every causal writer -> reader edge per comp scored by its effect
+# on the induction task (the config's methods for all, exact edge patching for a sample stratified
+# over |attribution| and over one composition score), on the same boot.
 rule edge_attribution:
     input:
         meta=WEIGHTS_META,

@@ -142,6 +142,12 @@ def composition_grid(model, composition: pl.DataFrame | None) -> dict[Comp, torc
     return out
 
 
+def gradient_batch(model, task: InductionTask, settings: dict) -> int:
+    """The sequences an EAP batch holds on ``task`` (its provenance's ``gradient_batch``):
+    ``gradient_rows``, at most the task's sequences."""
+    return min(len(task.clean), gradient_rows(model, task, settings["batch_size"], settings.get("memory_gb")))
+
+
 def attribution_sums(model, task: InductionTask, settings: dict, rows: slice | None = None
                      ) -> tuple[dict[str, EdgeSums], dict[str, float]]:
     """Every method of ``settings["methods"]`` for every causal edge over the task's sequences
@@ -173,8 +179,7 @@ def attribute_share(model, tokens, settings: dict, seed: int, job: int, jobs: in
     rows = sequence_share(S, jobs, job)
     sums, seconds = attribution_sums(model, task, settings, rows)
     return sums, {"job": job, "jobs": jobs, "sequences_from": rows.start, "sequences_to": rows.stop,
-                  "method_seconds": seconds,
-                  "gradient_batch": min(S, gradient_rows(model, task, settings["batch_size"], settings.get("memory_gb")))}
+                  "method_seconds": seconds, "gradient_batch": gradient_batch(model, task, settings)}
 
 
 def attribute_edges(model, tokens, settings: dict, seed: int = 0, composition: pl.DataFrame | None = None,
@@ -194,10 +199,10 @@ def attribute_edges(model, tokens, settings: dict, seed: int = 0, composition: p
             raise ValueError(f"the attribution jobs' sequences {got} do not cover the {S} sequences once")
         sums = {m: functools.reduce(EdgeSums.merge, [s[m] for s, _ in shares]) for m in settings["methods"]}
         seconds = {m: round(sum(f["method_seconds"][m] for _, f in shares), 3) for m in settings["methods"]}
-        gradient_batch = shares[0][1]["gradient_batch"]
+        batch = shares[0][1]["gradient_batch"]
     else:
         sums, seconds = attribution_sums(model, task, settings)
-        gradient_batch = min(S, gradient_rows(model, task, bs, settings.get("memory_gb")))
+        batch = gradient_batch(model, task, settings)
     t1 = time.perf_counter()
     first = sums[settings["methods"][0]]
     grid = composition_grid(model, composition)
@@ -211,7 +216,7 @@ def attribute_edges(model, tokens, settings: dict, seed: int = 0, composition: p
                          Progress(log, "exact edge patching", len(sample) * len(sub.clean), "edge x sequence"))
     log.info("exact patching: %d edges x %d sequences in %.1fs", len(sample), len(sub.clean), time.perf_counter() - t1)
     facts = {"edges": len(edges), "exact_edges": len(sample), "exact_random": len(drawn), "exact_top": len(added),
-             "gradient_batch": gradient_batch, "attribution_jobs": max(1, len(shares)),
+             "gradient_batch": batch, "attribution_jobs": max(1, len(shares)),
              "exact_sequences": len(sub.clean),
              "exact_stratified_by": "|score| of " + settings["methods"][0]
              + ("" if composition is None else " and composition " + "/".join(

@@ -239,7 +239,8 @@ def measure_shape(key: str, dev: torch.device, repeats: int, dtypes: tuple[str, 
     parts["kernel float32"] = lambda: score_tiles(job_factors(w_dev, METRICS), METRICS, pairs, None, "float32", JobClock(dev))
     for dt in dtypes:
         parts[f"job {dt}"] = job(dt)
-    parts["rule float32"] = rule_job(w, dev, layers)
+    shard = weight_shard(w)
+    parts["rule float32"] = rule_job(shard, dev, layers)
     for fn in parts.values():  # warm-up: library initialisation, cuBLAS heuristics, allocator
         fn()
     for dt in dtypes:
@@ -267,7 +268,8 @@ def measure_shape(key: str, dev: torch.device, repeats: int, dtypes: tuple[str, 
     out["rule_job"] = {"s": med(t["rule float32"]),
                        "share_of_fp32_floor": med([f / j for f, j in zip(fl["float32"], t["rule float32"])])}
     out["rule_job"]["over_kernel"] = out["rule_job"]["s"] / out["kernel_s"]
-    out["read_verify"] = read_and_verify(w)
+    out["read_verify"] = read_and_verify(shard, w)
+    shutil.rmtree(shard, ignore_errors=True)
     out["host_peak_rss_bytes"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     if dev.type == "cuda":
         out["factors_s"] = factor_times(w_dev)
@@ -276,16 +278,23 @@ def measure_shape(key: str, dev: torch.device, repeats: int, dtypes: tuple[str, 
     return out  # the device weights and the floor's operands go with this frame
 
 
-def rule_job(w: AttentionWeights, dev: torch.device, layers: list[int]) -> Callable[[], object]:
-    """The composition rule's job on ``w`` written as a weight shard: what scripts/composition.py runs."""
+def weight_shard(w: AttentionWeights) -> Path:
+    """``w`` written as the extract rule writes it (``save_weights``: the shard and its seals) in a
+    fresh folder, once for the rule job and the read check; the caller removes it."""
     import tempfile
 
-    from compatlas.composition.shard_job import composition_job
     from compatlas.models.weights import save_weights
-    from compatlas.vocab import KERNEL_METRICS
 
     folder = Path(tempfile.mkdtemp(prefix="bench-rule-job-"))
     save_weights(w, folder / "weights.safetensors", folder / "meta.json")
+    return folder
+
+
+def rule_job(folder: Path, dev: torch.device, layers: list[int]) -> Callable[[], object]:
+    """The composition rule's job on the weight shard in ``folder``: what scripts/composition.py runs."""
+    from compatlas.composition.shard_job import composition_job
+    from compatlas.vocab import KERNEL_METRICS
+
     causal = [folder / "composition" / f"metric={m}" / "space=residual" / "block=0.parquet" for m in KERNEL_METRICS]
     null = [folder / "composition_null" / f"metric={m}" / "space=residual" / "block=0.parquet" for m in KERNEL_METRICS]
     settings = {"baseline_samples": 32, "seed": 0, "max_condition": 1e6}
@@ -296,21 +305,16 @@ def rule_job(w: AttentionWeights, dev: torch.device, layers: list[int]) -> Calla
     return run
 
 
-def read_and_verify(w: AttentionWeights) -> dict:
+def read_and_verify(folder: Path, w: AttentionWeights) -> dict:
     """What a job's read of one layer costs: ``load_weights(layers=[k], vocabulary=False)`` on the
-    shard ``save_weights`` wrote (read into memory and checked against its seal), the best of three,
-    and the rate in bytes a second (the estimate's reads: each job's layers, a token space's W_E)."""
-    import tempfile
+    shard in ``folder`` (read into memory and checked against its seal), the best of three, and the
+    rate in bytes a second (the estimate's reads: each job's layers, a token space's W_E)."""
+    from compatlas.models.weights import load_weights
 
-    from compatlas.models.weights import load_weights, save_weights
-
-    folder = Path(tempfile.mkdtemp(prefix="bench-read-"))
-    save_weights(w, folder / "weights.safetensors", folder / "meta.json")
     layer_bytes = sum(t[0].numel() * t.element_size() for t in (w.W_Q, w.W_K, w.W_V, w.W_O))
     best = min(timed(torch.device("cpu"), lambda: load_weights(folder / "weights.safetensors", folder / "meta.json",
                                                                 layers=[w.n_layers - 1], vocabulary=False))
                for _ in range(3))
-    shutil.rmtree(folder, ignore_errors=True)
     return {"layer_bytes": layer_bytes, "per_layer_s": best, "bytes_per_s": layer_bytes / best}
 
 

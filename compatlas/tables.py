@@ -105,6 +105,15 @@ EDGE_SUMS_SCHEMA: Schema = {
     "even": pl.Float64, "odd": pl.Float64,
 }
 
+# An exact-patching job's share of the exact sequences (``function.exact_shares``): the patched
+# value M(edge patched) - M(clean) of every edge of the sample (``edge``: its place in the sample)
+# on each of the job's sequences (``sequence``: its index in the task); not a view (the edge
+# attribution job stacks the shares into its table's ``exact`` and ``exact_stderr``).
+EXACT_VALUES_SCHEMA: Schema = {
+    "edge": pl.Int32, "comp": pl.Utf8, "writer_layer": pl.Int32, "writer_head": pl.Int32, "reader_layer": pl.Int32,
+    "reader_index": pl.Int32, "sequence": pl.Int64, "exact": pl.Float64,
+}
+
 # The loss of every step of the pipeline's own training runs (``training.train_segment``).
 TRAINING_LOSS_SCHEMA: Schema = {"model": pl.Utf8, "step": pl.Int64, "tokens": pl.Int64, "loss": pl.Float64}
 

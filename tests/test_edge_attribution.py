@@ -535,3 +535,38 @@ def test_attribution_split_over_jobs_gives_the_one_jobs_table(gqa):
                                    atol=1e-15, equal_nan=True, err_msg=col)
     with pytest.raises(ValueError, match="do not cover"):
         attribute_edges(gqa, POOL, settings, seed=0, shares=shares[:1])
+
+
+def test_exact_patching_split_over_jobs_gives_the_one_jobs_table(gqa):
+    """Exact patching split over jobs (exact_shares.patch_share, each on its share of the exact
+    sequences after merging the attribution shares) and stacked by exact_table, on the model's
+    shape alone (no model), gives one job's table: the same sample, every figure to float64
+    rounding; a job that patched another sample, or missing sequences, is refused."""
+    from compatlas.function.edge_attribution import n_kv_heads
+    from compatlas.function.edge_measure import attribute_share
+    from compatlas.function.exact_shares import ModelShape, exact_rows, exact_table, patch_share
+
+    settings = {**SETTINGS, "sequences": 10, "length": 6, "methods": ["eap"], "exact_edges": 4, "exact_sequences": 5,
+                "exact_top": 2}
+    whole, facts1 = attribute_edges(gqa, POOL, settings, seed=0)
+    shares = [attribute_share(gqa, POOL, settings, 0, j, 2) for j in range(2)]
+    parts = [patch_share(gqa, POOL, settings, 0, None, shares, j, 2) for j in range(2)]
+    assert [(f["sequences_from"], f["sequences_to"]) for _, f in parts] == [(0, 2), (2, 5)]
+    shape = ModelShape(gqa.cfg.n_layers, gqa.cfg.n_heads, n_kv_heads(gqa))
+    split, facts = exact_table(shape, settings, 0, None, shares, parts)
+    assert facts["exact_jobs"] == 2 and facts["exact_edges"] == facts1["exact_edges"] > 3 * 4
+    key = ["method", "comp", "writer_layer", "writer_head", "reader_layer", "reader_head"]
+    a, b = whole.sort(key), split.sort(key)
+    assert a.select(key, "exact_sample").equals(b.select(key, "exact_sample"))
+    assert b["exact"].drop_nulls().len() == a["exact"].drop_nulls().len() > 0
+    for col in ("score", "score_stderr", "exact", "exact_stderr"):
+        np.testing.assert_allclose(b[col].to_numpy().astype(float), a[col].to_numpy().astype(float), rtol=1e-9,
+                                   atol=1e-15, equal_nan=True, err_msg=col)
+    other = patch_share(gqa, POOL, settings, 1, None, shares, 1, 2)  # another seed draws another sample
+    with pytest.raises(ValueError, match="another sample"):
+        exact_table(shape, settings, 0, None, shares, [parts[0], other])
+    with pytest.raises(ValueError, match="do not cover"):
+        exact_table(shape, settings, 0, None, shares, parts[:1])
+    assert [exact_rows(5, 3, j) for j in range(3)] == [slice(0, 1), slice(1, 3), slice(3, 5)]
+    with pytest.raises(ValueError, match="one or more"):
+        exact_rows(2, 3, 0)

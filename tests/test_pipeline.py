@@ -165,6 +165,10 @@ def test_edge_attribution_views(pipeline_run: Path):
     assert read_provenance(edges)["attribution_jobs"] == 2 and [p.name for p in shares] == ["share=0.parquet", "share=1.parquet"]
     assert [read_provenance(p)["sequences_to"] for p in shares] == [256, 512]
     assert not (pipeline_run / "results" / "edge_sums" / "model=tiny-gpt2").exists()  # one job: no shares
+    # ... and its exact patching as two jobs over the exact sequences, stacked by a merge that booted no model
+    exact = sorted((pipeline_run / "results" / "exact_values" / "model=tiny-llama" / "checkpoint=final").glob("*.parquet"))
+    assert [(read_provenance(p)["sequences_from"], read_provenance(p)["sequences_to"]) for p in exact] == [(0, 16), (16, 32)]
+    assert read_provenance(edges)["exact_jobs"] == 2 and read_provenance(edges)["kv_group"] == 2
     assert con.execute("SELECT count(*) FROM eap_vs_exact WHERE method = 'eap'").fetchone()[0] == (2 + 3) * 3
     assert con.execute("SELECT count(*) FROM composition_vs_function WHERE method = 'eap' AND space NOT IN ('oracle', 'prior')"
                        ).fetchone()[0] == 2 * 3 * 2 * 3 + 3 * 3 * 1 * 3

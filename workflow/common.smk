@@ -9,6 +9,7 @@ from snakemake.exceptions import WorkflowError
 
 from compatlas.plan.config import ConfigError, load_config_file
 from compatlas.plan import build_plan, thaw
+from compatlas.plan.edge_jobs import attribution_jobs, exact_jobs
 from compatlas.storage import remove_leftover_temps
 from compatlas.vocab import ACTIVATION_ONLY_METRICS, EXACT_PATCHING_KEYS, METRICS, SPACES
 
@@ -43,6 +44,7 @@ INDUCTION_TOKENS = f"{RESULTS}/induction/model={{model}}/checkpoint={{checkpoint
 HEAD_SCORES = f"{RESULTS}/induction/model={{model}}/checkpoint={{checkpoint}}/heads.parquet"
 EDGE_ATTRIBUTION = f"{RESULTS}/edge_attribution/model={{model}}/checkpoint={{checkpoint}}/edges.parquet"
 EDGE_SHARE = f"{RESULTS}/edge_sums/model={{model}}/checkpoint={{checkpoint}}/share={{share}}.parquet"
+EXACT_SHARE = f"{RESULTS}/exact_values/model={{model}}/checkpoint={{checkpoint}}/share={{share}}.parquet"
 TRAIN_STATE = f"{RESULTS}/train/{{model}}/{{checkpoint}}/state.pt"
 TRAIN_LOSS = f"{RESULTS}/train/{{model}}/{{checkpoint}}/loss.parquet"
 SHARD = f"{RESULTS}/composition/model={{model}}/checkpoint={{checkpoint}}/metric={{metric}}/space={{space}}/block={{block}}.parquet"
@@ -270,9 +272,15 @@ def model_share_settings(wildcards):
 def edge_share_shards(wildcards):
     """The attribution jobs' shards an edge attribution job merges: one per share of the
     sequences where ``induction.edge_attribution.jobs`` splits them, none where one job runs all."""
-    jobs = PLAN.models[wildcards.model].induction["edge_attribution"]["jobs"]
-    return [] if jobs == 1 else expand(EDGE_SHARE, model=wildcards.model, checkpoint=wildcards.checkpoint,
-                                       share=range(jobs))
+    jobs = attribution_jobs(PLAN.models[wildcards.model].induction["edge_attribution"])
+    return expand(EDGE_SHARE, model=wildcards.model, checkpoint=wildcards.checkpoint, share=range(jobs))
+
+
+def exact_share_shards(wildcards):
+    """The exact-patching jobs' shards an edge attribution job stacks: one per share of the exact
+    sequences where the attribution is split (compatlas.function.exact_shares), none otherwise."""
+    jobs = exact_jobs(PLAN.models[wildcards.model].induction["edge_attribution"])
+    return expand(EXACT_SHARE, model=wildcards.model, checkpoint=wildcards.checkpoint, share=range(jobs))
 
 
 def report_config():

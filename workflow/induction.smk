@@ -52,14 +52,43 @@ rule edge_attribution_share:
         "../scripts/edge_attribution_share.py"
 
 
+# Where the attribution is split, exact patching is too: each job merges the shares' sums, draws
+# the sample from them as one job would, and patches it on its share of the exact sequences.
+rule exact_patching_share:
+    input:
+        meta=WEIGHTS_META,
+        composition=edge_stratify_shards,
+        shares=edge_share_shards,
+    output:
+        EXACT_SHARE,
+    params:
+        entry=model_entry,
+        checkpoint=checkpoint_spec,
+        settings=model_edge_settings,
+        workdir=lambda wc: f"{RESULTS}/models/{wc.model}/{wc.checkpoint}",
+        device=setting("device"),
+    conda:
+        "../envs/compatlas.yaml"
+    log:
+        f"{LOGS}/exact_patching_share/{{model}}/{{checkpoint}}/{{share}}.log",
+    priority: model_priority
+    resources:
+        mem_mb=8000,
+        runtime=120,
+    script:
+        "../scripts/exact_patching_share.py"
+
+
 # Function beside the weights: every causal writer -> reader edge per comp scored by its effect
 # on the induction task (the config's methods for all, exact edge patching for a sample stratified
-# over |attribution| and over one composition score), on the same boot.
+# over |attribution| and over one composition score), on the same boot; where the work is split
+# over jobs, only their merge (no model booted).
 rule edge_attribution:
     input:
         meta=WEIGHTS_META,
         composition=edge_stratify_shards,
         shares=edge_share_shards,
+        exact=exact_share_shards,
     output:
         EDGE_ATTRIBUTION,
     params:

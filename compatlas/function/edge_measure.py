@@ -182,49 +182,71 @@ def attribute_share(model, tokens, settings: dict, seed: int, job: int, jobs: in
                   "method_seconds": seconds, "gradient_batch": gradient_batch(model, task, settings)}
 
 
+def merged_sums(shares: Sequence[tuple[dict[str, EdgeSums], dict]], settings: dict
+                ) -> tuple[dict[str, EdgeSums], dict[str, float], int]:
+    """The attribution jobs' sums and facts (``attribute_share``) merged: each method's sums over
+    every sequence, its seconds over the jobs, and the jobs' EAP batch. Jobs that do not cover the
+    sequences once are refused."""
+    S = settings["sequences"]
+    got = sorted((f["sequences_from"], f["sequences_to"]) for _, f in shares)
+    if not got or [a for a, _ in got] != [0] + [b for _, b in got[:-1]] or got[-1][1] != S:
+        raise ValueError(f"the attribution jobs' sequences {got} do not cover the {S} sequences once")
+    sums = {m: functools.reduce(EdgeSums.merge, [s[m] for s, _ in shares]) for m in settings["methods"]}
+    seconds = {m: round(sum(f["method_seconds"][m] for _, f in shares), 3) for m in settings["methods"]}
+    return sums, seconds, shares[0][1]["gradient_batch"]
+
+
+def draw_exact(model, sums: dict[str, EdgeSums], composition: pl.DataFrame | None, settings: dict, seed: int
+               ) -> tuple[list[Edge], int]:
+    """The edges exact patching measures: the draw stratified over the first method's |score| and
+    over ``composition`` (``exact_sample``), then the top edges beside it (``top_edges``); and how
+    many of them the draw gave. It depends on the sums, the composition and the seed only, so every
+    job that merges the same sums draws the same sample."""
+    first = sums[settings["methods"][0]]
+    grid = composition_grid(model, composition)
+    edges = causal_edges(model)
+    drawn = exact_sample({c: first.mean(c) for c in COMPS}, grid, edges, settings["exact_edges"], seed)
+    # beside the draw, what matters: each method's largest |score| and the composition's largest scores
+    tops = [{c: per.mean(c).abs() for c in COMPS} for per in sums.values()] + ([grid] if grid is not None else [])
+    return drawn + top_edges(tops, edges, settings.get("exact_top", 0), drawn), len(drawn)
+
+
+def exact_facts(model, settings: dict, composition: pl.DataFrame | None, sample: Sequence[Edge], n_drawn: int,
+                exact_sequences: int) -> dict:
+    """What an edge attribution shard records of its exact sample."""
+    return {"edges": len(causal_edges(model)), "exact_edges": len(sample), "exact_random": n_drawn,
+            "exact_top": len(sample) - n_drawn, "exact_sequences": exact_sequences,
+            "exact_stratified_by": "|score| of " + settings["methods"][0]
+            + ("" if composition is None else " and composition " + "/".join(
+                str(composition[k][0]) for k in ("metric", "space") if k in composition.columns and composition.height)),
+            "corruption": "every token but BOS resampled"}
+
+
 def attribute_edges(model, tokens, settings: dict, seed: int = 0, composition: pl.DataFrame | None = None,
                     shares: Sequence[tuple[dict[str, EdgeSums], dict]] = ()) -> tuple[pl.DataFrame, dict]:
     """Every method of ``settings["methods"]`` for every causal edge, and exact patching of the
-    sample ``exact_sample`` draws, stratified over the first method's |score| and over
+    sample ``draw_exact`` draws, stratified over the first method's |score| and over
     ``composition`` (one metric x space's composition rows; None: |score| alone), on the first
     ``exact_sequences`` sequences. ``tokens``: a TokenSet. ``shares``: the attribution jobs' sums
     and facts (``attribute_share``), merged here; none: the methods run here, over every sequence."""
-    S, T, bs = settings["sequences"], settings["length"], settings["batch_size"]
-    task = induction_task(tokens, S, T, seed)
-    edges = causal_edges(model)
+    task = induction_task(tokens, settings["sequences"], settings["length"], seed)
     t0 = time.perf_counter()
     if shares:
-        got = sorted((f["sequences_from"], f["sequences_to"]) for _, f in shares)
-        if [a for a, _ in got] != [0] + [b for _, b in got[:-1]] or got[-1][1] != S:
-            raise ValueError(f"the attribution jobs' sequences {got} do not cover the {S} sequences once")
-        sums = {m: functools.reduce(EdgeSums.merge, [s[m] for s, _ in shares]) for m in settings["methods"]}
-        seconds = {m: round(sum(f["method_seconds"][m] for _, f in shares), 3) for m in settings["methods"]}
-        batch = shares[0][1]["gradient_batch"]
+        sums, seconds, batch = merged_sums(shares, settings)
     else:
         sums, seconds = attribution_sums(model, task, settings)
         batch = gradient_batch(model, task, settings)
     t1 = time.perf_counter()
-    first = sums[settings["methods"][0]]
-    grid = composition_grid(model, composition)
-    drawn = exact_sample({c: first.mean(c) for c in COMPS}, grid, edges, settings["exact_edges"], seed)
-    # beside the draw, what matters: each method's largest |score| and the composition's largest scores
-    tops = [{c: per.mean(c).abs() for c in COMPS} for per in sums.values()] + ([grid] if grid is not None else [])
-    added = top_edges(tops, edges, settings.get("exact_top", 0), drawn)
-    sample = drawn + added
+    sample, n_drawn = draw_exact(model, sums, composition, settings, seed)
     sub = task.first(settings["exact_sequences"])
-    exact = exact_scores(model, sub, sample, bs,
+    exact = exact_scores(model, sub, sample, settings["batch_size"],
                          Progress(log, "exact edge patching", len(sample) * len(sub.clean), "edge x sequence"))
     log.info("exact patching: %d edges x %d sequences in %.1fs", len(sample), len(sub.clean), time.perf_counter() - t1)
-    facts = {"edges": len(edges), "exact_edges": len(sample), "exact_random": len(drawn), "exact_top": len(added),
+    facts = {**exact_facts(model, settings, composition, sample, n_drawn, len(sub.clean)),
              "gradient_batch": batch, "attribution_jobs": max(1, len(shares)),
-             "exact_sequences": len(sub.clean),
-             "exact_stratified_by": "|score| of " + settings["methods"][0]
-             + ("" if composition is None else " and composition " + "/".join(
-                 str(composition[k][0]) for k in ("metric", "space") if k in composition.columns and composition.height)),
-             "corruption": "every token but BOS resampled",
              "attribution_seconds": round(sum(seconds.values()), 3) if shares else round(t1 - t0, 3),
              "method_seconds": seconds, "exact_seconds": round(time.perf_counter() - t1, 3)}
-    return edge_table(model, sums, sample, exact, len(drawn)), facts
+    return edge_table(model, sums, sample, exact, n_drawn), facts
 
 
 def boot_for_edges(model_id: str, entry: dict, checkpoint: dict | None, settings: dict, meta_path: str,
@@ -245,7 +267,7 @@ def boot_for_edges(model_id: str, entry: dict, checkpoint: dict | None, settings
                         settings["prepend_bos"])
 
 
-def _record(m, settings: dict, **facts) -> dict:
+def record_of(m, settings: dict, **facts) -> dict:
     """An edge attribution shard's provenance: the model's, the settings, how it was booted."""
     from compatlas.tables import provenance
 
@@ -263,7 +285,7 @@ def boot_and_attribute_share(model_id: str, entry: dict, checkpoint: dict | None
     m, tokens = boot_for_edges(model_id, entry, checkpoint, settings, meta_path, workdir, device)
     sums, facts = attribute_share(m.bridge, tokens, settings["edge_attribution"], settings["seed"], job, jobs)
     frame = pl.concat([s.frame(method) for method, s in sums.items()])
-    return frame, _record(m, settings, counts={k: s.counts() for k, s in sums.items()}, **facts,
+    return frame, record_of(m, settings, counts={k: s.counts() for k, s in sums.items()}, **facts,
                           seconds=round(time.perf_counter() - t0, 3))
 
 
@@ -275,6 +297,16 @@ def read_share(df: pl.DataFrame, record: dict, model) -> tuple[dict[str, EdgeSum
              for method, counts in record["counts"].items()}, record)
 
 
+def check_share_settings(shares: Sequence[tuple[pl.DataFrame, dict]], settings: dict) -> None:
+    """Refuse an attribution job's shard computed with settings other than this run's (beside the
+    exact-patching ones, ``EXACT_PATCHING_KEYS``): it would merge silently into wrong figures."""
+    attribution = {k: v for k, v in settings["edge_attribution"].items() if k not in EXACT_PATCHING_KEYS}
+    for _, record in shares:
+        if record.get("settings") != attribution:
+            raise ValueError(f"an attribution share (job {record.get('job')}) was computed with the settings "
+                             f"{record.get('settings')}, not this run's {attribution}: delete it and rerun")
+
+
 def boot_and_attribute_edges(model_id: str, entry: dict, checkpoint: dict | None, settings: dict, meta_path: str,
                              workdir, device: str = "auto", composition: pl.DataFrame | None = None,
                              shares: Sequence[tuple[pl.DataFrame, dict]] = ()) -> tuple[pl.DataFrame, dict]:
@@ -284,14 +316,10 @@ def boot_and_attribute_edges(model_id: str, entry: dict, checkpoint: dict | None
     (``attribute_edges``); ``shares``: the attribution jobs' shards (rows and provenance), if
     the sequences were split over jobs (``induction.edge_attribution.jobs``)."""
     t0 = time.perf_counter()
-    attribution = {k: v for k, v in settings["edge_attribution"].items() if k not in EXACT_PATCHING_KEYS}
-    for _, record in shares:  # a share computed with other settings would merge silently into wrong figures
-        if record.get("settings") != attribution:
-            raise ValueError(f"an attribution share (job {record.get('job')}) was computed with the settings "
-                             f"{record.get('settings')}, not this run's {attribution}: delete it and rerun")
+    check_share_settings(shares, settings)
     m, tokens = boot_for_edges(model_id, entry, checkpoint, settings, meta_path, workdir, device)
     table, facts = attribute_edges(m.bridge, tokens, settings["edge_attribution"], settings["seed"], composition,
                                    [read_share(df, record, m.bridge) for df, record in shares])
     label = m.meta.get("checkpoint", "final")
     table = table.with_columns(model=pl.lit(model_id), checkpoint=pl.lit(label)).select(list(EDGE_ATTRIBUTION_SCHEMA))
-    return table, _record(m, settings, **facts, seconds=round(time.perf_counter() - t0, 3))
+    return table, record_of(m, settings, **facts, seconds=round(time.perf_counter() - t0, 3))

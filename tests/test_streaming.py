@@ -194,3 +194,20 @@ def test_gguf_is_dequantized_once_then_streamed_and_booted_with_its_own_tokenize
     assert prov["source_checksum"] == w.meta["source_checksum"]
     assert bridge.tokenizer("a").input_ids == [81]  # no BOS, as the GGUF's tokenizer encodes it
     _assert_same(extract(bridge, "none"), w, "none")
+
+
+def test_a_gguf_load_shares_one_tensor_name_map():
+    """_one_tensor_name_map memoises gguf's get_tensor_name_map for a GGUF load (transformers
+    builds it per module): within, one map per (architecture, layers), mapping exactly as a fresh
+    one does; after, the library's own function again."""
+    import gguf
+
+    from compatlas.models.loading import _one_tensor_name_map
+
+    build = gguf.get_tensor_name_map
+    fresh = build(gguf.MODEL_ARCH.LLAMA, 30)
+    with _one_tensor_name_map():
+        a = gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, 30)
+        assert gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, 30) is a
+        assert gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, 2) is not a
+    assert a.mapping == fresh.mapping and gguf.get_tensor_name_map is build

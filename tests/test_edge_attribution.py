@@ -139,6 +139,36 @@ def test_eap_is_the_first_order_term_of_edge_patching(gqa):
     assert (err <= 1e-3 * est.abs() + 1e-3 * est.abs().max()).all()
 
 
+def test_eap_scores_are_direct_sums_over_causal_edges_in_any_chunking(tmp_path, monkeypatch):
+    """Each edge's EAP score is sum over positions and d_model of delta_u * dM/dx_v (summed here
+    directly from the same deltas and gradients, in float64), and every non-causal entry (writer
+    layer >= reader layer) is 0, however many reader layers share a product (6 layers, 8 readers a
+    layer: 1, 2, 3 or all 5 at a time)."""
+    from compatlas.function import edge_attribution as ea
+
+    torch.manual_seed(1)
+    tiny_hf_model("llama-gqa", V, num_hidden_layers=6).save_pretrained(tmp_path)
+    word_tokenizer(V, tmp_path)
+    model = boot({"source": {"kind": "local", "path": str(tmp_path)}}, None, tmp_path, dtype=torch.float64)[0].eval()
+    L, H, S = model.cfg.n_layers, model.cfg.n_heads, 3
+    task = induction_task(POOL, S, 5, seed=1)
+    with ea.split_inputs(model):
+        z_corrupt, _ = ea._pass(model, task, slice(0, S), corrupt=True)
+        clean = ea._gradients(model, task, slice(0, S), None)
+    delta = ea._writer_deltas(model, z_corrupt, clean.z).double().view(S, L, H, -1)
+    causal = (torch.arange(L)[:, None] < torch.arange(L)[None, :]).double()  # [writer layer, reader layer]
+    want = {c: torch.stack([torch.zeros(S, L, H, g[0].shape[2], dtype=torch.float64)] + [
+        torch.einsum("swhk,srk->swhr", delta, g[lr - 1].double().transpose(1, 2).flatten(2)) * causal[:, lr, None, None]
+        for lr in range(1, L)], 3) for c, g in clean.grads.items()}  # [S, L, H, L, readers]
+    assert all(w.abs().max() > 1e-5 for w in want.values())  # Q and K: about 6e-5 on this random model
+    for per_product in (1, 16, 24, 1000):
+        monkeypatch.setattr(ea, "READERS_PER_PRODUCT", per_product)
+        got = attribution_scores(model, task, "eap", batch_size=S)
+        for c in want:
+            assert torch.allclose(got[c], want[c], rtol=1e-5, atol=1e-6 * want[c].abs().max().item()), (per_product, c)
+            assert (got[c].permute(1, 3, 0, 2, 4)[causal == 0] == 0).all()  # writer layer >= reader layer: exactly 0
+
+
 def test_gqa_rows_share_their_kv_heads_score(gqa):
     table, facts = attribute_edges(gqa, POOL, {**SETTINGS, "sequences": 4, "length": 6, "methods": ["eap"],
                                                "exact_edges": 2, "exact_sequences": 4}, seed=0)

@@ -211,7 +211,7 @@ def _pass(model, task: InductionTask, rows: slice, corrupt: bool) -> tuple[list[
 
 def _writer_deltas(model, z_corrupt: list[torch.Tensor], z_clean: list[torch.Tensor]) -> torch.Tensor:
     """a_u(corrupt) - a_u(clean) of every head, float32 [B, L*H, T * d_model] (heads layer-major):
-    laid out so that scoring is one batched matrix product per reader layer, with no copy."""
+    laid out so that scoring is one batched matrix product per chunk of reader layers, with no copy."""
     W_O = model.W_O.detach().float()  # [L, H, d_head, d_model]
     d = torch.cat([torch.einsum("bphd,hdm->bhpm", (zc.float() - z.float()), W_O[layer].to(zc.device))
                    for layer, (zc, z) in enumerate(zip(z_corrupt, z_clean))], 1)
@@ -264,6 +264,11 @@ def _gradients(model, task: InductionTask, rows: slice, resid_in: torch.Tensor |
     return out
 
 
+# Reader heads (Q, K, V of consecutive reader layers) per scoring product: one layer's (15 on SmolLM2) is too narrow to
+# run fast on a CPU; more compute more non-causal writers (SmolLM2: 2 layers; 4's gradient copy, 45 MB, page-faults).
+READERS_PER_PRODUCT = 32
+
+
 def attribution_scores(model, task: InductionTask, method: EdgeMethod = "eap", steps: int = 8, batch_size: int = 16,
                        progress: Progress | None = None, memory_gb: float | None = None) -> dict[Comp, torch.Tensor]:
     """EAP (or EAP-IG) score of every edge, per sequence: comp -> float64 [S, L, H, L, heads]
@@ -274,6 +279,7 @@ def attribution_scores(model, task: InductionTask, method: EdgeMethod = "eap", s
     L, H, S = model.cfg.n_layers, model.cfg.n_heads, len(task.clean)
     width = {"Q": H, "K": n_kv_heads(model), "V": n_kv_heads(model)}
     out = {c: torch.zeros(S, L, H, L, width[c], dtype=torch.float64) for c in COMPS}
+    chunk = max(1, READERS_PER_PRODUCT // sum(width.values()))  # reader layers per product
     with split_inputs(model):
         bs = gradient_rows(model, task, batch_size, memory_gb)
         for s0 in range(0, S, bs):
@@ -304,11 +310,13 @@ def attribution_scores(model, task: InductionTask, method: EdgeMethod = "eap", s
                         clean.arity, c, width[c], FORK_HOOK[c],
                         None if progress is None else progress.advance)
                 continue
-            for layer in range(1, L):  # Q, K and V readers of the layer in one product: [B, l*H, T*d] @ [B, T*d, readers]
-                reader_grads = torch.cat([grads[c][layer - 1] for c in COMPS], 2).to(delta.device)
-                s = torch.bmm(delta[:, :layer * H], reader_grads.transpose(1, 2).flatten(2).transpose(1, 2))
-                for c, part in zip(COMPS, s.split([width[c] for c in COMPS], 2)):
-                    out[c][rows, :layer, :, layer] = part.reshape(n, layer, H, width[c]).double().cpu()
+            for lo in range(1, L, chunk):  # [B, readers, T*d] @ [B, T*d, writers below the top reader layer] (readers first: MKL 2x)
+                layers = range(lo, min(lo + chunk, L))
+                g = torch.cat([grads[c][r - 1].to(delta.device).transpose(1, 2) for r in layers for c in COMPS], 1)
+                s = torch.bmm(g.flatten(2), delta[:, :layers[-1] * H].transpose(1, 2)).view(n, len(layers), -1, layers[-1] * H)
+                for i, layer in enumerate(layers):  # keep the causal writers (below the reader's layer)
+                    for c, part in zip(COMPS, s[:, i, :, :layer * H].split([width[c] for c in COMPS], 1)):
+                        out[c][rows, :layer, :, layer] = part.transpose(1, 2).reshape(n, layer, H, width[c]).double().cpu()
             if progress is not None:
                 progress.advance(n * (1 if method == "eap" else steps))
     return out

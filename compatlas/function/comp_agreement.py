@@ -37,29 +37,33 @@ def _has(con: Con, view: str, *cols: str) -> bool:
     return bool(found) and set(cols) <= found
 
 
-def function_edges(con: Con, model: str, checkpoint: str, method: str, comp: str) -> pl.DataFrame:
-    """Every edge of one comp as composition_vs_function counts it, in the view's tie order: its
-    attribution, standard error, split halves, q, sequences, and composition in every metric x space
-    (a row per edge x metric x space)."""
+def function_edges(con: Con, model: str, checkpoint: str, method: str | None = None, comp: str | None = None) -> pl.DataFrame:
+    """Every edge of one method x comp (None: of every one) as composition_vs_function counts it, in
+    the view's tie order: its method and comp, attribution, standard error, split halves, q,
+    sequences, and composition in every metric x space (a row per edge x metric x space)."""
     if not _has(con, "edge_attribution", "reader_kv_head", "score_stderr", "n_sequences") or not _has(con, "composition", "score"):
         return pl.DataFrame()
-    unit = "reader_head" if comp == "Q" else "reader_kv_head"
+    by_method, methods = (" AND method = ?", [method]) if method is not None else ("", [])
+    by_comp, comps = (" AND comp = ?", [comp]) if comp is not None else ("", [])
     return con.sql(f"""
-        WITH e AS (SELECT writer_layer, writer_head, reader_layer, {unit} AS reader_unit, any_value(score) AS attribution,
-                          any_value(score_stderr) AS stderr, any_value(n_sequences) AS n_sequences, any_value(score_half_a)
-                          AS half_a, any_value(score_half_b) AS half_b, any_value(q_value) AS q_value, list(reader_head) AS heads
-                   FROM edge_attribution WHERE model = ? AND checkpoint = ? AND method = ? AND comp = ? GROUP BY ALL),
-             u AS (SELECT writer_layer, writer_head, reader_layer, reader_unit, unnest(heads) AS reader_head FROM e),
-             c AS (SELECT metric, space, writer_layer, writer_head, reader_layer, reader_head, score FROM composition
-                   WHERE model = ? AND checkpoint = ? AND comp = ?)
-        SELECT writer_layer, writer_head, reader_layer, reader_unit, any_value(e.attribution) AS attribution,
+        WITH e AS (SELECT method, comp, writer_layer, writer_head, reader_layer,
+                          CASE WHEN comp = 'Q' THEN reader_head ELSE reader_kv_head END AS reader_unit,
+                          any_value(score) AS attribution, any_value(score_stderr) AS stderr,
+                          any_value(n_sequences) AS n_sequences, any_value(score_half_a) AS half_a,
+                          any_value(score_half_b) AS half_b, any_value(q_value) AS q_value, list(reader_head) AS heads
+                   FROM edge_attribution WHERE model = ? AND checkpoint = ?{by_method}{by_comp} GROUP BY ALL),
+             u AS (SELECT method, comp, writer_layer, writer_head, reader_layer, reader_unit, unnest(heads) AS reader_head
+                   FROM e),
+             c AS (SELECT metric, space, comp, writer_layer, writer_head, reader_layer, reader_head, score FROM composition
+                   WHERE model = ? AND checkpoint = ?{by_comp})
+        SELECT method, comp, writer_layer, writer_head, reader_layer, reader_unit, any_value(e.attribution) AS attribution,
                any_value(e.stderr) AS stderr, any_value(e.n_sequences) AS n_sequences, any_value(e.half_a) AS half_a,
                any_value(e.half_b) AS half_b, any_value(e.q_value) AS q_value, metric, space, max(score) AS score
-        FROM u JOIN c USING (writer_layer, writer_head, reader_layer, reader_head)
-        JOIN e USING (writer_layer, writer_head, reader_layer, reader_unit)
-        GROUP BY writer_layer, writer_head, reader_layer, reader_unit, metric, space
-        ORDER BY writer_layer, writer_head, reader_layer, reader_unit""",
-                   params=[model, checkpoint, method, comp, model, checkpoint, comp]).pl()
+        FROM u JOIN c USING (comp, writer_layer, writer_head, reader_layer, reader_head)
+        JOIN e USING (method, comp, writer_layer, writer_head, reader_layer, reader_unit)
+        GROUP BY method, comp, writer_layer, writer_head, reader_layer, reader_unit, metric, space
+        ORDER BY method, comp, writer_layer, writer_head, reader_layer, reader_unit""",
+                   params=[model, checkpoint, *methods, *comps, model, checkpoint, *comps]).pl()
 
 
 @dataclass
@@ -150,11 +154,18 @@ def verdict(t: dict[str, bool | None]) -> str | None:
     return "; ".join(said)
 
 
-def comp_function(con: Con, model: str, checkpoint: str, method: str, comp: str,
-                  fdr: float | None = None) -> CompFunction | None:
+def comp_function(con: Con, model: str, checkpoint: str, method: str, comp: str, fdr: float | None = None,
+                  every_edge: pl.DataFrame | None = None) -> CompFunction | None:
     """``CompFunction`` of one comp from its edges (``function_edges``); None without edges. ``fdr``:
-    the cut of an edge's q-value for "significant" (the atlas's, else ``agreement.SIGNAL_FDR``)."""
-    df = function_edges(con, model, checkpoint, method, comp)
+    the cut of an edge's q-value for "significant" (the atlas's, else ``agreement.SIGNAL_FDR``).
+    ``every_edge``: ``function_edges`` of every method and comp of the model x checkpoint, from a
+    caller that reads them once for all (one query where there were one per comp)."""
+    if every_edge is None:
+        df = function_edges(con, model, checkpoint, method, comp)
+    elif every_edge.is_empty():
+        df = every_edge
+    else:
+        df = every_edge.filter((pl.col("method") == method) & (pl.col("comp") == comp))
     if df.is_empty():
         return None
     keys = ["writer_layer", "writer_head", "reader_layer", "reader_unit"]
@@ -302,10 +313,13 @@ def agreement_tables(con: Con, fdr: float | None = None) -> dict[str, pl.DataFra
     agreement: list[dict] = []
     replicates: list[dict] = []
     if _has(con, "composition_vs_function", "method"):
+        edges: dict[tuple[str, str], pl.DataFrame] = {}
         for model, checkpoint, method in con.execute("SELECT DISTINCT model, checkpoint, method "
                                                      "FROM composition_vs_function ORDER BY ALL").fetchall():
+            if (model, checkpoint) not in edges:
+                edges = {(model, checkpoint): function_edges(con, model, checkpoint)}  # the one model x checkpoint kept
             for comp in COMPS:
-                f = comp_function(con, model, checkpoint, method, comp, fdr)
+                f = comp_function(con, model, checkpoint, method, comp, fdr, edges[(model, checkpoint)])
                 if f is not None:
                     agreement += comp_rows(model, checkpoint, f)
                     replicates += bootstrap_rows(model, checkpoint, f)

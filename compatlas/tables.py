@@ -162,19 +162,33 @@ MODELS_SCHEMA: Schema = {
     "source_checksum": pl.Utf8, "weights_sha256": pl.Utf8, "norm_gains": pl.Utf8, "versions": pl.Utf8,
 }
 
-# The atlas's ``function_agreement`` table (``function.comp_agreement.agreement_table``, computed
+# The atlas's ``function_agreement`` table (``function.comp_agreement.agreement_tables``, computed
 # when the atlas is built): per model x checkpoint x attribution method x comp x metric x space (and
 # the two oracles, space ``oracle``), the agreement of composition with function the report shows,
-# each figure with its 95% paired-bootstrap interval (``_lo``, ``_hi``; ``n_boot`` replicates).
+# each figure with its 95% paired-bootstrap interval (``_lo``, ``_hi``; ``n_boot`` replicates). The
+# gate's counts (``n_edges``, ``n_top``, ``n_signal``, ``largest_attribution``): the comp's, on each row.
 FUNCTION_AGREEMENT_SCHEMA: Schema = {
     "model": pl.Utf8, "checkpoint": pl.Utf8, "method": pl.Utf8, "comp": pl.Utf8, "metric": pl.Utf8, "space": pl.Utf8,
-    "measurable": pl.Boolean, "why_not": pl.Utf8, "n_edges": pl.Int64, "n_significant": pl.Int64, "n_boot": pl.Int64,
+    "measurable": pl.Boolean, "why_not": pl.Utf8, "n_edges": pl.Int64, "n_top": pl.Int64, "n_signal": pl.Int64,
+    "largest_attribution": pl.Float64, "n_significant": pl.Int64, "n_boot": pl.Int64,
     **{f"{s}{end}": pl.Float64 for s in ("auroc_top", "spearman_abs", "spearman_unbiased", "auroc_significant")
        for end in ("", "_lo", "_hi")},
     "best_noise_aware": pl.Boolean, "tied_noise_aware": pl.Boolean, "best_auroc_top": pl.Boolean, "beats_scale": pl.Boolean,
     "beats_depth": pl.Boolean, "partial_unbiased": pl.Float64, "partial_unbiased_lo": pl.Float64,
     "partial_unbiased_hi": pl.Float64, "added_r2": pl.Float64, "agrees": pl.Boolean, "beyond_prior": pl.Boolean,
     "beats_oracles": pl.Boolean, "adds_to_oracles": pl.Boolean, "verdict": pl.Utf8,
+}
+
+# The atlas's ``function_bootstrap`` table (``function.comp_agreement.bootstrap_rows``, computed with
+# ``function_agreement``): per measurable comp x cell, each statistic's point figure as computed (NaN where
+# undefined) and its ``n_boot`` paired bootstrap replicates in replicate order, from which the report
+# takes its intervals, ties and averages over models (``comp_agreement.stored_comp_function``) without
+# bootstrapping again. The statistics of the noise-aware bootstrap are NULL without split halves.
+BOOTSTRAP_STATISTICS = ("auroc_top", "spearman_abs", "spearman_unbiased", "auroc_significant", "partial_unbiased")
+FUNCTION_BOOTSTRAP_SCHEMA: dict[str, pl.DataType | type[pl.DataType]] = {
+    "model": pl.Utf8, "checkpoint": pl.Utf8, "method": pl.Utf8, "comp": pl.Utf8, "metric": pl.Utf8, "space": pl.Utf8,
+    **{col: dtype for s in BOOTSTRAP_STATISTICS for col, dtype in ((s, pl.Float64), (f"{s}_boot", pl.List(pl.Float64)))},
+    "added_r2": pl.Float64, "controls_r2": pl.Float64,
 }
 
 # The atlas's ``excluded_shards`` table: shards left out of their view because they do not open.

@@ -35,7 +35,7 @@ import polars as pl
 
 from compatlas.atlas import build_atlas
 from compatlas.atlas.files import last_good_path
-from compatlas.function.comp_agreement import agreement_table
+from compatlas.function.comp_agreement import agreement_tables
 from compatlas.storage import checksum_path, write_shard
 from compatlas.tables import (
     CALIBRATION_SCHEMA,
@@ -287,8 +287,8 @@ def write_suite(root: Path, specs: list[Spec], metrics=KERNEL_METRICS,
                                       for m in metrics for sp in spaces for a in ("axiom1_full", "axiom4_invariant")],
                                      schema=METRIC_AUDIT_SCHEMA), "audit")
     db = root / "atlas.duckdb"
-    # as the pipeline's atlas rule builds it (scripts/atlas.py), function_agreement included
-    build_atlas(db, {k: v for k, v in shards.items() if v}, metas, computed={"function_agreement": agreement_table})
+    # as the pipeline's atlas rule builds it (scripts/atlas.py), function_agreement and function_bootstrap included
+    build_atlas(db, {k: v for k, v in shards.items() if v}, metas, computed=agreement_tables)
     return db
 
 

@@ -86,14 +86,15 @@ def test_readme_is_a_front_door():
 
 
 def test_every_column_of_the_atlas_is_documented():
-    """Every column of every shard view, of ``models`` and of ``function_agreement`` (``compatlas.tables``)
+    """Every column of every shard view, of ``models``, ``function_agreement`` and ``function_bootstrap`` (``compatlas.tables``)
     is named in backticks in docs/schema.md (or, for edge attribution's, docs/edge_attribution.md):
     schema.md's ``head_scores`` had left out ``model`` and ``checkpoint``."""
     from compatlas import tables
 
     documented = set(re.findall(r"`([a-z_0-9]+)`", (REPO / "docs" / "schema.md").read_text()
                                 + (REPO / "docs" / "edge_attribution.md").read_text()))
-    schemas = {**tables.SHARD_VIEWS, "models": tables.MODELS_SCHEMA}
+    schemas = {**tables.SHARD_VIEWS, "models": tables.MODELS_SCHEMA,
+               "function_bootstrap": {c: t for c, t in tables.FUNCTION_BOOTSTRAP_SCHEMA.items() if not c.endswith("_boot")}}
     missing = {v: sorted(set(s) - documented) for v, s in schemas.items() if set(s) - documented}
     agreement = set(tables.FUNCTION_AGREEMENT_SCHEMA) - documented - {
         f"{n}{e}" for n in ("auroc_top", "spearman_abs", "spearman_unbiased", "auroc_significant") for e in ("_lo", "_hi")}

@@ -17,7 +17,10 @@ from scipy import stats
 from synthetic_atlas import TRACKING, Spec, as_older_atlas, write_suite
 
 from compatlas.atlas import connect as atlas_connect
+from compatlas.function.comp_agreement import CompFunction, comp_function, stored_comp_function
 from compatlas.report import build_report
+from compatlas.report import function as report_function
+from compatlas.report import queries as q
 from compatlas.report.function import CIRCUIT, OTHER, edge_points, model_function, with_interval
 from compatlas.report.page import fmt
 from compatlas.vocab import KERNEL_METRICS
@@ -304,6 +307,78 @@ def test_an_atlas_without_edge_attribution_draws_its_pages_as_before(report, tmp
         assert [norm(s) for s in specs(page)] == [norm(s) for s in specs(new) if "function" not in title(s)], name
 
 
+def same_comp_function(a: CompFunction, b: CompFunction) -> bool:
+    """Every field of two CompFunctions equal, array for array (NaN where NaN)."""
+    def parts(f: CompFunction) -> list:
+        return [getattr(x, k) if x is not None else None for x, ks in
+                ((f.agreement, ("auroc", "spearman", "auroc_boot", "spearman_boot")),
+                 (f.noise, ("auroc", "spearman", "auroc_boot", "spearman_boot")),
+                 (f.partial, ("partial", "added_r2", "controls_r2", "partial_boot"))) for k in ks]
+    same = [(x is None and y is None) or (x is not None and y is not None and np.array_equal(x, y, equal_nan=True))
+            for x, y in zip(parts(a), parts(b))]
+    return all(same) and (a.comp, a.method, a.gate, a.cells, a.n_significant) == (b.comp, b.method, b.gate, b.cells,
+                                                                                    b.n_significant)
+
+
+def test_the_report_reads_the_bootstrap_the_atlas_stored(report, tmp_path, monkeypatch):
+    """The report reads each comp's agreement back from the atlas (function_bootstrap, and
+    function_agreement's gate) instead of bootstrapping it again: the same CompFunction, array for
+    array, as comp_function computes from the edges, for every comp, method and checkpoint; and an
+    atlas built before function_bootstrap, whose report bootstraps again, gets the same pages."""
+    db, _ = report
+    con = atlas_connect(db)
+    compared = measurable = 0
+    for model, checkpoint, method in con.execute("SELECT DISTINCT model, checkpoint, method FROM composition_vs_function"
+                                                 " ORDER BY ALL").fetchall():
+        for comp in "QKV":
+            stored = stored_comp_function(con, model, checkpoint, method, comp)
+            computed = comp_function(con, model, checkpoint, method, comp, 0.05)
+            assert (stored is None) == (computed is None), (model, checkpoint, method, comp)
+            if stored is not None and computed is not None:
+                assert same_comp_function(stored, computed), (model, checkpoint, method, comp)
+                compared += 1
+                measurable += stored.noise is not None and stored.partial is not None
+    assert compared and measurable  # the planted K edges carry the task (tests/synthetic_atlas.py)
+    con.close()
+    old = tmp_path / "older" / db.name
+    shutil.copytree(db.parent, old.parent)
+    con = as_older_atlas(old)
+    con.execute("DROP TABLE function_bootstrap")
+    con.close()
+    # Both builds show the same method per comp: eap_vs_exact is a view, and two methods' Spearmans equal but for
+    # the last bits ('run' V) come out in either order from one query to the next (DuckDB sums in any order).
+    chosen: dict[tuple[str, str], dict[str, str] | None] = {}
+    ask = q.edge_methods
+
+    def same_methods(con: duckdb.DuckDBPyConnection, model: str, checkpoint: str) -> dict[str, str] | None:
+        if (model, checkpoint) not in chosen:
+            chosen[(model, checkpoint)] = ask(con, model, checkpoint)
+        return chosen[(model, checkpoint)]
+
+    monkeypatch.setattr(q, "edge_methods", same_methods)
+
+    def no_bootstrap(*args: object) -> None:
+        raise AssertionError("the report bootstrapped a comp the atlas had stored")
+
+    with monkeypatch.context() as m:
+        m.setattr(report_function, "comp_function", no_bootstrap)
+        build_report(db, tmp_path / "stored", png=False)
+    build_report(old, tmp_path / "again", png=False)
+    pages = sorted((tmp_path / "stored").glob("*.html"))
+    assert len(pages) == len(SUITE) + 1
+    for page in pages:
+        drawn, again = page.read_text(encoding="utf-8"), (tmp_path / "again" / page.name).read_text(encoding="utf-8")
+        assert "Which metric x space agrees with function" in drawn or page.name != "index.html"
+        # the footer's time and the specs' generated names differ between builds; the data, in no order (norm)
+        assert strip_build(again) == strip_build(drawn), page.name
+        assert [norm(s) for s in specs(again)] == [norm(s) for s in specs(drawn)], page.name
+
+
+def strip_build(text: str) -> str:
+    text = re.sub(r"<script type=\"application/json\".*?</script>", "", text, flags=re.S)
+    return re.sub(r'data-spec="spec\d+"', "", text).split("<footer>")[0]
+
+
 def norm(spec: dict) -> tuple[str, list[str]]:
     """A spec's title and its data rows, in no order (DuckDB returns some rows in any order, and the
     circuit view numbers its edges in that order)."""
@@ -331,8 +406,6 @@ def test_a_kv_group_is_one_edge_with_its_largest_score():
 def test_each_comp_shows_the_method_exact_patching_supports():
     """Per comp, the method that agrees best with exact patching: its top edge first, then its
     Spearman; EAP on ties and without exact patching."""
-    from compatlas.report import queries as q
-
     con = duckdb.connect()
     con.execute("CREATE TABLE composition_vs_function AS SELECT * FROM (VALUES ('m', 'c', 'eap', 0.5), ('m', 'c', 'eap_attn', 0.5),"
                 " ('m', 'c', 'eap_ig', 0.5)) t(model, checkpoint, method, auroc)")

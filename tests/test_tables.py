@@ -7,14 +7,14 @@ import polars as pl
 
 from compatlas import tables
 from compatlas.atlas import build_atlas, connect
-from compatlas.function.comp_agreement import agreement_table
+from compatlas.function.comp_agreement import agreement_tables
 
 DUCK = {pl.Utf8: "VARCHAR", pl.Int32: "INTEGER", pl.Int64: "BIGINT", pl.Float64: "DOUBLE", pl.Boolean: "BOOLEAN"}
 
 
 def test_empty_atlas_views_have_the_schemas_columns_in_order(tmp_path):
     db = tmp_path / "atlas.duckdb"
-    build_atlas(db, {}, [], computed={"function_agreement": agreement_table})  # as scripts/atlas.py builds it
+    build_atlas(db, {}, [], computed=agreement_tables)  # as scripts/atlas.py builds it
     con = connect(db)
     try:
         for view, schema in tables.SHARD_VIEWS.items():
@@ -26,6 +26,9 @@ def test_empty_atlas_views_have_the_schemas_columns_in_order(tmp_path):
         assert models == list(tables.MODELS_SCHEMA)
         agreement = [c for c, *_ in con.execute("DESCRIBE function_agreement").fetchall()]
         assert agreement == [*tables.FUNCTION_AGREEMENT_SCHEMA, "latest"]
+        bootstrap = [(c, t) for c, t, *_ in con.execute("DESCRIBE function_bootstrap").fetchall()]
+        assert bootstrap == [*((c, "DOUBLE[]" if c.endswith("_boot") else DUCK[t])
+                               for c, t in tables.FUNCTION_BOOTSTRAP_SCHEMA.items()), ("latest", "BOOLEAN")]
     finally:
         con.close()
 

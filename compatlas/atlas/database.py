@@ -305,13 +305,14 @@ def _verified_shard_views(con: duckdb.DuckDBPyConnection, folder: Path) -> None:
 def build_atlas(db_path: str | os.PathLike, shards: dict[str, list[str | os.PathLike]],
                 meta_paths: list[str | os.PathLike], prev_token_threshold: float = 0.4,
                 induction_threshold: float = 0.4, fdr: float = 0.05,
-                computed: Mapping[str, Callable[[duckdb.DuckDBPyConnection], pl.DataFrame]] | None = None) -> None:
+                computed: Callable[[duckdb.DuckDBPyConnection], Mapping[str, pl.DataFrame]] | None = None) -> None:
     """(Re)build the atlas database: a view per entry of ``tables.SHARD_VIEWS`` over its shards
     (empty views for the ones with none), then the derived views. Every shard is checked to open
     first, naming any bad one. The thresholds say which heads count as previous-token heads and
     as induction heads in ``composition_vs_behaviour``; ``fdr`` is the q-value cut of ``discoveries``.
-    ``computed``: tables computed in Python from the views (name -> a function of the connection
-    being built, e.g. ``function_agreement``), stored with ``latest`` where they have a checkpoint."""
+    ``computed``: a function of the connection being built that computes tables in Python from the
+    views (name -> frame: ``function_agreement`` and ``function_bootstrap``, from one bootstrap),
+    stored with ``latest`` where they have a checkpoint."""
     unknown = set(shards) - set(SHARD_VIEWS)
     if unknown:
         raise ValueError(f"no view is defined for {sorted(unknown)}")
@@ -359,8 +360,7 @@ def build_atlas(db_path: str | os.PathLike, shards: dict[str, list[str | os.Path
                 con.execute(f"COMMENT ON VIEW {name} IS '{comment.replace(chr(39), chr(39) * 2)}'")
             for view in DERIVED_VIEWS[1:]:
                 create_derived_view(con, view, fdr, prev_token_threshold, induction_threshold)
-            for name, compute in (computed or {}).items():
-                frame = compute(con)
+            for name, frame in (computed(con) if computed is not None else {}).items():
                 con.register(f"{name}_df", frame.to_arrow())
                 select = f"SELECT * FROM {name}_df"
                 con.execute(f"CREATE TABLE {name} AS {with_latest(select) if needs_latest(frame.columns) else select}")

@@ -65,12 +65,13 @@ class Measurability:
         return self.why is None
 
 
-def top_of_function(fn: np.ndarray, weights: np.ndarray | None = None) -> np.ndarray:
+def top_of_function(fn: np.ndarray, weights: np.ndarray | None = None, order: np.ndarray | None = None) -> np.ndarray:
     """The fewest edges holding half of the total ``fn`` (weighted by ``weights``): an edge is in
     it when the edges before it, largest first, hold less than half. Ties keep the given order
-    (the view's: writer layer, writer head, reader layer, reader unit)."""
+    (the view's: writer layer, writer head, reader layer, reader unit). ``order``: that order,
+    ``np.argsort(-fn, kind="stable")``, from a caller that weights the same fn many times."""
     w = np.ones_like(fn) if weights is None else weights
-    order = np.argsort(-fn, kind="stable")
+    order = np.argsort(-fn, kind="stable") if order is None else order
     mass = (w * fn)[order]
     before = np.cumsum(mass) - mass
     top = np.zeros(fn.shape, dtype=bool)
@@ -143,22 +144,57 @@ class Agreement:
         return lo, hi
 
 
-def _fn_ranking(fn: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """fn's ascending order and its tie groups (0, 1, ...) along that order."""
+Ties = tuple[np.ndarray, np.ndarray]
+
+
+def _ties(srt: np.ndarray) -> Ties:
+    """The tie groups of each row of ``srt`` (rows x edges, each row ascending): per position, the
+    flat indices of its group's start and end in a (rows, edges + 1) cumulative sum along the rows
+    with a zero column first (``_group_bounds``). A row's first position starts a group."""
+    n = srt.shape[1]
+    new = np.ones(srt.shape, dtype=bool)
+    new[:, 1:] = srt[:, 1:] != srt[:, :-1]
+    starts = np.flatnonzero(new)
+    ends = np.append(starts[1:], new.size)
+    group = np.cumsum(new.ravel()) - 1
+    # one more column per row before it; a group's end (one past its last position) is in its last position's row
+    return (starts + starts // n)[group], (ends + (ends - 1) // n)[group]
+
+
+def _group_bounds(counts_sorted: np.ndarray, ties: Ties) -> np.ndarray:
+    """Per position of each row (whole weights in score order, ``ties`` its groups): the row's weight
+    below its tie group plus that up to the group's end. Summed as integers, which numpy does ten
+    times faster than floats: the same numbers (float64 sums of whole numbers are exact below 2**53)."""
+    rows, n = counts_sorted.shape
+    cum = np.zeros((rows, n + 1), dtype=np.int64)
+    np.cumsum(counts_sorted, axis=1, out=cum[:, 1:])
+    flat = cum.ravel()
+    bounds = flat[ties[0]]
+    bounds += flat[ties[1]]  # in place: a new array this size costs more (page faults) than the sum
+    return bounds.reshape(rows, n)
+
+
+def _counts(w: np.ndarray) -> np.ndarray:
+    """``w``, an edge's weight in the sample (how many times it is drawn), as integers."""
+    counts = w.astype(np.int64)
+    if not np.array_equal(counts, w):
+        raise ValueError("edge weights must be whole numbers: how many times each edge is drawn")
+    return counts
+
+
+def _fn_ranking(fn: np.ndarray) -> tuple[np.ndarray, Ties]:
+    """fn's ascending order and its tie groups along that order (``_ties``)."""
     order = np.argsort(fn, kind="stable")
-    srt = fn[order]
-    new = np.ones(len(fn), dtype=bool)
-    new[1:] = srt[1:] != srt[:-1]
-    return order, np.cumsum(new) - 1
+    return order, _ties(fn[order][None, :])
 
 
-def _midranks(w_sorted: np.ndarray, gflat: np.ndarray) -> np.ndarray:
-    """Per row (cells x edges, each row in ascending order, ``gflat`` its tie groups numbered
-    row-major): each position's mid-rank in the sample that holds each edge ``w`` times: the
-    weight below its tie group plus (its group's weight + 1) / 2."""
-    wg = np.bincount(gflat, weights=w_sorted.ravel(), minlength=w_sorted.size).reshape(w_sorted.shape)
-    mid = np.cumsum(wg, axis=1) - wg + (wg + 1) / 2
-    return mid.ravel()[gflat].reshape(w_sorted.shape)
+def _midranks(counts_sorted: np.ndarray, ties: Ties) -> np.ndarray:
+    """Per row (cells x edges, each row in ascending order, ``ties`` its tie groups): each
+    position's mid-rank in the sample that holds each edge ``w`` times: the weight below its tie
+    group plus (its group's weight + 1) / 2."""
+    bounds = _group_bounds(counts_sorted, ties)
+    bounds += 1
+    return bounds / 2  # below + (group + 1) / 2, exactly
 
 
 @dataclass(frozen=True)
@@ -166,50 +202,48 @@ class _Cells:
     """Each cell's edges in ascending score order, fixed once for every replicate."""
 
     order: np.ndarray   # (cells, edges): edge indices, ascending score (no-score edges last)
-    gflat: np.ndarray   # (cells * edges,): tie-group ids along each row, numbered row-major
+    ties: Ties          # the tie groups along each row (``_ties``)
     valid: np.ndarray   # (cells, edges) in score order: the cell has a score for the edge
     all_valid: bool
 
     @classmethod
     def of(cls, scores: np.ndarray) -> _Cells:
-        c, n = scores.shape
         filled = np.where(np.isnan(scores), np.inf, scores)
         order = np.argsort(filled, axis=1, kind="stable")
         srt = np.take_along_axis(filled, order, axis=1)
-        new = np.ones(srt.shape, dtype=bool)
-        new[:, 1:] = srt[:, 1:] != srt[:, :-1]
-        groups = np.cumsum(new, axis=1) - 1 + (np.arange(c) * n)[:, None]
         valid = np.isfinite(srt)
-        return cls(order, groups.ravel(), valid, bool(valid.all()))
+        return cls(order, _ties(srt), valid, bool(valid.all()))
 
     def score(self, w: np.ndarray, fn: np.ndarray, top: np.ndarray,
-              fn_ranking: tuple[np.ndarray, np.ndarray] | None = None) -> tuple[np.ndarray, np.ndarray]:
-        """AUROC and Spearman of every cell for one weighting ``w`` of the edges against ``fn``,
-        ``top`` the top of the function under that weighting (all in edge order); ``fn_ranking``:
-        ``_fn_ranking(fn)``, passed by a caller that scores the same fn many times."""
-        ws = w[self.order] if self.all_valid else w[self.order] * self.valid
+              fn_ranking: tuple[np.ndarray, Ties] | None = None) -> tuple[np.ndarray, np.ndarray]:
+        """AUROC and Spearman of every cell for one weighting ``w`` of the edges (how many times
+        each is drawn) against ``fn``, ``top`` the top of the function under that weighting (all in
+        edge order); ``fn_ranking``: ``_fn_ranking(fn)``, passed by a caller that scores the same
+        fn many times."""
+        counts = _counts(w)
+        cs = counts[self.order] if self.all_valid else counts[self.order] * self.valid
+        ws = cs.astype(float)
         top_s = top[self.order]
         # AUROC: for each top edge, the weight of non-top edges scored below it, plus half of those tied
         pos = ws * top_s
         neg = ws - pos
-        neg_g = np.bincount(self.gflat, weights=neg.ravel(), minlength=neg.size).reshape(neg.shape)
-        credit = (np.cumsum(neg_g, axis=1) - 0.5 * neg_g).ravel()[self.gflat].reshape(neg.shape)
+        credit = _group_bounds(np.where(top_s, 0, cs), self.ties) / 2  # below + group / 2, exactly
         with np.errstate(invalid="ignore", divide="ignore"):
             auroc = (pos * credit).sum(axis=1) / (pos.sum(axis=1) * neg.sum(axis=1))
         # Spearman: the weighted Pearson of the weighted mid-ranks of score and of fn
-        r_s = _midranks(ws, self.gflat)
-        f_order, f_groups = _fn_ranking(fn) if fn_ranking is None else fn_ranking
+        r_s = _midranks(cs, self.ties)
+        f_order, f_ties = _fn_ranking(fn) if fn_ranking is None else fn_ranking
         if self.all_valid:  # every cell ranks fn over the same edges: once
             r_fn = np.empty(len(fn))
-            r_fn[f_order] = _midranks(w[f_order][None, :], f_groups)[0]
+            r_fn[f_order] = _midranks(counts[f_order][None, :], f_ties)[0]
             r_f = r_fn[self.order]
         else:
             c, n = self.order.shape
-            w_edge = np.zeros((c, n))
-            np.put_along_axis(w_edge, self.order, ws, axis=1)
-            gf = (f_groups[None, :] + (np.arange(c) * n)[:, None]).ravel()
+            c_edge = np.zeros((c, n), dtype=np.int64)
+            np.put_along_axis(c_edge, self.order, cs, axis=1)
             r_fn = np.empty((c, n))
-            r_fn[:, f_order] = _midranks(w_edge[:, f_order], gf)
+            shift = (np.arange(c) * (n + 1))[:, None]  # fn's ties on each of c rows
+            r_fn[:, f_order] = _midranks(c_edge[:, f_order], ((f_ties[0] + shift).ravel(), (f_ties[1] + shift).ravel()))
             r_f = np.take_along_axis(r_fn, self.order, axis=1)
         # from weighted sums (ranks below 1e9: float64 keeps these exact enough)
         sw, wr_s, wr_f = ws.sum(axis=1), ws * r_s, ws * r_f
@@ -242,7 +276,8 @@ def bootstrap(scores: np.ndarray, attribution: np.ndarray, n_boot: int = N_BOOT,
     """Point AUROC and Spearman of each row of ``scores`` (cells x edges; NaN: the cell has no
     score for that edge) against |attribution|, and ``n_boot`` paired replicates (module docstring)."""
     fn = np.abs(np.asarray(attribution, dtype=float))
-    return _replicates(scores, fn, lambda w: top_of_function(fn, w), n_boot, seed)
+    descending = np.argsort(-fn, kind="stable")  # the same in every replicate: sorted once
+    return _replicates(scores, fn, lambda w: top_of_function(fn, w, descending), n_boot, seed)
 
 
 def bootstrap_noise_aware(scores: np.ndarray, half_a: np.ndarray, half_b: np.ndarray, significant: np.ndarray,
@@ -257,10 +292,10 @@ def bootstrap_noise_aware(scores: np.ndarray, half_a: np.ndarray, half_b: np.nda
     return _replicates(scores, fn, lambda w: sig & (w > 0), n_boot, seed)
 
 
-def _edge_ranks(order: np.ndarray, gflat: np.ndarray, w_sorted: np.ndarray) -> np.ndarray:
-    """Weighted mid-ranks (``_midranks``) put back in edge order, a row per cell."""
-    out = np.empty(w_sorted.shape)
-    np.put_along_axis(out, order, _midranks(w_sorted, gflat), axis=1)
+def _edge_ranks(cells: _Cells, counts: np.ndarray) -> np.ndarray:
+    """Weighted mid-ranks (``_midranks``) of each cell, in edge order, a row per cell."""
+    out = np.empty(cells.order.shape)
+    np.put_along_axis(out, cells.order, _midranks(counts[cells.order], cells.ties), axis=1)
     return out
 
 
@@ -302,14 +337,14 @@ class Partial:
         return lo, hi
 
 
-def _partial_once(cells: _Cells, ctrl: _Cells, fn_order: np.ndarray, fn_groups: np.ndarray,
+def _partial_once(cells: _Cells, ctrl: _Cells, fn_order: np.ndarray, fn_ties: Ties,
                   w: np.ndarray) -> tuple[np.ndarray, np.ndarray, float]:
     """(partial per cell, added R**2 per cell, the controls' R**2) under one weighting ``w``."""
-    n = len(w)
-    r_s = _edge_ranks(cells.order, cells.gflat, w[cells.order])
-    r_c = _edge_ranks(ctrl.order, ctrl.gflat, w[ctrl.order])
+    n, counts = len(w), _counts(w)
+    r_s = _edge_ranks(cells, counts)
+    r_c = _edge_ranks(ctrl, counts)
     r_f = np.empty(n)
-    r_f[fn_order] = _midranks(w[fn_order][None, :], fn_groups)[0]
+    r_f[fn_order] = _midranks(counts[fn_order][None, :], fn_ties)[0]
     res_f = _residuals(r_f[None, :], r_c, w)[0]
     res_s = _residuals(r_s, r_c, w)
     part = _weighted_corr(res_s, res_f[None, :], w)
@@ -334,13 +369,13 @@ def bootstrap_partial(scores: np.ndarray, fn: np.ndarray, controls: np.ndarray, 
     fn = np.asarray(fn, dtype=float)
     c, n = scores.shape
     cells, ctrl = _Cells.of(scores), _Cells.of(controls)
-    fn_order, fn_groups = _fn_ranking(fn)
-    part, added, c_r2 = _partial_once(cells, ctrl, fn_order, fn_groups, np.ones(n))
+    fn_order, fn_ties = _fn_ranking(fn)
+    part, added, c_r2 = _partial_once(cells, ctrl, fn_order, fn_ties, np.ones(n))
     rng = np.random.default_rng(seed)
     boot = np.empty((c, n_boot))
     for b in range(n_boot):
         w = np.bincount(rng.integers(0, n, n), minlength=n).astype(float)
-        boot[:, b] = _partial_once(cells, ctrl, fn_order, fn_groups, w)[0]
+        boot[:, b] = _partial_once(cells, ctrl, fn_order, fn_ties, w)[0]
     return Partial(part, added, c_r2, boot)
 
 

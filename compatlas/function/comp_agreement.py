@@ -2,8 +2,9 @@
 into a KV group is one edge, its composition the largest of the group's query heads'), whether
 its function is measurable, and the paired bootstrap of every metric x space and of the two
 oracles (``agreement``). The report draws it (``CompFunction``); the atlas keeps the same
-figures with their intervals as its ``function_agreement`` table (``agreement_table``), so that
-what a page shows can be queried."""
+figures with their intervals as its ``function_agreement`` table, so that what a page shows can
+be queried, and the bootstrap's replicates as ``function_bootstrap`` (``agreement_tables``), from
+which the report reads the comp back (``stored_comp_function``) rather than bootstrapping again."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ import numpy as np
 import polars as pl
 
 from compatlas.function import agreement as ag
-from compatlas.tables import FUNCTION_AGREEMENT_SCHEMA, integer
+from compatlas.tables import FUNCTION_AGREEMENT_SCHEMA, FUNCTION_BOOTSTRAP_SCHEMA, integer
 from compatlas.vocab import COMPS, METRICS, SPACES
 
 Con = duckdb.DuckDBPyConnection
@@ -36,29 +37,33 @@ def _has(con: Con, view: str, *cols: str) -> bool:
     return bool(found) and set(cols) <= found
 
 
-def function_edges(con: Con, model: str, checkpoint: str, method: str, comp: str) -> pl.DataFrame:
-    """Every edge of one comp as composition_vs_function counts it, in the view's tie order: its
-    attribution, standard error, split halves, q, sequences, and composition in every metric x space
-    (a row per edge x metric x space)."""
+def function_edges(con: Con, model: str, checkpoint: str, method: str | None = None, comp: str | None = None) -> pl.DataFrame:
+    """Every edge of one method x comp (None: of every one) as composition_vs_function counts it, in
+    the view's tie order: its method and comp, attribution, standard error, split halves, q,
+    sequences, and composition in every metric x space (a row per edge x metric x space)."""
     if not _has(con, "edge_attribution", "reader_kv_head", "score_stderr", "n_sequences") or not _has(con, "composition", "score"):
         return pl.DataFrame()
-    unit = "reader_head" if comp == "Q" else "reader_kv_head"
+    by_method, methods = (" AND method = ?", [method]) if method is not None else ("", [])
+    by_comp, comps = (" AND comp = ?", [comp]) if comp is not None else ("", [])
     return con.sql(f"""
-        WITH e AS (SELECT writer_layer, writer_head, reader_layer, {unit} AS reader_unit, any_value(score) AS attribution,
-                          any_value(score_stderr) AS stderr, any_value(n_sequences) AS n_sequences, any_value(score_half_a)
-                          AS half_a, any_value(score_half_b) AS half_b, any_value(q_value) AS q_value, list(reader_head) AS heads
-                   FROM edge_attribution WHERE model = ? AND checkpoint = ? AND method = ? AND comp = ? GROUP BY ALL),
-             u AS (SELECT writer_layer, writer_head, reader_layer, reader_unit, unnest(heads) AS reader_head FROM e),
-             c AS (SELECT metric, space, writer_layer, writer_head, reader_layer, reader_head, score FROM composition
-                   WHERE model = ? AND checkpoint = ? AND comp = ?)
-        SELECT writer_layer, writer_head, reader_layer, reader_unit, any_value(e.attribution) AS attribution,
+        WITH e AS (SELECT method, comp, writer_layer, writer_head, reader_layer,
+                          CASE WHEN comp = 'Q' THEN reader_head ELSE reader_kv_head END AS reader_unit,
+                          any_value(score) AS attribution, any_value(score_stderr) AS stderr,
+                          any_value(n_sequences) AS n_sequences, any_value(score_half_a) AS half_a,
+                          any_value(score_half_b) AS half_b, any_value(q_value) AS q_value, list(reader_head) AS heads
+                   FROM edge_attribution WHERE model = ? AND checkpoint = ?{by_method}{by_comp} GROUP BY ALL),
+             u AS (SELECT method, comp, writer_layer, writer_head, reader_layer, reader_unit, unnest(heads) AS reader_head
+                   FROM e),
+             c AS (SELECT metric, space, comp, writer_layer, writer_head, reader_layer, reader_head, score FROM composition
+                   WHERE model = ? AND checkpoint = ?{by_comp})
+        SELECT method, comp, writer_layer, writer_head, reader_layer, reader_unit, any_value(e.attribution) AS attribution,
                any_value(e.stderr) AS stderr, any_value(e.n_sequences) AS n_sequences, any_value(e.half_a) AS half_a,
                any_value(e.half_b) AS half_b, any_value(e.q_value) AS q_value, metric, space, max(score) AS score
-        FROM u JOIN c USING (writer_layer, writer_head, reader_layer, reader_head)
-        JOIN e USING (writer_layer, writer_head, reader_layer, reader_unit)
-        GROUP BY writer_layer, writer_head, reader_layer, reader_unit, metric, space
-        ORDER BY writer_layer, writer_head, reader_layer, reader_unit""",
-                   params=[model, checkpoint, method, comp, model, checkpoint, comp]).pl()
+        FROM u JOIN c USING (comp, writer_layer, writer_head, reader_layer, reader_head)
+        JOIN e USING (method, comp, writer_layer, writer_head, reader_layer, reader_unit)
+        GROUP BY method, comp, writer_layer, writer_head, reader_layer, reader_unit, metric, space
+        ORDER BY method, comp, writer_layer, writer_head, reader_layer, reader_unit""",
+                   params=[model, checkpoint, *methods, *comps, model, checkpoint, *comps]).pl()
 
 
 @dataclass
@@ -149,11 +154,18 @@ def verdict(t: dict[str, bool | None]) -> str | None:
     return "; ".join(said)
 
 
-def comp_function(con: Con, model: str, checkpoint: str, method: str, comp: str,
-                  fdr: float | None = None) -> CompFunction | None:
+def comp_function(con: Con, model: str, checkpoint: str, method: str, comp: str, fdr: float | None = None,
+                  every_edge: pl.DataFrame | None = None) -> CompFunction | None:
     """``CompFunction`` of one comp from its edges (``function_edges``); None without edges. ``fdr``:
-    the cut of an edge's q-value for "significant" (the atlas's, else ``agreement.SIGNAL_FDR``)."""
-    df = function_edges(con, model, checkpoint, method, comp)
+    the cut of an edge's q-value for "significant" (the atlas's, else ``agreement.SIGNAL_FDR``).
+    ``every_edge``: ``function_edges`` of every method and comp of the model x checkpoint, from a
+    caller that reads them once for all (one query where there were one per comp)."""
+    if every_edge is None:
+        df = function_edges(con, model, checkpoint, method, comp)
+    elif every_edge.is_empty():
+        df = every_edge
+    else:
+        df = every_edge.filter((pl.col("method") == method) & (pl.col("comp") == comp))
     if df.is_empty():
         return None
     keys = ["writer_layer", "writer_head", "reader_layer", "reader_unit"]
@@ -199,6 +211,7 @@ def comp_rows(model: str, checkpoint: str, f: CompFunction) -> list[dict]:
     for i, cell in enumerate(f.cells):
         row: dict = {"model": model, "checkpoint": checkpoint, "method": f.method, "comp": f.comp, "metric": cell[0],
                      "space": cell[1], "measurable": f.gate.measurable, "why_not": f.gate.why, "n_edges": f.gate.n_edges,
+                     "n_top": f.gate.n_top, "n_signal": f.gate.n_signal, "largest_attribution": f.gate.largest,
                      "n_significant": f.n_significant if f.noise is not None else None, "n_boot": n_boot}
         for name in ("auroc_top", "spearman_abs", "spearman_unbiased", "auroc_significant"):
             row.update({name: None, f"{name}_lo": None, f"{name}_hi": None})
@@ -230,16 +243,85 @@ def _finite(x: float) -> float | None:
     return float(x) if np.isfinite(x) else None
 
 
-def agreement_table(con: Con, fdr: float | None = None) -> pl.DataFrame:
-    """``function_agreement``: every model x checkpoint x attribution method x comp of
-    composition_vs_function, a row per metric x space and oracle (``comp_rows``); empty without
-    edge attribution."""
-    rows: list[dict] = []
+# function_bootstrap's statistics of the two paired bootstraps: (column, CompFunction's attribute, its figure)
+BOOTSTRAPPED = (("auroc_top", "agreement", "auroc"), ("spearman_abs", "agreement", "spearman"),
+                ("spearman_unbiased", "noise", "spearman"), ("auroc_significant", "noise", "auroc"))
+
+
+def bootstrap_rows(model: str, checkpoint: str, f: CompFunction) -> list[dict]:
+    """``function_bootstrap``'s rows of one comp: a row per cell (oracles included), each statistic's
+    point figure and replicates exactly as ``f`` holds them; none where it has no bootstrap (not measurable)."""
+    if f.agreement is None:
+        return []
+    rows = []
+    for i, (metric, space) in enumerate(f.cells):
+        row: dict = {"model": model, "checkpoint": checkpoint, "method": f.method, "comp": f.comp, "metric": metric,
+                     "space": space}
+        for name, attribute, which in BOOTSTRAPPED:
+            a: ag.Agreement | None = getattr(f, attribute)
+            row[name] = None if a is None else float(getattr(a, which)[i])
+            row[f"{name}_boot"] = None if a is None else getattr(a, f"{which}_boot")[i].tolist()
+        p = f.partial
+        row.update(partial_unbiased=None if p is None else float(p.partial[i]),
+                   partial_unbiased_boot=None if p is None else p.partial_boot[i].tolist(),
+                   added_r2=None if p is None else float(p.added_r2[i]), controls_r2=None if p is None else p.controls_r2)
+        rows.append(row)
+    return rows
+
+
+def stored_comp_function(con: Con, model: str, checkpoint: str, method: str, comp: str) -> CompFunction | None:
+    """``comp_function`` as the atlas stored it when it was built: the gate and cells from
+    ``function_agreement``, the figures and replicates from ``function_bootstrap`` (the same arrays,
+    not bootstrapped again); None where the atlas has no rows for the comp (it has no edges)."""
+    key = [model, checkpoint, method, comp]
+    where = "WHERE model = ? AND checkpoint = ? AND method = ? AND comp = ?"
+    rows = con.execute("SELECT metric, space, why_not, n_edges, n_top, n_signal, largest_attribution, n_significant "
+                       f"FROM function_agreement {where}", key).fetchall()
+    if not rows:
+        return None
+    _, _, why, n_edges, n_top, n_signal, largest, n_significant = rows[0]
+    cells = cell_order([(m, s) for m, s, *_ in rows if (m, s) not in REFERENCES])
+    out = CompFunction(comp, method, ag.Measurability(n_edges, n_top, n_signal, largest, why), cells + list(REFERENCES))
+    stored = {(r["metric"], r["space"]): r for r in con.sql(f"SELECT * FROM function_bootstrap {where}",
+                                                            params=key).pl().iter_rows(named=True)}
+    if not stored:
+        return out
+    at = [stored[c] for c in out.cells]
+
+    def points(name: str) -> np.ndarray:
+        return np.array([r[name] for r in at], dtype=float)
+
+    def replicates(name: str) -> np.ndarray:
+        return np.array([r[f"{name}_boot"] for r in at], dtype=float)
+
+    out.agreement = ag.Agreement(auroc=points("auroc_top"), spearman=points("spearman_abs"),
+                                 auroc_boot=replicates("auroc_top"), spearman_boot=replicates("spearman_abs"))
+    if at[0]["spearman_unbiased_boot"] is not None:  # split halves: the noise-aware bootstrap and the partial
+        out.noise = ag.Agreement(auroc=points("auroc_significant"), spearman=points("spearman_unbiased"),
+                                 auroc_boot=replicates("auroc_significant"), spearman_boot=replicates("spearman_unbiased"))
+        out.partial = ag.Partial(partial=points("partial_unbiased"), added_r2=points("added_r2"),
+                                 controls_r2=float(at[0]["controls_r2"]), partial_boot=replicates("partial_unbiased"))
+        out.n_significant = int(n_significant)
+    return out
+
+
+def agreement_tables(con: Con, fdr: float | None = None) -> dict[str, pl.DataFrame]:
+    """``function_agreement`` and ``function_bootstrap``: every model x checkpoint x attribution method x
+    comp of composition_vs_function bootstrapped once (``comp_function``), a row per metric x space
+    and oracle in each (``comp_rows``, ``bootstrap_rows``); empty without edge attribution. ``fdr``:
+    the atlas's q-value cut (``comp_function``)."""
+    agreement: list[dict] = []
+    replicates: list[dict] = []
     if _has(con, "composition_vs_function", "method"):
+        edges: dict[tuple[str, str], pl.DataFrame] = {}
         for model, checkpoint, method in con.execute("SELECT DISTINCT model, checkpoint, method "
                                                      "FROM composition_vs_function ORDER BY ALL").fetchall():
+            if (model, checkpoint) not in edges:
+                edges = {(model, checkpoint): function_edges(con, model, checkpoint)}  # the one model x checkpoint kept
             for comp in COMPS:
-                f = comp_function(con, model, checkpoint, method, comp, fdr)
+                f = comp_function(con, model, checkpoint, method, comp, fdr, edges[(model, checkpoint)])
                 if f is not None:
-                    rows += comp_rows(model, checkpoint, f)
-    return pl.DataFrame(rows, schema=FUNCTION_AGREEMENT_SCHEMA)
+                    agreement += comp_rows(model, checkpoint, f)
+                    replicates += bootstrap_rows(model, checkpoint, f)
+    return {"function_agreement": pl.DataFrame(agreement, schema=FUNCTION_AGREEMENT_SCHEMA),
+            "function_bootstrap": pl.DataFrame(replicates, schema=FUNCTION_BOOTSTRAP_SCHEMA)}

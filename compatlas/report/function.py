@@ -17,7 +17,16 @@ import numpy as np
 import polars as pl
 
 from compatlas.function import agreement as ag
-from compatlas.function.comp_agreement import ORACLES, PRIOR, REFERENCES, SCALE, CompFunction, comp_function, verdict
+from compatlas.function.comp_agreement import (
+    ORACLES,
+    PRIOR,
+    REFERENCES,
+    SCALE,
+    CompFunction,
+    comp_function,
+    stored_comp_function,
+    verdict,
+)
 from compatlas.report import function_training
 from compatlas.report import queries as q
 from compatlas.report.page import Page, by_metric_space, correlation, fmt, note, order, table
@@ -59,11 +68,16 @@ RULES = (f"A comp has a function to predict when it has at least {ag.MIN_EDGES} 
 
 def model_function(con: duckdb.DuckDBPyConnection, model: str, checkpoint: str) -> dict[str, CompFunction]:
     """Every comp's ``CompFunction`` of a model x checkpoint by the page's method per comp
-    (queries.edge_methods); empty without edge attribution."""
+    (queries.edge_methods); empty without edge attribution. Read back from the bootstrap the atlas
+    stored when it was built (``stored_comp_function``); bootstrapped here for an atlas built before
+    it stored one."""
     methods = q.edge_methods(con, model, checkpoint)
     if methods is None:
         return {}
-    found = {c: comp_function(con, model, checkpoint, m, c, q.fdr(con)) for c, m in methods.items()}
+    if q.has(con, "function_bootstrap", "spearman_unbiased_boot") and q.has(con, "function_agreement", "n_signal"):
+        found = {c: stored_comp_function(con, model, checkpoint, m, c) for c, m in methods.items()}
+    else:
+        found = {c: comp_function(con, model, checkpoint, m, c, q.fdr(con)) for c, m in methods.items()}
     return {c: f for c, f in found.items() if f is not None}
 
 

@@ -84,58 +84,66 @@ joined AS (
         o.score, NULL, NULL, false, o.method, t.fn, t.fn_unbiased, t.t_abs, t.significant, t.is_top, true, true,
         t.o_scale, t.o_depth
     FROM oracles o JOIN top t USING (model, checkpoint, method, comp, writer_layer, writer_head, reader_layer, reader_unit)),
-ranked AS (
-    SELECT *,
-      rank() OVER (c ORDER BY score) + (count(*) OVER (PARTITION BY model, checkpoint, method, metric, space, comp, score) - 1) / 2.0 AS r_score,
-      rank() OVER (c ORDER BY fn) + (count(*) OVER (PARTITION BY model, checkpoint, method, metric, space, comp, fn) - 1) / 2.0 AS r_fn,
-      rank() OVER (c ORDER BY fn_unbiased)
-        + (count(*) OVER (PARTITION BY model, checkpoint, method, metric, space, comp, fn_unbiased) - 1) / 2.0 AS r_fnu,
-      rank() OVER (c ORDER BY t_abs) + (count(*) OVER (PARTITION BY model, checkpoint, method, metric, space, comp, t_abs) - 1) / 2.0 AS r_t,
-      rank() OVER (c ORDER BY o_scale)
-        + (count(*) OVER (PARTITION BY model, checkpoint, method, metric, space, comp, o_scale) - 1) / 2.0 AS r_os,
-      rank() OVER (c ORDER BY o_depth)
-        + (count(*) OVER (PARTITION BY model, checkpoint, method, metric, space, comp, o_depth) - 1) / 2.0 AS r_od,
-      rank() OVER (lp ORDER BY score)
-        + (count(*) OVER (PARTITION BY model, checkpoint, method, metric, space, comp, writer_layer, reader_layer, score) - 1)
-          / 2.0 AS r_score_lp,
-      rank() OVER (lp ORDER BY fn)
-        + (count(*) OVER (PARTITION BY model, checkpoint, method, metric, space, comp, writer_layer, reader_layer, fn) - 1)
-          / 2.0 AS r_fn_lp,
-      rank() OVER (lp ORDER BY fn_unbiased)
-        + (count(*) OVER (PARTITION BY model, checkpoint, method, metric, space, comp, writer_layer, reader_layer, fn_unbiased) - 1)
-          / 2.0 AS r_fnu_lp,
-      rank() OVER (PARTITION BY model, checkpoint, method, metric, space, comp, no_z ORDER BY z)
-        + (count(*) OVER (PARTITION BY model, checkpoint, method, metric, space, comp, no_z, z) - 1) / 2.0 AS r_z,
-      rank() OVER (PARTITION BY model, checkpoint, method, metric, space, comp, no_z ORDER BY fn)
-        + (count(*) OVER (PARTITION BY model, checkpoint, method, metric, space, comp, no_z, fn) - 1) / 2.0 AS r_fn_z,
-      rank() OVER (PARTITION BY model, checkpoint, method, metric, space, comp, no_p ORDER BY p DESC)
-        + (count(*) OVER (PARTITION BY model, checkpoint, method, metric, space, comp, no_p, p) - 1) / 2.0 AS r_p,
-      rank() OVER (PARTITION BY model, checkpoint, method, metric, space, comp, no_p ORDER BY fn)
-        + (count(*) OVER (PARTITION BY model, checkpoint, method, metric, space, comp, no_p, fn) - 1) / 2.0 AS r_fn_p,
-      count_if(is_top) OVER (c ORDER BY score DESC, writer_layer, writer_head, reader_layer, reader_unit ROWS UNBOUNDED PRECEDING)
-        / row_number() OVER (c ORDER BY score DESC, writer_layer, writer_head, reader_layer, reader_unit) AS prec_score,
-      count_if(significant) OVER (c ORDER BY score DESC, writer_layer, writer_head, reader_layer, reader_unit ROWS UNBOUNDED PRECEDING)
-        / row_number() OVER (c ORDER BY score DESC, writer_layer, writer_head, reader_layer, reader_unit) AS prec_significant,
-      count_if(is_top) OVER (PARTITION BY model, checkpoint, method, metric, space, comp, no_z
-                             ORDER BY z DESC, score DESC, writer_layer, writer_head, reader_layer, reader_unit ROWS UNBOUNDED PRECEDING)
-        / row_number() OVER (PARTITION BY model, checkpoint, method, metric, space, comp, no_z
-                             ORDER BY z DESC, score DESC, writer_layer, writer_head, reader_layer, reader_unit) AS prec_z,
-      count_if(is_top) OVER (PARTITION BY model, checkpoint, method, metric, space, comp, no_p
-                             ORDER BY p, score DESC, writer_layer, writer_head, reader_layer, reader_unit ROWS UNBOUNDED PRECEDING)
-        / row_number() OVER (PARTITION BY model, checkpoint, method, metric, space, comp, no_p
-                             ORDER BY p, score DESC, writer_layer, writer_head, reader_layer, reader_unit) AS prec_p
-    FROM joined
-    WINDOW c AS (PARTITION BY model, checkpoint, method, metric, space, comp),
-           lp AS (PARTITION BY model, checkpoint, method, metric, space, comp, writer_layer, reader_layer)),
-within AS (
+-- Every cell (model x checkpoint x method x metric x space x comp) numbered: the windows below partition on that
+-- integer, and each family of them sorts only the columns it needs (a window sorts its whole input row: one stack of
+-- windows over every column, partitioned on six strings, took 20 s of the default run's atlas).
+cells AS (
     SELECT model, checkpoint, method, metric, space, comp,
+        row_number() OVER (ORDER BY model, checkpoint, method, metric, space, comp) AS cell
+    FROM (SELECT DISTINCT model, checkpoint, method, metric, space, comp FROM joined)),
+numbered AS (
+    SELECT cell, writer_layer, writer_head, reader_layer, reader_unit, score, z, p, discovered, fn, fn_unbiased, t_abs,
+        significant, is_top, no_z, no_p, o_scale, o_depth
+    FROM joined JOIN cells USING (model, checkpoint, method, metric, space, comp)),
+-- Mid-ranks from one sort each: (rank() + count(*)) / 2, where count(*) (ordered, default frame) counts the rows up to
+-- the row's last tie: the same figure as rank() + (ties - 1) / 2.
+ranked AS (
+    SELECT cell, fn, significant, is_top, discovered,
+      (rank() OVER (c ORDER BY score) + count(*) OVER (c ORDER BY score)) / 2.0 AS r_score,
+      (rank() OVER (c ORDER BY fn) + count(*) OVER (c ORDER BY fn)) / 2.0 AS r_fn,
+      (rank() OVER (c ORDER BY fn_unbiased) + count(*) OVER (c ORDER BY fn_unbiased)) / 2.0 AS r_fnu,
+      (rank() OVER (c ORDER BY t_abs) + count(*) OVER (c ORDER BY t_abs)) / 2.0 AS r_t,
+      (rank() OVER (c ORDER BY o_scale) + count(*) OVER (c ORDER BY o_scale)) / 2.0 AS r_os,
+      (rank() OVER (c ORDER BY o_depth) + count(*) OVER (c ORDER BY o_depth)) / 2.0 AS r_od
+    FROM numbered WINDOW c AS (PARTITION BY cell)),
+ranked_in_pair AS (
+    SELECT cell, writer_layer, reader_layer,
+      (rank() OVER (lp ORDER BY score) + count(*) OVER (lp ORDER BY score)) / 2.0 AS r_score_lp,
+      (rank() OVER (lp ORDER BY fn) + count(*) OVER (lp ORDER BY fn)) / 2.0 AS r_fn_lp,
+      (rank() OVER (lp ORDER BY fn_unbiased) + count(*) OVER (lp ORDER BY fn_unbiased)) / 2.0 AS r_fnu_lp
+    FROM numbered WINDOW lp AS (PARTITION BY cell, writer_layer, reader_layer)),
+-- precision at each edge, the edges in descending score, ties in edge order
+precision AS (
+    SELECT cell, significant, is_top,
+      count_if(is_top) OVER (c ROWS UNBOUNDED PRECEDING) / row_number() OVER c AS prec_score,
+      count_if(significant) OVER (c ROWS UNBOUNDED PRECEDING) / row_number() OVER c AS prec_significant
+    FROM numbered WINDOW c AS (PARTITION BY cell ORDER BY score DESC, writer_layer, writer_head, reader_layer, reader_unit)),
+-- the z and p columns rank only the edges with a z (a p)
+ranked_z AS (
+    SELECT cell, is_top,
+      (rank() OVER (c ORDER BY z) + count(*) OVER (c ORDER BY z)) / 2.0 AS r_z,
+      (rank() OVER (c ORDER BY fn) + count(*) OVER (c ORDER BY fn)) / 2.0 AS r_fn_z,
+      count_if(is_top) OVER (c ORDER BY z DESC, score DESC, writer_layer, writer_head, reader_layer, reader_unit
+                             ROWS UNBOUNDED PRECEDING)
+        / row_number() OVER (c ORDER BY z DESC, score DESC, writer_layer, writer_head, reader_layer, reader_unit) AS prec_z
+    FROM numbered WHERE NOT no_z WINDOW c AS (PARTITION BY cell)),
+ranked_p AS (
+    SELECT cell, is_top,
+      (rank() OVER (c ORDER BY p DESC) + count(*) OVER (c ORDER BY p DESC)) / 2.0 AS r_p,
+      (rank() OVER (c ORDER BY fn) + count(*) OVER (c ORDER BY fn)) / 2.0 AS r_fn_p,
+      count_if(is_top) OVER (c ORDER BY p, score DESC, writer_layer, writer_head, reader_layer, reader_unit
+                             ROWS UNBOUNDED PRECEDING)
+        / row_number() OVER (c ORDER BY p, score DESC, writer_layer, writer_head, reader_layer, reader_unit) AS prec_p
+    FROM numbered WHERE NOT no_p WINDOW c AS (PARTITION BY cell)),
+within AS (
+    SELECT cell,
         avg(rho) FILTER (WHERE NOT isnan(rho)) AS spearman_within_layer_pair,
         count(rho) FILTER (WHERE NOT isnan(rho)) AS n_layer_pairs,
         avg(rho_u) FILTER (WHERE NOT isnan(rho_u)) AS spearman_unbiased_within_layer_pair
-    FROM (SELECT model, checkpoint, method, metric, space, comp, writer_layer, reader_layer,
+    FROM (SELECT cell, writer_layer, reader_layer,
               CASE WHEN count(*) >= 3 THEN corr(r_score_lp, r_fn_lp) END AS rho,
               CASE WHEN count(*) >= 3 THEN corr(r_score_lp, r_fnu_lp) END AS rho_u
-          FROM ranked GROUP BY ALL)
+          FROM ranked_in_pair GROUP BY ALL)
     GROUP BY ALL),
 -- the measurement's agreement with itself: one figure per model x checkpoint x method x comp
 halves AS (
@@ -159,35 +167,47 @@ ceiling AS (
               END AS rho
           FROM halves)  -- a row per edge: every layer pair of a comp has as many edges, so this is the mean over pairs
     GROUP BY ALL),
+by_rank AS (
+    SELECT cell, count(*) AS n_edges, count_if(is_top)::BIGINT AS n_top, sum(fn) FILTER (WHERE is_top) / sum(fn) AS top_share,
+        corr(r_score, r_fn) AS spearman,
+        (sum(r_score) FILTER (WHERE is_top) - count_if(is_top) * (count_if(is_top) + 1) / 2.0)
+          / NULLIF(count_if(is_top) * count_if(NOT is_top), 0) AS auroc,
+        corr(r_score, r_fnu) AS spearman_unbiased,
+        corr(r_score, r_t) AS spearman_t,
+        count_if(significant)::BIGINT AS n_significant,
+        (sum(r_score) FILTER (WHERE significant) - count_if(significant) * (count_if(significant) + 1) / 2.0)
+          / NULLIF(count_if(significant) * count_if(NOT significant), 0) AS auroc_significant,
+        count_if(discovered)::BIGINT AS n_discoveries,
+        count_if(discovered AND is_top) / NULLIF(count_if(discovered), 0) AS discovery_precision,
+        count_if(discovered AND is_top) / NULLIF(count_if(is_top), 0) AS discovery_recall,
+        -- the pairwise correlations of ranks the partial Spearman is taken from (score s, function f, oracles a and b)
+        corr(r_score, r_os) AS c_sa, corr(r_score, r_od) AS c_sb, corr(r_fnu, r_os) AS c_fa, corr(r_fnu, r_od) AS c_fb,
+        corr(r_os, r_od) AS c_ab
+    FROM ranked GROUP BY cell),
+by_precision AS (
+    SELECT cell, sum(prec_score) FILTER (WHERE is_top) / NULLIF(count_if(is_top), 0) AS average_precision,
+        sum(prec_significant) FILTER (WHERE significant) / NULLIF(count_if(significant), 0) AS average_precision_significant
+    FROM precision GROUP BY cell),
+by_z AS (
+    SELECT cell, corr(r_z, r_fn_z) AS spearman_z,
+        (sum(r_z) FILTER (WHERE is_top) - count_if(is_top) * (count_if(is_top) + 1) / 2.0)
+          / NULLIF(count_if(is_top) * count_if(NOT is_top), 0) AS auroc_z,
+        sum(prec_z) FILTER (WHERE is_top) / NULLIF(count_if(is_top), 0) AS average_precision_z
+    FROM ranked_z GROUP BY cell),
+by_p AS (
+    SELECT cell, corr(r_p, r_fn_p) AS spearman_p,
+        (sum(r_p) FILTER (WHERE is_top) - count_if(is_top) * (count_if(is_top) + 1) / 2.0)
+          / NULLIF(count_if(is_top) * count_if(NOT is_top), 0) AS auroc_p,
+        sum(prec_p) FILTER (WHERE is_top) / NULLIF(count_if(is_top), 0) AS average_precision_p
+    FROM ranked_p GROUP BY cell),
 overall AS (
-SELECT model, checkpoint, method, metric, space, comp,
-    count(*) AS n_edges, count_if(is_top)::BIGINT AS n_top, sum(fn) FILTER (WHERE is_top) / sum(fn) AS top_share,
-    corr(r_score, r_fn) AS spearman,
-    (sum(r_score) FILTER (WHERE is_top) - count_if(is_top) * (count_if(is_top) + 1) / 2.0)
-      / NULLIF(count_if(is_top) * count_if(NOT is_top), 0) AS auroc,
-    sum(prec_score) FILTER (WHERE is_top) / NULLIF(count_if(is_top), 0) AS average_precision,
-    corr(r_score, r_fnu) AS spearman_unbiased,
-    corr(r_score, r_t) AS spearman_t,
-    count_if(significant)::BIGINT AS n_significant,
-    (sum(r_score) FILTER (WHERE significant) - count_if(significant) * (count_if(significant) + 1) / 2.0)
-      / NULLIF(count_if(significant) * count_if(NOT significant), 0) AS auroc_significant,
-    sum(prec_significant) FILTER (WHERE significant) / NULLIF(count_if(significant), 0) AS average_precision_significant,
-    corr(r_z, r_fn_z) FILTER (WHERE NOT no_z) AS spearman_z,
-    (sum(r_z) FILTER (WHERE is_top AND NOT no_z) - count_if(is_top AND NOT no_z) * (count_if(is_top AND NOT no_z) + 1) / 2.0)
-      / NULLIF(count_if(is_top AND NOT no_z) * count_if(NOT is_top AND NOT no_z), 0) AS auroc_z,
-    sum(prec_z) FILTER (WHERE is_top AND NOT no_z) / NULLIF(count_if(is_top AND NOT no_z), 0) AS average_precision_z,
-    corr(r_p, r_fn_p) FILTER (WHERE NOT no_p) AS spearman_p,
-    (sum(r_p) FILTER (WHERE is_top AND NOT no_p) - count_if(is_top AND NOT no_p) * (count_if(is_top AND NOT no_p) + 1) / 2.0)
-      / NULLIF(count_if(is_top AND NOT no_p) * count_if(NOT is_top AND NOT no_p), 0) AS auroc_p,
-    sum(prec_p) FILTER (WHERE is_top AND NOT no_p) / NULLIF(count_if(is_top AND NOT no_p), 0) AS average_precision_p,
-    count_if(discovered)::BIGINT AS n_discoveries,
-    count_if(discovered AND is_top) / NULLIF(count_if(discovered), 0) AS discovery_precision,
-    count_if(discovered AND is_top) / NULLIF(count_if(is_top), 0) AS discovery_recall,
-    -- the pairwise correlations of ranks the partial Spearman is taken from (score s, function f, oracles a and b)
-    corr(r_score, r_os) AS c_sa, corr(r_score, r_od) AS c_sb, corr(r_fnu, r_os) AS c_fa, corr(r_fnu, r_od) AS c_fb,
-    corr(r_os, r_od) AS c_ab
-FROM ranked
-GROUP BY ALL),
+    SELECT cell, k.model, k.checkpoint, k.method, k.metric, k.space, k.comp, r.n_edges, r.n_top, r.top_share, r.spearman,
+        r.auroc, e.average_precision, r.spearman_unbiased, r.spearman_t, r.n_significant, r.auroc_significant,
+        e.average_precision_significant, z.spearman_z, z.auroc_z, z.average_precision_z, p.spearman_p, p.auroc_p,
+        p.average_precision_p, r.n_discoveries, r.discovery_precision, r.discovery_recall, r.c_sa, r.c_sb, r.c_fa, r.c_fb,
+        r.c_ab
+    FROM cells k JOIN by_rank r USING (cell) JOIN by_precision e USING (cell) LEFT JOIN by_z z USING (cell)
+        LEFT JOIN by_p p USING (cell)),
 -- the partial correlation beyond a, then beyond b as well (the recursion of partial correlations)
 first_order AS (
     SELECT *,
@@ -203,7 +223,7 @@ partial AS (
         CASE WHEN space <> 'oracle' THEN pu * pu * (1 - oracles_r2) END AS added_r2
     FROM (SELECT *, (p_sf_a - p_sb_a * p_fb_a) / NULLIF(sqrt((1 - p_sb_a * p_sb_a) * (1 - p_fb_a * p_fb_a)), 0) AS pu
           FROM first_order))
-SELECT o.*, w.spearman_within_layer_pair, coalesce(w.n_layer_pairs, 0) AS n_layer_pairs,
+SELECT o.* EXCLUDE (cell), w.spearman_within_layer_pair, coalesce(w.n_layer_pairs, 0) AS n_layer_pairs,
     w.spearman_unbiased_within_layer_pair, h.noise_ceiling, h.noise_ceiling_within_layer_pair
-FROM partial o LEFT JOIN within w USING (model, checkpoint, method, metric, space, comp)
+FROM partial o LEFT JOIN within w USING (cell)
     LEFT JOIN ceiling h USING (model, checkpoint, method, comp);

@@ -301,7 +301,10 @@ def edge_methods(con: Con, model: str, checkpoint: str) -> dict[str, str] | None
     """The attribution method the report shows per comp for a model x checkpoint: the one that
     agrees best with exact patching on that comp (``eap_vs_exact``): its top edge the exact one
     first, then the higher Spearman; ties, and atlases without exact patching, go to the first
-    in ``EDGE_METHODS`` order (EAP). None where the atlas has no composition_vs_function rows."""
+    in ``EDGE_METHODS`` order (EAP). Spearmans equal to 12 decimals tie: two equal but for their
+    last bits come out of the view in either order from one build to the next (DuckDB sums in any
+    order), and a method chosen by that noise changed the page between two runs of the same
+    commit. None where the atlas has no composition_vs_function rows."""
     if not has(con, "composition_vs_function", "method", "auroc"):
         return None
     found = {r[0] for r in con.execute("""SELECT DISTINCT method FROM composition_vs_function
@@ -311,7 +314,7 @@ def edge_methods(con: Con, model: str, checkpoint: str) -> dict[str, str] | None
     methods = [m for m in EDGE_METHODS if m in found] + sorted(found - set(EDGE_METHODS))
     fit: dict[tuple[str, str], tuple[bool, float]] = {}
     if has(con, "eap_vs_exact", "method", "comp", "top_edge_agrees", "spearman"):
-        fit = {(m, c): (bool(a), -1.0 if s is None or s != s else s) for m, c, a, s in con.execute(
+        fit = {(m, c): (bool(a), -1.0 if s is None or s != s else round(s, 12)) for m, c, a, s in con.execute(
             """SELECT method, comp, top_edge_agrees, spearman FROM eap_vs_exact WHERE model = ? AND checkpoint = ?""",
             [model, checkpoint]).fetchall()}
     # max keeps the first of equals: EAP wins ties

@@ -42,7 +42,7 @@ def test_conda_env_is_the_cpu_requirement_set():
 
 def test_cuda_set_matches_the_cpu_set():
     cpu, cuda = requirements("requirements-cpu.txt"), requirements("requirements-cuda.txt")
-    test_only = {"pytest", "duckdb-cli", "ruff", "mypy"}
+    test_only = {"pytest", "pytest-xdist", "duckdb-cli", "ruff", "mypy"}
     assert set(cuda) == set(cpu) - test_only
     assert all(cuda[p] == cpu[p] for p in cuda if p != "torch"), {p: (cpu[p], cuda[p]) for p in cuda if cuda[p] != cpu[p]}
     assert cpu["snakemake-executor-plugin-slurm"].startswith("==")

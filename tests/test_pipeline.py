@@ -323,6 +323,21 @@ def test_adding_a_model_runs_only_its_jobs(pipeline_run: Path, tmp_path: Path):
     assert con.execute("SELECT count(*) FROM head_scores WHERE model = 'tiny-extra'").fetchone()[0] == 2 * 2
 
 
+def test_changing_exact_patching_plans_only_its_jobs(pipeline_run: Path, tmp_path: Path):
+    """An exact-patching setting of a model whose edge attribution is split (tiny-llama, jobs 2)
+    plans its exact jobs and their merge, then the atlas and the report: not its attribution
+    shares (they read no exact_* key) nor its induction job (it reads no edge attribution key)."""
+    work = tmp_path / "exact"
+    shutil.copytree(pipeline_run, work)
+    cfg = tiny_config()
+    cfg["models"]["tiny-llama"]["induction"]["edge_attribution"]["exact_sequences"] = 16
+    proc = run_snakemake(work, cfg, "-n")
+    planned = [line.split("rule ")[1].rstrip(":") for line in proc.stdout.splitlines() + proc.stderr.splitlines()
+               if line.strip().startswith(("rule ", "localrule "))]
+    assert sorted(planned) == ["all", "atlas", "edge_attribution", "exact_patching_share", "exact_patching_share",
+                               "report"], planned
+
+
 def test_a_fresh_checkout_beside_copied_results_plans_nothing(pipeline_run: Path, tmp_path: Path):
     """Another checkout of the same commit (a teammate's clone, a CI runner: every file's mtime the
     checkout's) beside a copy of finished results, with none of the first checkout's .snakemake

@@ -125,8 +125,9 @@ def model_blocks(wildcards):
 
 
 def model_induction(wildcards):
-    """The induction settings with the model's overrides applied."""
-    return thaw(PLAN.models[wildcards.model].induction)
+    """The induction settings with the model's overrides applied, less edge attribution's (its own
+    jobs read those: a change to them must not rerun the sweeps, head scores and ablation)."""
+    return {k: v for k, v in thaw(PLAN.models[wildcards.model].induction).items() if k != "edge_attribution"}
 
 
 def setting(section, key=None):

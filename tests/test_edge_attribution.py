@@ -598,5 +598,17 @@ def test_exact_patching_split_over_jobs_gives_the_one_jobs_table(gqa):
     with pytest.raises(ValueError, match="do not cover"):
         exact_table(shape, settings, 0, None, shares, parts[:1])
     assert [exact_rows(5, 3, j) for j in range(3)] == [slice(0, 1), slice(1, 3), slice(3, 5)]
+    # a shard of other settings is refused by name; the attribution shares' check leaves out the exact_* keys
+    from compatlas.function.edge_measure import check_share_settings, refuse_other_settings
+
+    with pytest.raises(ValueError, match=r"an exact patching share \(job 1\) was computed with the settings"):
+        refuse_other_settings([(None, {"job": 1, "settings": settings})], {**settings, "exact_sequences": 6},
+                              "an exact patching share")
+    share_settings = {k: v for k, v in settings.items() if not k.startswith("exact_")}
+    check_share_settings([(None, {"job": 0, "settings": share_settings})],
+                         {"edge_attribution": {**settings, "exact_sequences": 6}})
+    with pytest.raises(ValueError, match=r"an attribution share \(job 0\)"):
+        check_share_settings([(None, {"job": 0, "settings": share_settings})],
+                             {"edge_attribution": {**settings, "length": 7}})
     with pytest.raises(ValueError, match="one or more"):
         exact_rows(2, 3, 0)

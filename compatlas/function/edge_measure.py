@@ -25,7 +25,7 @@ from compatlas.function.edge_attribution import (
     mean_stderr,
     n_kv_heads,
 )
-from compatlas.function.edge_sums import EdgeSums, sequence_share
+from compatlas.function.edge_sums import EdgeSums, check_cover, sequence_share
 from compatlas.function.exact_sample import exact_sample, top_edges
 from compatlas.multiple_testing import bh_q_values
 from compatlas.progress import Progress
@@ -187,10 +187,7 @@ def merged_sums(shares: Sequence[tuple[dict[str, EdgeSums], dict]], settings: di
     """The attribution jobs' sums and facts (``attribute_share``) merged: each method's sums over
     every sequence, its seconds over the jobs, and the jobs' EAP batch. Jobs that do not cover the
     sequences once are refused."""
-    S = settings["sequences"]
-    got = sorted((f["sequences_from"], f["sequences_to"]) for _, f in shares)
-    if not got or [a for a, _ in got] != [0] + [b for _, b in got[:-1]] or got[-1][1] != S:
-        raise ValueError(f"the attribution jobs' sequences {got} do not cover the {S} sequences once")
+    check_cover(((f["sequences_from"], f["sequences_to"]) for _, f in shares), settings["sequences"], "attribution")
     sums = {m: functools.reduce(EdgeSums.merge, [s[m] for s, _ in shares]) for m in settings["methods"]}
     seconds = {m: round(sum(f["method_seconds"][m] for _, f in shares), 3) for m in settings["methods"]}
     return sums, seconds, shares[0][1]["gradient_batch"]
@@ -297,14 +294,20 @@ def read_share(df: pl.DataFrame, record: dict, model) -> tuple[dict[str, EdgeSum
              for method, counts in record["counts"].items()}, record)
 
 
+def refuse_other_settings(shards: Sequence[tuple[pl.DataFrame, dict]], want: dict, what: str) -> None:
+    """Refuse a job's shard (rows and provenance) computed with settings other than ``want``: it
+    would merge silently into wrong figures. ``what`` names the shard in the message."""
+    for _, record in shards:
+        if record.get("settings") != want:
+            raise ValueError(f"{what} (job {record.get('job')}) was computed with the settings "
+                             f"{record.get('settings')}, not this run's {want}: delete it and rerun")
+
+
 def check_share_settings(shares: Sequence[tuple[pl.DataFrame, dict]], settings: dict) -> None:
-    """Refuse an attribution job's shard computed with settings other than this run's (beside the
-    exact-patching ones, ``EXACT_PATCHING_KEYS``): it would merge silently into wrong figures."""
+    """``refuse_other_settings`` for the attribution jobs' shards: this run's settings beside the
+    exact-patching ones (``EXACT_PATCHING_KEYS``), which they do not read."""
     attribution = {k: v for k, v in settings["edge_attribution"].items() if k not in EXACT_PATCHING_KEYS}
-    for _, record in shares:
-        if record.get("settings") != attribution:
-            raise ValueError(f"an attribution share (job {record.get('job')}) was computed with the settings "
-                             f"{record.get('settings')}, not this run's {attribution}: delete it and rerun")
+    refuse_other_settings(shares, attribution, "an attribution share")
 
 
 def boot_and_attribute_edges(model_id: str, entry: dict, checkpoint: dict | None, settings: dict, meta_path: str,

@@ -16,6 +16,7 @@ so the figures of S sequences split over several jobs are those of one job to fl
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import polars as pl
@@ -101,6 +102,15 @@ class EdgeSums:
             for k in parts:
                 parts[k][c] = torch.from_numpy(rows[k].to_numpy().copy()).reshape(shapes[c])
         return cls(n=int(counts["n"]), n_even=int(counts["n_even"]), **parts)
+
+
+def check_cover(ranges: Iterable[tuple[int, int]], total: int, jobs: str, unit: str = "sequences") -> None:
+    """Refuse jobs' shares ([from, to) ranges) that do not cover 0..``total`` once, consecutively:
+    the merge would silently average over missing or repeated sequences. ``jobs`` names the jobs
+    in the message (``attribution``, ``exact``), ``unit`` what they share."""
+    got = sorted(ranges)
+    if not got or [a for a, _ in got] != [0] + [b for _, b in got[:-1]] or got[-1][1] != total:
+        raise ValueError(f"the {jobs} jobs' sequences {got} do not cover the {total} {unit} once")
 
 
 def sequence_share(sequences: int, jobs: int, job: int) -> slice:

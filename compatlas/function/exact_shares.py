@@ -39,7 +39,9 @@ from compatlas.function.edge_measure import (
     merged_sums,
     read_share,
     record_of,
+    refuse_other_settings,
 )
+from compatlas.function.edge_sums import check_cover
 from compatlas.progress import Progress
 from compatlas.tables import EDGE_ATTRIBUTION_SCHEMA, EXACT_VALUES_SCHEMA
 
@@ -123,9 +125,7 @@ def boot_and_patch_share(model_id: str, entry: dict, checkpoint: dict | None, se
 def stack_exact(sample: Sequence[Edge], parts: Sequence[tuple[pl.DataFrame, dict]], sequences: int) -> torch.Tensor:
     """The exact jobs' values (``patch_share``'s rows and provenance) as one [edges, sequences]
     tensor; refused where a job patched another sample or the jobs do not cover the sequences once."""
-    got = sorted((r["sequences_from"], r["sequences_to"]) for _, r in parts)
-    if not got or [a for a, _ in got] != [0] + [b for _, b in got[:-1]] or got[-1][1] != sequences:
-        raise ValueError(f"the exact jobs' sequences {got} do not cover the {sequences} exact sequences once")
+    check_cover(((r["sequences_from"], r["sequences_to"]) for _, r in parts), sequences, "exact", "exact sequences")
     want = [(e.comp, e.writer_layer, e.writer_head, e.reader_layer, e.reader_index) for e in sample]
     out = torch.empty(len(sample), sequences, dtype=torch.float64)
     for df, record in parts:
@@ -165,10 +165,7 @@ def merge_exact(model_id: str, meta_path: str, settings: dict, composition: pl.D
     t0 = time.perf_counter()
     ea = settings["edge_attribution"]
     check_share_settings(shares, settings)
-    for _, record in parts:
-        if record.get("settings") != ea:
-            raise ValueError(f"an exact patching share (job {record.get('job')}) was computed with the settings "
-                             f"{record.get('settings')}, not this run's {ea}: delete it and rerun")
+    refuse_other_settings(parts, ea, "an exact patching share")
     with open(meta_path) as f:
         meta = json.load(f)
     shape = ModelShape.of(meta)

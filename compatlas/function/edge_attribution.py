@@ -54,7 +54,7 @@ from typing import Any
 import torch
 
 from compatlas.behaviour.block_skip import arity_probe, block_list, skip_below
-from compatlas.behaviour.sequences import TokenSet, _draw
+from compatlas.behaviour.sequences import TokenSet, _draw, gathered_logprobs
 from compatlas.function.eap_attn import exact_attention_scores
 from compatlas.progress import Progress
 from compatlas.runtime import stable_seed
@@ -172,9 +172,8 @@ def _metric(model, x: torch.Tensor, task: InductionTask, rows: slice, hooks: lis
         logits = model.run_with_hooks(x, fwd_hooks=hooks + [(UNEMBED_IN, lambda h, hook: h[:, pos])])
     else:
         logits = model.run_with_hooks(x, fwd_hooks=hooks)[:, pos]
-    lp = logits.double().log_softmax(-1)
-    tgt = task.targets[rows].to(lp.device)
-    return lp.gather(-1, tgt.repeat(x.shape[0] // len(tgt), 1)[..., None])[..., 0].mean(-1)
+    tgt = task.targets[rows]
+    return gathered_logprobs(logits, tgt.repeat(x.shape[0] // len(tgt), 1)).mean(-1)
 
 
 def _keep(store: dict, key) -> Callable[[torch.Tensor, Any], torch.Tensor]:

@@ -124,18 +124,27 @@ def _build_folder(source: dict[str, Any], checkpoint: dict[str, Any] | None, wor
 
 
 @contextmanager
-def _one_tensor_name_map() -> Iterator[None]:
-    """Within: gguf's ``get_tensor_name_map`` memoised. transformers builds the map anew for every
-    module of the model it loads (397 times for SmolLM2: a quarter of the 22 s its GGUF took); it
-    depends only on the architecture and the layer count, and is only read."""
+def _gguf_parsed_once() -> Iterator[None]:
+    """Within: gguf's ``GGUFReader`` (per file) and ``get_tensor_name_map`` memoised. transformers
+    parses the whole file for the config (twice), the tokenizer and the tensors, 2.5 s each for
+    SmolLM2's 49,152 tokens, and builds the name map anew for each of its 397 modules; both depend
+    only on their arguments and are only read."""
     import gguf
 
-    build = gguf.get_tensor_name_map
-    gguf.get_tensor_name_map = functools.cache(build)
+    build, reader = gguf.get_tensor_name_map, gguf.GGUFReader
+    readers: dict[tuple[str, str], Any] = {}
+
+    def read(path, mode: str = "r"):
+        key = (str(path), mode)
+        if key not in readers:
+            readers[key] = reader(path, mode)
+        return readers[key]
+
+    gguf.get_tensor_name_map, gguf.GGUFReader = functools.cache(build), read
     try:
         yield
     finally:
-        gguf.get_tensor_name_map = build
+        gguf.get_tensor_name_map, gguf.GGUFReader = build, reader
 
 
 def _gguf_folder(source: dict[str, Any], checkpoint: dict[str, Any] | None, workdir: Path) -> tuple[Path, dict[str, Any]]:
@@ -155,8 +164,8 @@ def _gguf_folder(source: dict[str, Any], checkpoint: dict[str, Any] | None, work
     if not (stamp.is_file() and json.loads(stamp.read_text()) == spec):
         gguf_header(path)  # a clear error for a file that is not GGUF, before transformers' own
         stamp.unlink(missing_ok=True)
-        tok = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
-        with _one_tensor_name_map():
+        with _gguf_parsed_once():
+            tok = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
             model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
         if source.get("architectures"):
             model.config.architectures = list(source["architectures"])
@@ -223,14 +232,13 @@ def _boot_folder(entry: dict[str, Any], checkpoint: dict[str, Any] | None, workd
         if extracted and extracted.get(key) and prov.get(key) and extracted[key] != prov[key]:
             raise ModelLoadError(f"the weights in {folder} changed since extraction ({key} {prov[key][:12]}..., extraction's "
                                  f"{extracted[key][:12]}...); delete {folder} and its weights/ folder and rerun snakemake")
+    tok = AutoTokenizer.from_pretrained(folder)
     if entry["source"]["kind"] == "gguf":
-        # read from the GGUF file itself: transformer_lens reloads a tokenizer from its folder
-        # with add_bos_token=True, which it cannot do for one read from a GGUF file, so the
-        # file's own stays (SmolLM2's adds no BOS; one from the folder would)
-        gguf = Path(prov["source_path"])
-        tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    else:
-        tok = AutoTokenizer.from_pretrained(folder)
+        # the GGUF file's own tokenizer, saved in the folder at dequantization (parsing the file
+        # took 3 s a boot). transformer_lens reloads a tokenizer that adds no BOS from its folder
+        # with add_bos_token=True; it could not reload the one read from the file, which therefore
+        # stayed as the file defines it (SmolLM2's adds no BOS): marked as settled, this one stays too
+        tok.init_kwargs["add_bos_token"] = True
     bridge = TransformerBridge.boot_transformers(str(folder), tokenizer=tok, dtype=dtype, **place)
     hf = bridge.original_model
     base = getattr(hf, "base_model", hf)

@@ -16,6 +16,11 @@ run can be read.
 ``--run DIR`` runs ``snakemake --cores 2`` in DIR (which must hold a checkout with its .venv; the
 results folder is removed first) and reports its wall clock beside the table; bench_default_run_parts.py
 holds the earlier micro-benchmarks of its pieces.
+
+It ends with this machine's speed, measured in the same run: one core's float32 matrix product
+at the shape of SmolLM2's MLP on a batch of its edge attribution (1312 x 576 @ 576 x 1536), the
+rate the run's largest jobs are bound by. The same machine has measured 80 to 150 GFLOP/s on
+different days: compare runs by their work against this rate, not across days by seconds.
 """
 
 from __future__ import annotations
@@ -104,6 +109,26 @@ def report(workdir: Path, wall: float | None = None) -> None:
         print(f"the run's wall clock (snakemake, from its start): {wall:.0f} s ({wall / 60:.1f} min)")
 
 
+def matmul_rate(m: int = 1312, k: int = 576, n: int = 1536, repeats: int = 30) -> float:
+    """GFLOP/s of one core's float32 ``x @ w.T`` ([m, k] x [n, k]), the best of ``repeats``."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        x, w = torch.randn(m, k), torch.randn(n, k)
+        for _ in range(3):
+            torch.nn.functional.linear(x, w)
+        best = float("inf")
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            torch.nn.functional.linear(x, w)
+            best = min(best, time.perf_counter() - t0)
+        return 2 * m * k * n / best / 1e9
+    finally:
+        torch.set_num_threads(threads)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("workdir", nargs="?", default=".", type=Path, help="a finished run's working directory")
@@ -120,6 +145,7 @@ def main() -> None:
                        stdout=subprocess.DEVNULL, stderr=sys.stderr)
         wall = time.perf_counter() - t0
     report(workdir.resolve(), wall)
+    print(f"this machine now: one core's float32 matrix product (1312 x 576 @ 576 x 1536) {matmul_rate():.0f} GFLOP/s")
 
 
 if __name__ == "__main__":

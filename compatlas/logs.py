@@ -13,12 +13,14 @@ STARTED_ENV = "COMPATLAS_JOB_STARTED"  # the job's process start (epoch seconds)
 
 def process_started(pid: int | str = "self") -> float | None:
     """When a process started (epoch seconds), from /proc (None elsewhere): a job's start-up is
-    the time from its process's start to its script's first log line."""
+    the time from its process's start to its script's first log line. The process's age comes from
+    /proc/uptime (10 ms ticks): the boot time in /proc/stat is whole seconds, which had added a
+    constant fraction of a second (0.7 s on one machine) to every job's start-up."""
     try:
         ticks = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19])
-        boot = next(float(line.split()[1]) for line in Path("/proc/stat").read_text().splitlines() if line.startswith("btime"))
-        return boot + ticks / os.sysconf("SC_CLK_TCK")
-    except (OSError, ValueError, IndexError, StopIteration):
+        uptime = float(Path("/proc/uptime").read_text().split()[0])
+        return time.time() - (uptime - ticks / os.sysconf("SC_CLK_TCK"))
+    except (OSError, ValueError, IndexError):
         return None
 
 

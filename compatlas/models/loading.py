@@ -131,20 +131,21 @@ def _gguf_parsed_once() -> Iterator[None]:
     only on their arguments and are only read."""
     import gguf
 
-    build, reader = gguf.get_tensor_name_map, gguf.GGUFReader
-    readers: dict[tuple[str, str], Any] = {}
+    lib: Any = gguf  # its attributes are replaced for the duration, then restored
+    build, reader = lib.get_tensor_name_map, lib.GGUFReader
+    readers: dict[tuple[str, Any], Any] = {}
 
-    def read(path, mode: str = "r"):
-        key = (str(path), mode)
+    def read(path, *args, **kwargs):
+        key = (str(path), (args, tuple(sorted(kwargs.items()))))
         if key not in readers:
-            readers[key] = reader(path, mode)
+            readers[key] = reader(path, *args, **kwargs)
         return readers[key]
 
-    gguf.get_tensor_name_map, gguf.GGUFReader = functools.cache(build), read
+    lib.get_tensor_name_map, lib.GGUFReader = functools.cache(build), read
     try:
         yield
     finally:
-        gguf.get_tensor_name_map, gguf.GGUFReader = build, reader
+        lib.get_tensor_name_map, lib.GGUFReader = build, reader
 
 
 def _gguf_folder(source: dict[str, Any], checkpoint: dict[str, Any] | None, workdir: Path) -> tuple[Path, dict[str, Any]]:

@@ -138,6 +138,22 @@ def test_logodds_by_hand():
     assert torch.isfinite(extreme).all() and extreme[0] > 30 and extreme[1] < -30
 
 
+@pytest.mark.parametrize("shape, k", [((3, 5, 300), 1), ((7, 300), 2), ((1, 300), 3)])
+def test_gathered_logprobs_are_the_whole_tensors_log_softmax_bit_for_bit(monkeypatch, shape, k):
+    """A few rows at a time (here 2: LOGPROB_BYTES lowered), the values and their gradient are
+    those of one float64 log_softmax over the whole tensor, gathered: the same bits."""
+    from compatlas.behaviour import sequences
+
+    monkeypatch.setattr(sequences, "LOGPROB_BYTES", 2 * 8 * 300)
+    gen = torch.Generator().manual_seed(0)
+    x = (torch.randn(*shape, generator=gen) * 4).requires_grad_(True)
+    t = torch.randint(300, (*shape[:-1], k), generator=gen)
+    whole = x.double().log_softmax(-1).gather(-1, t)
+    rows = sequences.gathered_logprobs(x, t)
+    assert torch.equal(rows, whole) and rows.dtype == torch.float64
+    assert torch.equal(*(torch.autograd.grad(v.sum(), x)[0] for v in (rows, whole)))
+
+
 def test_strength_is_logodds_difference_of_the_model_softmax(built):
     gen = torch.Generator().manual_seed(1)
     A, B = torch.tensor([3, 9]), torch.tensor([7, 1])

@@ -22,6 +22,7 @@ from compatlas.behaviour.sequences import (
     _draw,
     _stats,
     effective_batch,
+    gathered_logprobs,
     induction_sequences,
     last_position_hooks,
     logodds,
@@ -97,7 +98,7 @@ def _upper_logprobs(model, layers: torch.nn.ModuleList, batch: torch.Tensor, tar
     by ``block_skip.Skip`` (block start - 1 handing on ``resid``, the clean stream entering ``start``)."""
     with skip_below(layers, start, resid, arity):
         logits = model.run_with_hooks(batch, fwd_hooks=hooks + last_position_hooks(model))
-    return logits[:, -1].double().log_softmax(-1).gather(1, target.to(logits.device)).cpu()[:, 0]
+    return gathered_logprobs(logits[:, -1], target).cpu()[:, 0]
 
 
 @torch.no_grad()
@@ -169,7 +170,7 @@ def _attribution_drops(model, seq, ctrl, target, means, batch_size, progress) ->
                 logits = model.run_with_hooks(X[rows].to(device), fwd_hooks=[(f"blocks.{layer}.attn.hook_z", leaf(layer))
                                                                               for layer in range(L)]
                                               + last_position_hooks(model))
-                lo = logodds(logits[:, -1].double().log_softmax(-1).gather(1, target[rows].to(logits.device)))
+                lo = logodds(gathered_logprobs(logits[:, -1], target[rows]))
                 grads = torch.autograd.grad(lo.sum(), [zs[layer] for layer in range(L)])  # rows are independent: per-row gradients
             for layer in range(L):
                 z, g = zs[layer].detach().double(), grads[layer].double()

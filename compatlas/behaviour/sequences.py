@@ -44,10 +44,11 @@ LOGPROB_BYTES = 2**21
 
 
 def gathered_logprobs(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """log_softmax(logits in float64) at ``targets`` (``gather`` along the last axis), a few rows at a
-    time: each row's log-softmax is its own, so the values are those of the whole tensor at once."""
+    """log_softmax(logits in float64) at ``targets`` ([..., V] and [..., k] -> [..., k]: ``gather``
+    along the last axis), a few rows at a time: each row's log-softmax is its own, so the values are
+    those of the whole tensor at once."""
     rows = logits.reshape(-1, logits.shape[-1])
-    index = targets.reshape(-1, 1).to(logits.device)
+    index = targets.reshape(len(rows), -1).to(logits.device)
     n = max(1, LOGPROB_BYTES // (8 * rows.shape[1]))
     return torch.cat([r.double().log_softmax(-1).gather(-1, i) for r, i in zip(rows.split(n), index.split(n))]
                      ).view(targets.shape)
@@ -114,8 +115,7 @@ def target_logprobs(model, seqs: torch.Tensor, targets: torch.Tensor, batch_size
         batch = seqs[rows].to(device)
         fwd = (hooks(rows) if hooks else []) + last
         logits = model.run_with_hooks(batch, fwd_hooks=fwd) if fwd else model(batch)
-        lp = logits[:, -1].double().log_softmax(-1)
-        out.append(lp.gather(1, targets[rows].to(lp.device)).cpu())
+        out.append(gathered_logprobs(logits[:, -1], targets[rows]).cpu())
         if progress is not None:
             progress.advance(rows.stop - rows.start)
     return torch.cat(out) if out else torch.empty(0, targets.shape[1], dtype=torch.float64)

@@ -173,7 +173,7 @@ def _metric(model, x: torch.Tensor, task: InductionTask, rows: slice, hooks: lis
     else:
         logits = model.run_with_hooks(x, fwd_hooks=hooks)[:, pos]
     tgt = task.targets[rows]
-    return gathered_logprobs(logits, tgt.repeat(x.shape[0] // len(tgt), 1)).mean(-1)
+    return gathered_logprobs(logits, tgt.repeat(x.shape[0] // len(tgt), 1)[..., None])[..., 0].mean(-1)
 
 
 def _keep(store: dict, key) -> Callable[[torch.Tensor, Any], torch.Tensor]:

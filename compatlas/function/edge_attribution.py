@@ -47,7 +47,7 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass
 from typing import Any
 
@@ -56,6 +56,7 @@ import torch
 from compatlas.behaviour.block_skip import arity_probe, block_list, skip_below
 from compatlas.behaviour.sequences import TokenSet, _draw, gathered_logprobs
 from compatlas.function.eap_attn import exact_attention_scores
+from compatlas.function.split_forks import shared_forks
 from compatlas.progress import Progress
 from compatlas.runtime import stable_seed
 from compatlas.vocab import COMPS, EDGE_METHODS, Comp, EdgeMethod
@@ -201,10 +202,8 @@ def _pass(model, task: InductionTask, rows: slice, corrupt: bool) -> tuple[list[
 
     hooks = [(f"blocks.{layer}.attn.hook_z", _keep(store, layer)) for layer in range(L - 1)]
     hooks += [(f"blocks.{L - 1}.attn.hook_z", last), (RESID_IN, _keep(store, "in"))]
-    try:
+    with shared_forks(model), suppress(_Stop):  # no fork hooked: each fork's copies normed once
         model.run_with_hooks((task.corrupt if corrupt else task.clean)[rows].to(_device(model)), fwd_hooks=hooks)
-    except _Stop:
-        pass
     return [store[layer].detach() for layer in range(L)], store["in"].detach()
 
 
@@ -352,7 +351,7 @@ def exact_scores(model, task: InductionTask, edges: Sequence[Edge], batch_size: 
     by_layer: dict[int, list[int]] = {}
     for i, e in enumerate(edges):
         by_layer.setdefault(e.reader_layer, []).append(i)
-    with split_inputs(model):
+    with split_inputs(model), shared_forks(model):  # the forks no patch hooks normed once (split_forks)
         bs = _rows(model, task, batch_size)
         for s0 in range(0, S, bs):
             rows = slice(s0, min(s0 + bs, S))

@@ -137,9 +137,7 @@ def _gguf_parsed_once() -> Iterator[None]:
 
     def read(path, *args, **kwargs):
         key = (str(path), (args, tuple(sorted(kwargs.items()))))
-        if key not in readers:
-            readers[key] = reader(path, *args, **kwargs)
-        return readers[key]
+        return readers[key] if key in readers else readers.setdefault(key, reader(path, *args, **kwargs))
 
     lib.get_tensor_name_map, lib.GGUFReader = functools.cache(build), read
     try:

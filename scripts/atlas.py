@@ -7,7 +7,7 @@ from compatlas.atlas import build_atlas
 from compatlas.function.comp_agreement import agreement_tables
 from compatlas.logs import log_peak_memory, setup
 
-log = setup(snakemake.log[0])
+log = setup(snakemake.log[0], snakemake.threads)
 
 
 def as_list(files) -> list[str]:
@@ -22,7 +22,7 @@ shards = {"composition": as_list(inp.shards), "composition_null": as_list(inp.nu
           "training_loss": as_list(inp.training_loss)}
 thresholds = snakemake.params.thresholds
 build_atlas(snakemake.output[0], shards, list(inp.metas), **thresholds,
-            computed=lambda con: agreement_tables(con, thresholds["fdr"]))
+            computed=lambda con: agreement_tables(con, thresholds["fdr"], workers=snakemake.threads))
 log.info("atlas %s: %s shards, %d models", snakemake.output[0], {k: len(v) for k, v in shards.items()},
          len(inp.metas))
 log_peak_memory()

@@ -17,12 +17,20 @@ from scipy import stats
 from synthetic_atlas import TRACKING, Spec, as_older_atlas, write_suite
 
 from compatlas.atlas import connect as atlas_connect
-from compatlas.function.comp_agreement import CompFunction, comp_function, stored_comp_function
+from compatlas.function.comp_agreement import (
+    CompFunction,
+    agreement_tables,
+    bootstrap_rows,
+    comp_function,
+    comp_rows,
+    stored_comp_function,
+)
 from compatlas.report import build_report
 from compatlas.report import function as report_function
 from compatlas.report import queries as q
 from compatlas.report.function import CIRCUIT, OTHER, edge_points, model_function, with_interval
 from compatlas.report.page import fmt
+from compatlas.tables import FUNCTION_AGREEMENT_SCHEMA, FUNCTION_BOOTSTRAP_SCHEMA
 from compatlas.vocab import KERNEL_METRICS
 
 STEPS = [0, 4, 64, 200, 400]
@@ -444,3 +452,30 @@ def test_circuit_edge_rank_is_the_top_exact_edges_rank_among_its_readers_edges(r
         assert row["exact_last"].item() == pytest.approx(top["exact"])
         checked += 1
     assert checked == got.height > 0
+
+
+def test_the_bootstraps_on_threads_give_the_tables_of_one_comp_after_another(report):
+    """agreement_tables with its bootstraps on several threads, and its model x checkpoint x method
+    read from edge_attribution (composition_vs_function is being stored meanwhile): the rows, to the
+    bit, of every comp of composition_vs_function bootstrapped one after another (comp_function),
+    as the atlas stored them."""
+    db, _ = report
+    con = atlas_connect(db)
+    agreement: list[dict] = []
+    replicates: list[dict] = []
+    for model, checkpoint, method in con.execute("SELECT DISTINCT model, checkpoint, method FROM composition_vs_function"
+                                                 " ORDER BY ALL").fetchall():
+        for comp in "QKV":
+            if (f := comp_function(con, model, checkpoint, method, comp, 0.05)) is not None:
+                agreement += comp_rows(model, checkpoint, f)
+                replicates += bootstrap_rows(model, checkpoint, f)
+    one_by_one = {"function_agreement": pl.DataFrame(agreement, schema=FUNCTION_AGREEMENT_SCHEMA),
+                  "function_bootstrap": pl.DataFrame(replicates, schema=FUNCTION_BOOTSTRAP_SCHEMA)}
+    assert one_by_one["function_bootstrap"].height >= 2 * len(SUITE)  # several comps measurable: several jobs at once
+    for workers in (1, 3):
+        tables = agreement_tables(con, 0.05, workers=workers)
+        for name, frame in one_by_one.items():
+            assert tables[name].equals(frame), (workers, name)
+            stored = con.sql(f"SELECT * EXCLUDE (latest) FROM {name}").pl()
+            assert stored.sort(stored.columns[:6]).equals(frame.sort(frame.columns[:6])), name
+    con.close()

@@ -12,6 +12,10 @@ rule atlas:
             "induction_threshold": setting("induction", "induction_threshold"),
             "fdr": setting("composition", "fdr"),
         },
+    # Every other job of the run but the report comes before it, so it waits for no free core
+    # and leaves none idle: its bootstraps run on these threads (capped at --cores) while DuckDB
+    # stores composition_vs_function, one core's work.
+    threads: 4
     conda:
         "../envs/compatlas.yaml"
     log:

@@ -31,6 +31,7 @@ import re
 import shutil
 import weakref
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from importlib import resources
 from pathlib import Path
@@ -310,9 +311,10 @@ def build_atlas(db_path: str | os.PathLike, shards: dict[str, list[str | os.Path
     (empty views for the ones with none), then the derived views. Every shard is checked to open
     first, naming any bad one. The thresholds say which heads count as previous-token heads and
     as induction heads in ``composition_vs_behaviour``; ``fdr`` is the q-value cut of ``discoveries``.
-    ``computed``: a function of the connection being built that computes tables in Python from the
-    views (name -> frame: ``function_agreement`` and ``function_bootstrap``, from one bootstrap),
-    stored with ``latest`` where they have a checkpoint."""
+    ``computed``: a function of a connection to the database being built that computes tables in
+    Python from the shard views (name -> frame: ``function_agreement`` and ``function_bootstrap``, from
+    one bootstrap), stored with ``latest`` where they have a checkpoint. It runs in a thread of its
+    own while the derived views are made, so it must read none of them."""
     unknown = set(shards) - set(SHARD_VIEWS)
     if unknown:
         raise ValueError(f"no view is defined for {sorted(unknown)}")
@@ -358,9 +360,20 @@ def build_atlas(db_path: str | os.PathLike, shards: dict[str, list[str | os.Path
                 comment = (f"shard paths are relative to the folder holding '{root.name}/' (the project folder "
                            f"by default); from elsewhere first run: {hint}")
                 con.execute(f"COMMENT ON VIEW {name} IS '{comment.replace(chr(39), chr(39) * 2)}'")
-            for view in DERIVED_VIEWS[1:]:
-                create_derived_view(con, view, fdr, prev_token_threshold, induction_threshold)
-            for name, frame in (computed(con) if computed is not None else {}).items():
+            # computed reads the shard views only: in a thread, on a connection of its own, while the derived views
+            # are made (DuckDB stores composition_vs_function on one core)
+            reader = con.cursor()  # with none of the connection's session settings: its own
+            reader.execute(f"SET file_search_path = '{str(root.parent).replace(chr(39), chr(39) * 2)}'")
+            reader.execute("SET enable_progress_bar = false")
+            try:
+                with ThreadPoolExecutor(1) as ahead:
+                    frames = ahead.submit(computed or (lambda _: {}), reader)
+                    for view in DERIVED_VIEWS[1:]:
+                        create_derived_view(con, view, fdr, prev_token_threshold, induction_threshold)
+                    tables = frames.result()
+            finally:
+                reader.close()
+            for name, frame in tables.items():
                 con.register(f"{name}_df", frame.to_arrow())
                 select = f"SELECT * FROM {name}_df"
                 con.execute(f"CREATE TABLE {name} AS {with_latest(select) if needs_latest(frame.columns) else select}")

@@ -8,7 +8,10 @@ which the report reads the comp back (``stored_comp_function``) rather than boot
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
+from functools import partial
 
 import duckdb
 import numpy as np
@@ -154,18 +157,38 @@ def verdict(t: dict[str, bool | None]) -> str | None:
     return "; ".join(said)
 
 
+Bootstraps = list[tuple[str, Callable[[], ag.Agreement | ag.Partial]]]
+
+
 def comp_function(con: Con, model: str, checkpoint: str, method: str, comp: str, fdr: float | None = None,
                   every_edge: pl.DataFrame | None = None) -> CompFunction | None:
     """``CompFunction`` of one comp from its edges (``function_edges``); None without edges. ``fdr``:
     the cut of an edge's q-value for "significant" (the atlas's, else ``agreement.SIGNAL_FDR``).
     ``every_edge``: ``function_edges`` of every method and comp of the model x checkpoint, from a
     caller that reads them once for all (one query where there were one per comp)."""
+    prepared = comp_bootstraps(comp_edges(con, model, checkpoint, method, comp, every_edge), method, comp, fdr)
+    if prepared is None:
+        return None
+    out, jobs = prepared
+    for attribute, job in jobs:
+        setattr(out, attribute, job())
+    return out
+
+
+def comp_edges(con: Con, model: str, checkpoint: str, method: str, comp: str,
+               every_edge: pl.DataFrame | None = None) -> pl.DataFrame:
+    """``function_edges`` of one method x comp, read or taken from ``every_edge`` (``comp_function``)."""
     if every_edge is None:
-        df = function_edges(con, model, checkpoint, method, comp)
-    elif every_edge.is_empty():
-        df = every_edge
-    else:
-        df = every_edge.filter((pl.col("method") == method) & (pl.col("comp") == comp))
+        return function_edges(con, model, checkpoint, method, comp)
+    if every_edge.is_empty():
+        return every_edge
+    return every_edge.filter((pl.col("method") == method) & (pl.col("comp") == comp))
+
+
+def comp_bootstraps(df: pl.DataFrame, method: str, comp: str, fdr: float | None = None) -> tuple[CompFunction, Bootstraps] | None:
+    """``comp_function`` of one comp's edges ``df``, less its bootstraps, and those as (the attribute
+    they fill, the call): each draws from its own seed and reads only arrays none of them writes, so
+    they can run in any order or at once (``agreement_tables``), with the same draws and numbers."""
     if df.is_empty():
         return None
     keys = ["writer_layer", "writer_head", "reader_layer", "reader_unit"]
@@ -174,6 +197,7 @@ def comp_function(con: Con, model: str, checkpoint: str, method: str, comp: str,
     n_seq = integer(edges["n_sequences"].max() or 0)
     gate = ag.measurability(edges["attribution"].to_numpy(), edges["stderr"].fill_null(0).to_numpy(), n_seq)
     out = CompFunction(comp, method, gate, cells + list(REFERENCES))
+    jobs: Bootstraps = []
     if gate.measurable:
         scores = np.full((len(out.cells), edges.height), np.nan)
         at = {c: i for i, c in enumerate(cells)}
@@ -186,14 +210,14 @@ def comp_function(con: Con, model: str, checkpoint: str, method: str, comp: str,
         scores[ref[SCALE]] = edges["stderr"].to_numpy()
         scores[ref[DEPTH]] = edges.select(pl.col("attribution").abs().mean().over("writer_layer", "reader_layer")).to_series().to_numpy()
         scores[ref[PRIOR]] = (edges["writer_layer"] - edges["reader_layer"]).cast(pl.Float64).to_numpy()
-        out.agreement = ag.bootstrap(scores, edges["attribution"].to_numpy())
+        jobs.append(("agreement", partial(ag.bootstrap, scores, edges["attribution"].to_numpy())))
         if edges["half_a"].null_count() == 0 and edges["half_b"].null_count() == 0:
             significant = (edges["q_value"].fill_null(1.0) <= (fdr or ag.SIGNAL_FDR)).to_numpy()
             out.n_significant = int(significant.sum())
             half_a, half_b = edges["half_a"].to_numpy(), edges["half_b"].to_numpy()
-            out.noise = ag.bootstrap_noise_aware(scores, half_a, half_b, significant)
-            out.partial = ag.bootstrap_partial(scores, half_a * half_b, scores[[ref[SCALE], ref[DEPTH]]])
-    return out
+            jobs.append(("noise", partial(ag.bootstrap_noise_aware, scores, half_a, half_b, significant)))
+            jobs.append(("partial", partial(ag.bootstrap_partial, scores, half_a * half_b, scores[[ref[SCALE], ref[DEPTH]]])))
+    return out, jobs
 
 
 def comp_rows(model: str, checkpoint: str, f: CompFunction) -> list[dict]:
@@ -305,23 +329,42 @@ def stored_comp_function(con: Con, model: str, checkpoint: str, method: str, com
     return out
 
 
-def agreement_tables(con: Con, fdr: float | None = None) -> dict[str, pl.DataFrame]:
+def agreement_tables(con: Con, fdr: float | None = None, workers: int = 1) -> dict[str, pl.DataFrame]:
     """``function_agreement`` and ``function_bootstrap``: every model x checkpoint x attribution method x
     comp of composition_vs_function bootstrapped once (``comp_function``), a row per metric x space
     and oracle in each (``comp_rows``, ``bootstrap_rows``); empty without edge attribution. ``fdr``:
-    the atlas's q-value cut (``comp_function``)."""
+    the atlas's q-value cut (``comp_function``). ``workers``: threads the bootstraps run on (numpy
+    leaves the interpreter's lock in their array work), each on the draws it has when run alone.
+    Reads only the shard views, not composition_vs_function (``build_atlas`` runs it while that
+    table is stored): its model x checkpoint x method come from edge_attribution, every one of which
+    with an edge that has a composition score is in composition_vs_function (its oracle rows need
+    only the edge), and a method x comp without such an edge has no rows."""
     agreement: list[dict] = []
     replicates: list[dict] = []
-    if _has(con, "composition_vs_function", "method"):
+    if not _has(con, "edge_attribution", "method"):
+        return _frames(agreement, replicates)
+    done: list[tuple[str, str, CompFunction, list[tuple[str, Future[ag.Agreement | ag.Partial]]]]] = []
+    with ThreadPoolExecutor(max(1, workers)) as pool:
         edges: dict[tuple[str, str], pl.DataFrame] = {}
-        for model, checkpoint, method in con.execute("SELECT DISTINCT model, checkpoint, method "
-                                                     "FROM composition_vs_function ORDER BY ALL").fetchall():
+        for model, checkpoint, method in con.execute(
+                "SELECT DISTINCT model, checkpoint, method FROM edge_attribution WHERE model IS NOT NULL "
+                "AND checkpoint IS NOT NULL AND method IS NOT NULL ORDER BY ALL").fetchall():
             if (model, checkpoint) not in edges:
                 edges = {(model, checkpoint): function_edges(con, model, checkpoint)}  # the one model x checkpoint kept
             for comp in COMPS:
-                f = comp_function(con, model, checkpoint, method, comp, fdr, edges[(model, checkpoint)])
-                if f is not None:
-                    agreement += comp_rows(model, checkpoint, f)
-                    replicates += bootstrap_rows(model, checkpoint, f)
+                prepared = comp_bootstraps(comp_edges(con, model, checkpoint, method, comp, edges[(model, checkpoint)]),
+                                           method, comp, fdr)
+                if prepared is not None:  # its bootstraps start now, while the next comps' edges are read
+                    f, jobs = prepared
+                    done.append((model, checkpoint, f, [(attribute, pool.submit(job)) for attribute, job in jobs]))
+        for model, checkpoint, f, pending in done:
+            for attribute, future in pending:
+                setattr(f, attribute, future.result())
+            agreement += comp_rows(model, checkpoint, f)
+            replicates += bootstrap_rows(model, checkpoint, f)
+    return _frames(agreement, replicates)
+
+
+def _frames(agreement: list[dict], replicates: list[dict]) -> dict[str, pl.DataFrame]:
     return {"function_agreement": pl.DataFrame(agreement, schema=FUNCTION_AGREEMENT_SCHEMA),
             "function_bootstrap": pl.DataFrame(replicates, schema=FUNCTION_BOOTSTRAP_SCHEMA)}

@@ -613,3 +613,27 @@ def test_legends_are_drawn_from_the_picked_cells_own_scores(tmp_path):
     rect = heat["layer"][0]
     assert rect["mark"]["strokeWidth"] == 1 and "'.H'" in rect["encoding"]["x"]["axis"]["labelExpr"]
     assert rect["encoding"]["x"]["axis"]["values"] == [2.5, 3.5] and rect["encoding"]["y"]["axis"]["values"] == [0.5, 1.5]
+
+
+def test_curves_over_training_come_in_one_order_whatever_duckdb_returns():
+    """pair_curves and head_scores_over_training sort on every key, not on step alone: rows that
+    tie on step, here stored in reverse, come out in the same order every build (the training
+    chart's data had differed between two builds of one atlas)."""
+    from compatlas.report import queries as q
+
+    con = duckdb.connect()
+    cells = [(c, m, s, comp) for c in ("step100", "step0") for m in ("svd_bound", "frobenius")
+             for s in ("token", "residual") for comp in ("V", "Q")]
+    con.execute("CREATE TABLE composition (model VARCHAR, checkpoint VARCHAR, metric VARCHAR, space VARCHAR, comp VARCHAR, "
+                "writer_layer INT, writer_head INT, reader_layer INT, reader_head INT, score DOUBLE)")
+    con.executemany("INSERT INTO composition VALUES ('m', ?, ?, ?, ?, 0, 1, 1, 0, ?)",
+                    [[*cell, float(i)] for i, cell in enumerate(cells)])
+    con.execute("CREATE TABLE head_scores (model VARCHAR, checkpoint VARCHAR, layer INT, head INT, induction_mean DOUBLE)")
+    con.executemany("INSERT INTO head_scores VALUES ('m', ?, ?, ?, 0.5)",
+                    [[c, layer, head] for c in ("step100", "step0") for layer in (1, 0) for head in (1, 0)])
+    steps = pl.DataFrame({"checkpoint": ["step0", "step100"], "checkpoint_step": [0, 100]})
+    curves = q.pair_curves(con, "m", ((1, 0), (0, 1)), steps)
+    assert curves.height == len(cells)
+    assert curves.select("step", "metric", "space", "comp").rows() == sorted(curves.select("step", "metric", "space", "comp").rows())
+    heads = q.head_scores_over_training(con, "m", steps)
+    assert heads.select("step", "layer", "head").rows() == sorted(heads.select("step", "layer", "head").rows())

@@ -262,7 +262,9 @@ def head_scores_over_training(con: Con, model: str, steps: pl.DataFrame) -> pl.D
     if heads.is_empty():
         return heads
     st = steps.select("checkpoint", pl.col("checkpoint_step").alias("step"))
-    return heads.join(st, on="checkpoint", how="inner").filter(pl.col("step").is_not_null()).sort("step")
+    # every key in the sort: rows tied on step came out of the join in either order, and so did the chart's data
+    return heads.join(st, on="checkpoint", how="inner").filter(pl.col("step").is_not_null()).sort(
+        ["step", *(k for k in ("layer", "head") if k in heads.columns)], maintain_order=True)
 
 
 def loss(con: Con, model: str) -> pl.DataFrame:
@@ -288,7 +290,9 @@ def pair_curves(con: Con, model: str, pair: tuple[tuple[int, int], tuple[int, in
     else:
         df = df.with_columns(p_value=pl.lit(None, pl.Float64), q_value=pl.lit(None, pl.Float64))
     st = steps.select("checkpoint", pl.col("checkpoint_step").alias("step"))
-    return df.join(st, on="checkpoint").drop("checkpoint", "processing", strict=False).sort("step")
+    # every key in the sort: DuckDB returns the rows in any order, and a chart drawn from them differed between builds
+    return df.join(st, on="checkpoint").drop("checkpoint", "processing", strict=False).sort(
+        ["step", *(k for k in ("metric", "space", "comp") if k in keys)], maintain_order=True)
 
 
 def metric_audit(con: Con) -> pl.DataFrame:

@@ -40,6 +40,8 @@ TABLES = {
     "eap_vs_exact": "how well the attribution estimates agree with exact edge patching",
     "circuit_edge_rank": "the K edge exact patching ranks first: its rank by composition among its reader's edges, per cell and checkpoint",
     "composition_vs_function": "which composition score predicts the edges that matter (Spearman, AUROC, precision)",
+    "function_agreement": "per comp and cell: the function figures the report shows, with bootstrap intervals and verdicts",
+    "function_bootstrap": "the same bootstrap's replicates per comp and cell (paired differences between cells)",
     "training_loss": "the loss of the pipeline's own training runs, per step",
     "excluded_shards": "result shards left out of the views: missing, truncated, or failing their checksum",
     "shard_files": "every shard the views read, with its size, mtime and sha256 as verified at the build",

@@ -125,6 +125,27 @@ def test_moments_round_trip_and_name_a_corrupt_file(gpt2, tmp_path):
         load_moments(tmp_path / "m.safetensors", tmp_path / "m.json")
 
 
+def test_moments_stop_before_the_unembedding_and_equal_a_full_pass(gpt2, monkeypatch):
+    """The pass ends at the unembedding's input (the logits are not needed): every moment is
+    bit-for-bit what the whole forward pass gives."""
+    import compatlas.composition.moments as moments_mod
+
+    model, _, tokens = gpt2
+    calls: list[int] = []
+    handle = model.unembed.register_forward_hook(lambda *a: calls.append(1))
+    try:
+        stopped = measure_moments(model, tokens, batch_size=4)
+        assert calls == []
+        monkeypatch.setattr(moments_mod, "UNEMBED_IN", "no such hook")  # the whole pass, logits included
+        full = measure_moments(model, tokens, batch_size=4)
+        assert calls
+    finally:
+        handle.remove()
+    for k in MOMENT_KEYS:
+        assert torch.equal(stopped.__dict__[k], full.__dict__[k]), k
+    assert stopped.meta == full.meta
+
+
 def _twin_scores(w, T_: torch.Tensor, m: Moments, metric: str, space: str) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
     """Per comp, the scores of w and of its twin x -> x T (W_O T, T^-1 W_Q, T^-1 W_K, T^-1 W_V),
     both with the same moments: with no norm, the twin computes the same q, k, v and z on every input."""

@@ -30,6 +30,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+from contextlib import suppress
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -45,6 +46,15 @@ log = logging.getLogger(__name__)
 
 MOMENT_KEYS = ("query", "key", "value", "z", "inv_rms", "q_inv_rms", "k_inv_rms", "out_inv_rms")
 PATTERN_KEYS = tuple(f"pattern_output_{c}" for c in COMPS)
+UNEMBED_IN = "unembed.hook_in"
+
+
+class _Stop(Exception):
+    """Raised at the unembedding's input: every layer's hooks have fired, the logits are not needed."""
+
+
+def _stop(x, hook):
+    raise _Stop
 
 
 @dataclass
@@ -117,11 +127,14 @@ def measure_moments(model, tokens: torch.Tensor, batch_size: int = 8, skip_first
                                           ("out_inv_rms", f"blocks.{layer}.ln1_post.hook_scale", False)):
             if hook_name in hooks:
                 fwd.append((hook_name, mean_inverse(name, layer, per_head)))
+    # the pass stops where the unembedding starts: on SmolLM2 the logits are a fifth of its FLOPs
+    fwd += [(UNEMBED_IN, _stop)] if UNEMBED_IN in hooks else []
     device = next(model.parameters()).device
     with torch.no_grad():
         for i in range(0, len(tokens), batch_size):
             batch = tokens[i:i + batch_size]
-            model.run_with_hooks(batch.to(device), fwd_hooks=fwd)
+            with suppress(_Stop):
+                model.run_with_hooks(batch.to(device), fwd_hooks=fwd)
             count += batch.shape[0] * (batch.shape[1] - start)
             if progress is not None:
                 progress.advance(batch.shape[0])

@@ -281,6 +281,39 @@ def test_clean_tokens_excludes_each_kind(tmp_path):
     assert clean_tokens(None, W_E)[0].tolist() == [t for t in range(V_) if t not in (6, 7)]
 
 
+def test_each_tokens_text_and_encoding_are_the_wrappers(monkeypatch):
+    """The backend's one-call decode and encode give, token for token, what the wrapper's
+    batch_decode and __call__ give (a byte-level BPE with partial UTF-8 tokens and special and
+    added tokens, its backend left truncating and padding); with clean-up on, the wrapper itself."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    from compatlas.behaviour import tokens as tokens_mod
+
+    bpe = Tokenizer(models.BPE())
+    bpe.pre_tokenizer, bpe.decoder = pre_tokenizers.ByteLevel(add_prefix_space=False), decoders.ByteLevel()
+    text = ["the cat sat on the mat", "def f(x): return x ** 2", "naïve café, 東京 ünïcode", "  spaces\tand\nlines"]
+    bpe.train_from_iterator(text * 20, trainers.BpeTrainer(vocab_size=400, special_tokens=["<|endoftext|>"],
+                                                           initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    fast = PreTrainedTokenizerFast(tokenizer_object=bpe, bos_token="<|endoftext|>", clean_up_tokenization_spaces=False)
+    fast.add_tokens(["<jupyter_code>", " added"])
+    ids = list(range(len(fast)))
+
+    def wrapper() -> tuple[list[str], list[list[int]]]:
+        texts = fast.batch_decode([[t] for t in ids])
+        return texts, fast(texts, add_special_tokens=False).input_ids
+
+    want = wrapper()
+    assert any(e != [t] for t, e in zip(ids, want[1]))  # some tokens do not come back: the check means something
+    fast._tokenizer.enable_truncation(2)
+    fast._tokenizer.enable_padding(length=5)
+    decoded = []
+    monkeypatch.setattr(fast, "batch_decode", lambda *a, **k: decoded.append(1) or type(fast).batch_decode(fast, *a, **k))
+    assert tokens_mod._decode_and_encode(fast, ids) == want and decoded == []  # the backend's path, not the wrapper's
+    fast.clean_up_tokenization_spaces = True
+    assert tokens_mod._decode_and_encode(fast, ids)[1] == wrapper()[1] and decoded
+
+
 def test_nearest_token_skips_exact_duplicates_and_reports_cosine():
     e = torch.eye(4)
     rows = torch.stack([e[0], e[0], 0.8 * e[0] + 0.6 * e[1], e[2], e[3], 2 * e[3]])

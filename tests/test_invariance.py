@@ -63,3 +63,20 @@ def test_token_norm_survives_orthogonal_but_not_diagonal():
     for kind in ("permutation", "orthogonal", "orthogonal_scale"):
         assert change[kind] < 1e-10, kind
     assert change["diagonal"] > 1e-3
+
+
+@pytest.mark.parametrize("Hkv", [4, 2])
+def test_metrics_sharing_factors_score_as_each_alone(Hkv):
+    """frobenius, svd_bound and contribution from one GEMM per layer and comp: bit for bit each
+    metric's own scores (its factors, its own GEMM)."""
+    from compatlas.audits.invariance import model_scores, scores_all_metrics
+    from compatlas.composition.scores import head_factors
+
+    w = random_weights(1, L=3, H=4, Hkv=Hkv, d=D, dh=DH)
+    metrics = ["frobenius", "svd_bound", "subspace", "contribution"]
+    got = scores_all_metrics(w, metrics)  # type: ignore[arg-type]
+    for m in metrics:
+        alone = model_scores(w, m, factors=None if m == "subspace" else head_factors(w, "frobenius"))  # type: ignore[arg-type]
+        for c, s in alone.items():
+            assert torch.equal(got[m][c], s), (m, c)
+    assert not torch.equal(got["frobenius"]["Q"], got["svd_bound"]["Q"])

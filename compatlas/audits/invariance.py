@@ -17,7 +17,7 @@ import numpy as np
 import polars as pl
 import torch
 
-from compatlas.composition.scores import HeadFactors, head_factors, layer_pair_scores, layer_pairs
+from compatlas.composition.scores import HeadFactors, head_factors, layer_pairs, metrics_pair_scores
 from compatlas.composition.token_space import to_space
 from compatlas.models.weights import AttentionWeights
 from compatlas.progress import Progress
@@ -70,15 +70,22 @@ def model_scores(ws: AttentionWeights, metric: Metric, pairs: list[tuple[int, in
                  factors: HeadFactors | None = None) -> dict[str, torch.Tensor]:
     """Pair scores of a model already in its space (no nulls), per comp, in a fixed pair order."""
     f = head_factors(ws, metric) if factors is None else replace(factors, metric=metric)
+    return shared_scores(ws, f, [metric], pairs)[metric]
+
+
+def shared_scores(ws: AttentionWeights, f: HeadFactors, metrics: list[Metric], pairs: list[tuple[int, int]] | None = None
+                  ) -> dict[Metric, dict[str, torch.Tensor]]:
+    """``model_scores`` of each of ``metrics``, which share the factors ``f``: one GEMM per layer and comp for all."""
     pairs = layer_pairs(list(range(ws.n_layers))) if pairs is None else pairs
     readers: dict[int, list[int]] = {}
     for l1, l2 in pairs:
         readers.setdefault(l1, []).append(l2)
-    out: dict[str, list[torch.Tensor]] = {c: [] for c in COMPS}
+    out: dict[Metric, dict[str, list[torch.Tensor]]] = {m: {c: [] for c in COMPS} for m in metrics}
     for l1, rs in sorted(readers.items()):
         for c in COMPS:
-            out[c].append(layer_pair_scores(f, l1, rs, c).flatten())
-    return {c: torch.cat(v) if v else torch.zeros(0) for c, v in out.items()}
+            for m, s in metrics_pair_scores(f, l1, rs, c, metrics).items():
+                out[m][c].append(s.flatten())
+    return {m: {c: torch.cat(v) if v else torch.zeros(0) for c, v in per.items()} for m, per in out.items()}
 
 
 def spearman(a: np.ndarray, b: np.ndarray) -> float:
@@ -110,9 +117,10 @@ def sample_layers(layers: list[int], n: int) -> list[int]:
 
 
 def scores_all_metrics(ws: AttentionWeights, metrics: list[Metric]) -> dict[str, dict[str, torch.Tensor]]:
-    """Every metric's scores on one model; frobenius, svd_bound and contribution share their per-head factors."""
-    shared = head_factors(ws, "frobenius") if {"frobenius", "svd_bound", "contribution"} & set(metrics) else None
-    return {m: model_scores(ws, m, factors=None if m == "subspace" else shared) for m in metrics}
+    together: list[Metric] = [m for m in metrics if m != "subspace"]
+    together = [m for m in metrics if m != "subspace"]
+    out = shared_scores(ws, head_factors(ws, "frobenius"), together) if together else {}
+    return {m: model_scores(ws, m) if m == "subspace" else out[m] for m in metrics}
 
 
 def audit(w: AttentionWeights, metrics: list[Metric], spaces: list[Space], *,

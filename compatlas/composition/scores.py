@@ -36,6 +36,7 @@ Metrics (the first three in [0, 1]):
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -330,6 +331,13 @@ def normalised_score(metric: Metric, sq_norm: torch.Tensor, denom: torch.Tensor)
 
 def layer_pair_scores(f: HeadFactors, l1: int, readers: list[int], comp: Comp) -> torch.Tensor:
     """Scores [len(readers), H1, H2] of writer layer l1 into each reader layer, one GEMM."""
+    return metrics_pair_scores(f, l1, readers, comp, (f.metric,))[f.metric]
+
+
+def metrics_pair_scores(f: HeadFactors, l1: int, readers: list[int], comp: Comp,
+                        metrics: Sequence[Metric]) -> dict[Metric, torch.Tensor]:
+    """``layer_pair_scores`` of each of ``metrics``, which share ``f``'s factors (frobenius,
+    svd_bound, contribution), from one GEMM: they differ only in their denominators."""
     E = f.gemm_emit()[l1]  # [H1, dh, d]
     H1, dh, d = E.shape
     L, Hg = f.absorb[comp].shape[:2]
@@ -354,9 +362,9 @@ def layer_pair_scores(f: HeadFactors, l1: int, readers: list[int], comp: Comp) -
         sq = sq.permute(2, 0, 1, 3).reshape(H1, nR, Hg * g)  # [H1, nR, H2]
     # all reader layers' denominators at once: [H1, nR x H2]
     r_norm, r_sv = f.reader_norm[comp][readers], f.reader_sv[comp][readers]
-    den = pair_denominator(f.metric, f.writer_norm[l1], f.writer_sv[l1], r_norm.reshape(-1),
-                           r_sv.reshape(r_norm.numel(), -1))
-    return normalised_score(f.metric, sq.reshape(H1, -1), den).view(H1, nR, -1).transpose(0, 1).contiguous()
+    return {m: normalised_score(m, sq.reshape(H1, -1), pair_denominator(m, f.writer_norm[l1], f.writer_sv[l1],
+                                                                     r_norm.reshape(-1), r_sv.reshape(r_norm.numel(), -1))
+                                ).view(H1, nR, -1).transpose(0, 1).contiguous() for m in metrics}
 
 
 # ----------------------------------------------------------------------------- layer pairs

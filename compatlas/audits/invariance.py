@@ -117,8 +117,9 @@ def sample_layers(layers: list[int], n: int) -> list[int]:
 
 
 def scores_all_metrics(ws: AttentionWeights, metrics: list[Metric]) -> dict[str, dict[str, torch.Tensor]]:
+    """Every metric's scores on one model; frobenius, svd_bound and contribution share their per-head
+    factors and their products (``shared_scores``), subspace has its own."""
     together: list[Metric] = [m for m in metrics if m != "subspace"]
-    together = [m for m in metrics if m != "subspace"]
     out = shared_scores(ws, head_factors(ws, "frobenius"), together) if together else {}
     return {m: model_scores(ws, m) if m == "subspace" else out[m] for m in metrics}
 

@@ -214,10 +214,11 @@ def test_partial_spearman_beyond_controls_is_the_ranks_regressed_out():
     assert p.partial[1] > 0.3  # the limit: the blend "adds" 0.40 here
 
 
-@pytest.mark.parametrize("missing", [False, True])
-def test_shared_draws_give_each_bootstrap_bit_for_bit(missing):
+@pytest.mark.parametrize(("missing", "parts"), [(False, 1), (True, 1), (False, 4), (True, 7)])
+def test_shared_draws_give_each_bootstrap_bit_for_bit(missing, parts):
     """shared_draws.bootstrap_comp, the three bootstraps of a comp on one set of draws, gives exactly
-    the arrays each gives alone (same draws, same arithmetic), ties and cells with missing scores too."""
+    the arrays each gives alone (same draws, same arithmetic), ties and cells with missing scores too,
+    and so do its replicates computed in parts (as the atlas computes them, on threads)."""
     rng = np.random.default_rng(5)
     n = 400
     half_a, half_b = rng.normal(size=n), rng.normal(size=n)
@@ -228,7 +229,8 @@ def test_shared_draws_give_each_bootstrap_bit_for_bit(missing):
         scores[1, ::9] = np.nan
     significant = rng.random(n) < 0.2
     controls = scores[[3, 4]]
-    together = bootstrap_comp(scores, attribution, Halves(half_a, half_b, significant), controls, n_boot=30, seed=2)
+    together = bootstrap_comp(scores, attribution, Halves(half_a, half_b, significant), controls, n_boot=30, seed=2,
+                              parts=parts)
     alone = (ag.bootstrap(scores, attribution, n_boot=30, seed=2),
              ag.bootstrap_noise_aware(scores, half_a, half_b, significant, n_boot=30, seed=2),
              bootstrap_partial(scores, half_a * half_b, controls, n_boot=30, seed=2))
@@ -236,5 +238,5 @@ def test_shared_draws_give_each_bootstrap_bit_for_bit(missing):
         for field in want.__dataclass_fields__:
             g, w = getattr(got, field), getattr(want, field)
             assert np.asarray(g).tobytes() == np.asarray(w).tobytes(), field
-    only, noise, part = bootstrap_comp(scores, attribution, None, controls, n_boot=30, seed=2)
+    only, noise, part = bootstrap_comp(scores, attribution, None, controls, n_boot=30, seed=2, parts=parts)
     assert noise is None and part is None and only.auroc_boot.tobytes() == alone[0].auroc_boot.tobytes()

@@ -11,7 +11,6 @@ from __future__ import annotations
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from functools import partial
 
 import duckdb
 import numpy as np
@@ -19,7 +18,7 @@ import polars as pl
 
 from compatlas.function import agreement as ag
 from compatlas.function.partial_agreement import Partial
-from compatlas.function.shared_draws import Halves, bootstrap_comp
+from compatlas.function.shared_draws import CompDraws, Halves, Result
 from compatlas.tables import FUNCTION_AGREEMENT_SCHEMA, FUNCTION_BOOTSTRAP_SCHEMA, integer
 from compatlas.vocab import COMPS, METRICS, SPACES
 
@@ -159,8 +158,10 @@ def verdict(t: dict[str, bool | None]) -> str | None:
     return "; ".join(said)
 
 
-# a comp's bootstraps in one call: CompFunction's attributes they fill, by name
-Bootstraps = Callable[[], dict[str, ag.Agreement | Partial | None]]
+# a comp's bootstraps: its replicates in parts (calls), put together by ``_fill``
+Bootstraps = tuple[CompDraws, list[Callable[[], np.ndarray]]]
+# one comp's replicates in this many parts, so that SmolLM2's Q, most of the work, uses every thread
+PARTS = 4
 
 
 def comp_function(con: Con, model: str, checkpoint: str, method: str, comp: str, fdr: float | None = None,
@@ -173,8 +174,9 @@ def comp_function(con: Con, model: str, checkpoint: str, method: str, comp: str,
     if prepared is None:
         return None
     out, job = prepared
-    for attribute, value in (job() if job is not None else {}).items():
-        setattr(out, attribute, value)
+    if job is not None:
+        draws, parts = job
+        _fill(out, draws.result([part() for part in parts]))
     return out
 
 
@@ -190,9 +192,10 @@ def comp_edges(con: Con, model: str, checkpoint: str, method: str, comp: str,
 
 def comp_bootstraps(df: pl.DataFrame, method: str, comp: str,
                     fdr: float | None = None) -> tuple[CompFunction, Bootstraps | None] | None:
-    """``comp_function`` of one comp's edges ``df``, less its bootstraps, and those as one call (None
-    where not measurable; ``shared_draws.bootstrap_comp``): it reads only arrays nothing writes, so the
-    comps' calls can run in any order or at once (``agreement_tables``), with the same draws and numbers."""
+    """``comp_function`` of one comp's edges ``df``, less its bootstraps, and those (None where not
+    measurable): its ``shared_draws.CompDraws`` and its replicates in parts, which read only arrays
+    nothing writes, so they can run in any order or at once (``agreement_tables``), with the same draws
+    and numbers."""
     if df.is_empty():
         return None
     keys = ["writer_layer", "writer_head", "reader_layer", "reader_unit"]
@@ -219,14 +222,13 @@ def comp_bootstraps(df: pl.DataFrame, method: str, comp: str,
             significant = (edges["q_value"].fill_null(1.0) <= (fdr or ag.SIGNAL_FDR)).to_numpy()
             out.n_significant = int(significant.sum())
             halves = Halves(edges["half_a"].to_numpy(), edges["half_b"].to_numpy(), significant)
-        job = partial(_bootstrap, scores, edges["attribution"].to_numpy(), halves, scores[[ref[SCALE], ref[DEPTH]]])
+        draws = CompDraws(scores, edges["attribution"].to_numpy(), halves, scores[[ref[SCALE], ref[DEPTH]]])
+        job = draws, draws.parts(PARTS)
     return out, job
 
 
-def _bootstrap(scores: np.ndarray, attribution: np.ndarray, halves: Halves | None,
-               controls: np.ndarray) -> dict[str, ag.Agreement | Partial | None]:
-    agreement, noise, part = bootstrap_comp(scores, attribution, halves, controls)
-    return {"agreement": agreement, "noise": noise, "partial": part}
+def _fill(out: CompFunction, result: Result) -> None:
+    out.agreement, out.noise, out.partial = result
 
 
 def comp_rows(model: str, checkpoint: str, f: CompFunction) -> list[dict]:
@@ -352,7 +354,7 @@ def agreement_tables(con: Con, fdr: float | None = None, workers: int = 1) -> di
     replicates: list[dict] = []
     if not _has(con, "edge_attribution", "method"):
         return _frames(agreement, replicates)
-    done: list[tuple[str, str, CompFunction, Future[dict[str, ag.Agreement | Partial | None]] | None]] = []
+    done: list[tuple[str, str, CompFunction, tuple[CompDraws, list[Future[np.ndarray]]] | None]] = []
     with ThreadPoolExecutor(max(1, workers)) as pool:
         edges: dict[tuple[str, str], pl.DataFrame] = {}
         for model, checkpoint, method in con.execute(
@@ -365,10 +367,10 @@ def agreement_tables(con: Con, fdr: float | None = None, workers: int = 1) -> di
                                            method, comp, fdr)
                 if prepared is not None:  # its bootstraps start now, while the next comps' edges are read
                     f, job = prepared
-                    done.append((model, checkpoint, f, pool.submit(job) if job is not None else None))
+                    done.append((model, checkpoint, f, None if job is None else (job[0], [pool.submit(p) for p in job[1]])))
         for model, checkpoint, f, pending in done:
-            for attribute, value in (pending.result() if pending is not None else {}).items():
-                setattr(f, attribute, value)
+            if pending is not None:
+                _fill(f, pending[0].result([future.result() for future in pending[1]]))
             agreement += comp_rows(model, checkpoint, f)
             replicates += bootstrap_rows(model, checkpoint, f)
     return _frames(agreement, replicates)

@@ -9,6 +9,8 @@ import pytest
 from scipy import stats
 
 from compatlas.function import agreement as ag
+from compatlas.function.partial_agreement import _edge_ranks, bootstrap_partial
+from compatlas.function.shared_draws import Halves, bootstrap_comp
 
 
 def _auroc(score: np.ndarray, top: np.ndarray) -> float:
@@ -55,7 +57,7 @@ def test_weighted_midranks_are_exact_and_weights_are_draw_counts():
     score = np.round(rng.normal(size=(1, n)), 1)  # ties
     w = rng.integers(0, 4, n).astype(float)
     cells = ag._Cells.of(score)
-    got = ag._edge_ranks(cells, w.astype(np.int64))[0]
+    got = _edge_ranks(cells, w.astype(np.int64))[0]
     idx = np.repeat(np.arange(n), w.astype(int))
     ranks = stats.rankdata(score[0][idx])  # an edge's copies tie: each has the edge's mid-rank
     first = np.searchsorted(idx, np.flatnonzero(w))
@@ -183,12 +185,10 @@ def test_noise_aware_intervals_cover_the_population_value():
 
 
 def test_partial_spearman_beyond_controls_is_the_ranks_regressed_out():
-    """agreement.bootstrap_partial against scipy's ranks, numpy's least squares and Pearson; a control
+    """partial_agreement.bootstrap_partial against scipy's ranks, numpy's least squares and Pearson; a control
     itself has no partial; the interval holds the point figure; and the method's limit, kept in sight:
     a blend of the controls with no function of its own still shows a partial, since ranks of a sum
     are not linear in the ranks of its parts (docs/edge_attribution.md#what-composition-adds)."""
-    from compatlas.function.agreement import bootstrap_partial
-
     rng = np.random.default_rng(1)
     n = 500
     depth = rng.normal(size=n)
@@ -212,3 +212,31 @@ def test_partial_spearman_beyond_controls_is_the_ranks_regressed_out():
     r2 = 1 - (left(rank(fn)) ** 2).sum() / ((rank(fn) - rank(fn).mean()) ** 2).sum()
     assert p.controls_r2 == pytest.approx(r2, abs=1e-10) and p.added_r2[0] == pytest.approx(want[0] ** 2 * (1 - r2))
     assert p.partial[1] > 0.3  # the limit: the blend "adds" 0.40 here
+
+
+@pytest.mark.parametrize(("missing", "parts"), [(False, 1), (True, 1), (False, 4), (True, 7)])
+def test_shared_draws_give_each_bootstrap_bit_for_bit(missing, parts):
+    """shared_draws.bootstrap_comp, the three bootstraps of a comp on one set of draws, gives exactly
+    the arrays each gives alone (same draws, same arithmetic), ties and cells with missing scores too,
+    and so do its replicates computed in parts (as the atlas computes them, on threads)."""
+    rng = np.random.default_rng(5)
+    n = 400
+    half_a, half_b = rng.normal(size=n), rng.normal(size=n)
+    attribution = (half_a + half_b) / 2
+    scores = np.round(np.vstack([np.abs(attribution) + rng.normal(size=n), rng.normal(size=n),
+                                 np.repeat(rng.normal(size=n // 8), 8), np.abs(half_a), rng.normal(size=n)]), 2)
+    if missing:
+        scores[1, ::9] = np.nan
+    significant = rng.random(n) < 0.2
+    controls = scores[[3, 4]]
+    together = bootstrap_comp(scores, attribution, Halves(half_a, half_b, significant), controls, n_boot=30, seed=2,
+                              parts=parts)
+    alone = (ag.bootstrap(scores, attribution, n_boot=30, seed=2),
+             ag.bootstrap_noise_aware(scores, half_a, half_b, significant, n_boot=30, seed=2),
+             bootstrap_partial(scores, half_a * half_b, controls, n_boot=30, seed=2))
+    for got, want in zip(together, alone, strict=True):
+        for field in want.__dataclass_fields__:
+            g, w = getattr(got, field), getattr(want, field)
+            assert np.asarray(g).tobytes() == np.asarray(w).tobytes(), field
+    only, noise, part = bootstrap_comp(scores, attribution, None, controls, n_boot=30, seed=2, parts=parts)
+    assert noise is None and part is None and only.auroc_boot.tobytes() == alone[0].auroc_boot.tobytes()

@@ -31,7 +31,6 @@ The edges are treated as a sample of the edges such a model has; they are not in
 
 from __future__ import annotations
 
-import warnings
 from dataclasses import dataclass
 
 import numpy as np
@@ -214,46 +213,75 @@ class _Cells:
         valid = np.isfinite(srt)
         return cls(order, _ties(srt), valid, bool(valid.all()))
 
+    def drawn(self, counts: np.ndarray) -> _Drawn:
+        """What every statistic of one weighting (``counts``, whole weights in edge order) shares: the
+        cells' weights and weighted mid-ranks in score order, and their weighted sums."""
+        cs = counts[self.order] if self.all_valid else counts[self.order] * self.valid
+        ws = cs.astype(float)
+        r_s = _midranks(cs, self.ties)
+        sw, wr_s = ws.sum(axis=1), ws * r_s
+        ms = wr_s.sum(axis=1) / sw
+        with np.errstate(invalid="ignore", divide="ignore"):
+            var_s = (wr_s * r_s).sum(axis=1) / sw - ms * ms
+        return _Drawn(counts, cs, ws, r_s, sw, wr_s, ms, var_s)
+
     def score(self, w: np.ndarray, fn: np.ndarray, top: np.ndarray,
               fn_ranking: tuple[np.ndarray, Ties] | None = None) -> tuple[np.ndarray, np.ndarray]:
         """AUROC and Spearman of every cell for one weighting ``w`` of the edges (how many times
         each is drawn) against ``fn``, ``top`` the top of the function under that weighting (all in
         edge order); ``fn_ranking``: ``_fn_ranking(fn)``, passed by a caller that scores the same
         fn many times."""
-        counts = _counts(w)
-        cs = counts[self.order] if self.all_valid else counts[self.order] * self.valid
-        ws = cs.astype(float)
-        top_s = top[self.order]
+        auroc, rho, _ = self.against(self.drawn(_counts(w)), fn, top, fn_ranking)
+        return auroc, rho
+
+    def against(self, d: _Drawn, fn: np.ndarray, top: np.ndarray, fn_ranking: tuple[np.ndarray, Ties] | None = None
+                ) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+        """``score`` of the weighting ``d`` (``drawn``), and fn's weighted mid-ranks in edge order where
+        every cell has every edge (None otherwise)."""
         # AUROC: for each top edge, the weight of non-top edges scored below it, plus half of those tied
-        pos = ws * top_s
-        neg = ws - pos
-        credit = _group_bounds(np.where(top_s, 0, cs), self.ties) / 2  # below + group / 2, exactly
+        top_s = top[self.order]
+        pos = d.ws * top_s
+        neg = d.ws - pos
+        credit = _group_bounds(np.where(top_s, 0, d.cs), self.ties) / 2  # below + group / 2, exactly
         with np.errstate(invalid="ignore", divide="ignore"):
             auroc = (pos * credit).sum(axis=1) / (pos.sum(axis=1) * neg.sum(axis=1))
         # Spearman: the weighted Pearson of the weighted mid-ranks of score and of fn
-        r_s = _midranks(cs, self.ties)
         f_order, f_ties = _fn_ranking(fn) if fn_ranking is None else fn_ranking
+        r_fn: np.ndarray | None = None
         if self.all_valid:  # every cell ranks fn over the same edges: once
             r_fn = np.empty(len(fn))
-            r_fn[f_order] = _midranks(counts[f_order][None, :], f_ties)[0]
+            r_fn[f_order] = _midranks(d.counts[f_order][None, :], f_ties)[0]
             r_f = r_fn[self.order]
         else:
             c, n = self.order.shape
             c_edge = np.zeros((c, n), dtype=np.int64)
-            np.put_along_axis(c_edge, self.order, cs, axis=1)
-            r_fn = np.empty((c, n))
+            np.put_along_axis(c_edge, self.order, d.cs, axis=1)
+            r_rows = np.empty((c, n))
             shift = (np.arange(c) * (n + 1))[:, None]  # fn's ties on each of c rows
-            r_fn[:, f_order] = _midranks(c_edge[:, f_order], ((f_ties[0] + shift).ravel(), (f_ties[1] + shift).ravel()))
-            r_f = np.take_along_axis(r_fn, self.order, axis=1)
+            r_rows[:, f_order] = _midranks(c_edge[:, f_order], ((f_ties[0] + shift).ravel(), (f_ties[1] + shift).ravel()))
+            r_f = np.take_along_axis(r_rows, self.order, axis=1)
         # from weighted sums (ranks below 1e9: float64 keeps these exact enough)
-        sw, wr_s, wr_f = ws.sum(axis=1), ws * r_s, ws * r_f
-        ms, mf = wr_s.sum(axis=1) / sw, wr_f.sum(axis=1) / sw
+        wr_f = d.ws * r_f
+        mf = wr_f.sum(axis=1) / d.sw
         with np.errstate(invalid="ignore", divide="ignore"):
-            cov = (wr_s * r_f).sum(axis=1) / sw - ms * mf
-            var_s = (wr_s * r_s).sum(axis=1) / sw - ms * ms
-            var_f = (wr_f * r_f).sum(axis=1) / sw - mf * mf
-            rho = cov / np.sqrt(var_s * var_f)
-        return auroc, rho
+            cov = (d.wr_s * r_f).sum(axis=1) / d.sw - d.ms * mf
+            var_f = (wr_f * r_f).sum(axis=1) / d.sw - mf * mf
+            rho = cov / np.sqrt(d.var_s * var_f)
+        return auroc, rho, r_fn
+
+
+@dataclass(frozen=True)
+class _Drawn:
+    """One weighting's arrays that a cell's statistics against any fn share (``_Cells.drawn``)."""
+
+    counts: np.ndarray  # (edges,): whole weights, edge order
+    cs: np.ndarray      # (cells, edges): the weights in each cell's score order (0 where it has no score)
+    ws: np.ndarray      # cs as floats
+    r_s: np.ndarray     # the cells' weighted mid-ranks, score order
+    sw: np.ndarray      # (cells,): total weight
+    wr_s: np.ndarray    # ws * r_s
+    ms: np.ndarray      # (cells,): weighted mean rank
+    var_s: np.ndarray   # (cells,): weighted rank variance
 
 
 def _replicates(scores: np.ndarray, fn: np.ndarray, positives, n_boot: int, seed: int) -> Agreement:
@@ -290,93 +318,6 @@ def bootstrap_noise_aware(scores: np.ndarray, half_a: np.ndarray, half_b: np.nda
     fn = np.asarray(half_a, dtype=float) * np.asarray(half_b, dtype=float)
     sig = np.asarray(significant, dtype=bool)
     return _replicates(scores, fn, lambda w: sig & (w > 0), n_boot, seed)
-
-
-def _edge_ranks(cells: _Cells, counts: np.ndarray) -> np.ndarray:
-    """Weighted mid-ranks (``_midranks``) of each cell, in edge order, a row per cell."""
-    out = np.empty(cells.order.shape)
-    np.put_along_axis(out, cells.order, _midranks(counts[cells.order], cells.ties), axis=1)
-    return out
-
-
-def _residuals(y: np.ndarray, x: np.ndarray, w: np.ndarray) -> np.ndarray:
-    """The residuals of each row of ``y`` (rows x edges) after a weighted least-squares fit on an
-    intercept and the rows of ``x`` (controls x edges), weights ``w`` (edges)."""
-    design = np.vstack([np.ones(x.shape[1]), x])                     # (1 + controls, edges)
-    gram = (design * w) @ design.T
-    coef = np.linalg.lstsq(gram, (design * w) @ y.T, rcond=None)[0]  # (1 + controls, rows)
-    return y - coef.T @ design
-
-
-def _weighted_corr(a: np.ndarray, b: np.ndarray, w: np.ndarray) -> np.ndarray:
-    """Weighted Pearson correlation of each row of ``a`` with ``b`` (one row, or as many as ``a``)."""
-    sw = w.sum()
-    ma, mb = (a * w).sum(axis=-1, keepdims=True) / sw, (b * w).sum(axis=-1, keepdims=True) / sw
-    da, db = a - ma, b - mb
-    with np.errstate(invalid="ignore", divide="ignore"):
-        return (w * da * db).sum(axis=-1) / np.sqrt((w * da * da).sum(axis=-1) * (w * db * db).sum(axis=-1))
-
-
-@dataclass(frozen=True)
-class Partial:
-    """The partial Spearman of every cell with the function beyond ``controls`` (their ranks
-    regressed out of both the cell's ranks and the function's, by weighted least squares; the
-    correlation of what is left), its bootstrap replicates, and the share of the function's rank
-    variance the cell adds to the controls: ``partial**2 * (1 - R**2)``, R**2 the controls' own."""
-
-    partial: np.ndarray         # (cells,)
-    added_r2: np.ndarray        # (cells,)
-    controls_r2: float
-    partial_boot: np.ndarray    # (cells, replicates)
-
-    def interval(self, level: float = LEVEL) -> tuple[np.ndarray, np.ndarray]:
-        a = (1 - level) / 2
-        with warnings.catch_warnings(), np.errstate(all="ignore"):
-            warnings.simplefilter("ignore", RuntimeWarning)  # a cell with no partial (a control): NaN bounds
-            lo, hi = np.nanquantile(self.partial_boot, [a, 1 - a], axis=1)
-        return lo, hi
-
-
-def _partial_once(cells: _Cells, ctrl: _Cells, fn_order: np.ndarray, fn_ties: Ties,
-                  w: np.ndarray) -> tuple[np.ndarray, np.ndarray, float]:
-    """(partial per cell, added R**2 per cell, the controls' R**2) under one weighting ``w``."""
-    n, counts = len(w), _counts(w)
-    r_s = _edge_ranks(cells, counts)
-    r_c = _edge_ranks(ctrl, counts)
-    r_f = np.empty(n)
-    r_f[fn_order] = _midranks(counts[fn_order][None, :], fn_ties)[0]
-    res_f = _residuals(r_f[None, :], r_c, w)[0]
-    res_s = _residuals(r_s, r_c, w)
-    part = _weighted_corr(res_s, res_f[None, :], w)
-    var_f = _weighted_corr(r_f[None, :], r_f[None, :], w)  # 1 unless constant
-    with np.errstate(invalid="ignore", divide="ignore"):
-        sw = w.sum()
-        c_r2 = 1 - (w * res_f**2).sum() / (w * (r_f - (w * r_f).sum() / sw) ** 2).sum()
-    # a cell the controls span (one of them) has nothing left to correlate: its residual is rounding
-    left = (w * res_s**2).sum(axis=1) > 1e-9 * (w * (r_s - (w * r_s).sum(axis=1, keepdims=True) / w.sum()) ** 2).sum(axis=1)
-    part = np.where(cells.valid.all(axis=1) & np.isfinite(var_f) & left, part, np.nan)
-    return part, part**2 * (1 - c_r2), float(c_r2)
-
-
-def bootstrap_partial(scores: np.ndarray, fn: np.ndarray, controls: np.ndarray, n_boot: int = N_BOOT,
-                      seed: int = 0) -> Partial:
-    """The partial Spearman of each row of ``scores`` (cells x edges) with ``fn`` beyond the rows
-    of ``controls`` (e.g. the scale and depth oracles), and ``n_boot`` paired replicates drawn as
-    ``bootstrap`` draws them (the same seed gives the same draws). A cell with a missing score, or
-    a cell that is one of the controls, has no partial (NaN)."""
-    scores = np.atleast_2d(np.asarray(scores, dtype=float))
-    controls = np.atleast_2d(np.asarray(controls, dtype=float))
-    fn = np.asarray(fn, dtype=float)
-    c, n = scores.shape
-    cells, ctrl = _Cells.of(scores), _Cells.of(controls)
-    fn_order, fn_ties = _fn_ranking(fn)
-    part, added, c_r2 = _partial_once(cells, ctrl, fn_order, fn_ties, np.ones(n))
-    rng = np.random.default_rng(seed)
-    boot = np.empty((c, n_boot))
-    for b in range(n_boot):
-        w = np.bincount(rng.integers(0, n, n), minlength=n).astype(float)
-        boot[:, b] = _partial_once(cells, ctrl, fn_order, fn_ties, w)[0]
-    return Partial(part, added, c_r2, boot)
 
 
 def best_and_ties(point: np.ndarray, boot: np.ndarray, level: float = LEVEL) -> tuple[int, list[int]]:

@@ -11,13 +11,14 @@ from __future__ import annotations
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from functools import partial
 
 import duckdb
 import numpy as np
 import polars as pl
 
 from compatlas.function import agreement as ag
+from compatlas.function.partial_agreement import Partial
+from compatlas.function.shared_draws import CompDraws, Halves, Result
 from compatlas.tables import FUNCTION_AGREEMENT_SCHEMA, FUNCTION_BOOTSTRAP_SCHEMA, integer
 from compatlas.vocab import COMPS, METRICS, SPACES
 
@@ -82,7 +83,7 @@ class CompFunction:
     cells: list[tuple[str, str]]               # (metric, space), the rows of ``agreement``; the oracles last
     agreement: ag.Agreement | None = None      # measurable comps only
     noise: ag.Agreement | None = None          # measurable comps with split halves only
-    partial: ag.Partial | None = None          # the unbiased Spearman beyond both oracles, as ``noise``
+    partial: Partial | None = None          # the unbiased Spearman beyond both oracles, as ``noise``
     n_significant: int = 0
 
     def interval(self, cell: tuple[str, str], which: str, noise: bool = False) -> tuple[float, float] | None:
@@ -157,7 +158,10 @@ def verdict(t: dict[str, bool | None]) -> str | None:
     return "; ".join(said)
 
 
-Bootstraps = list[tuple[str, Callable[[], ag.Agreement | ag.Partial]]]
+# a comp's bootstraps: its replicates in parts (calls), put together by ``_fill``
+Bootstraps = tuple[CompDraws, list[Callable[[], np.ndarray]]]
+# one comp's replicates in this many parts, so that SmolLM2's Q, most of the work, uses every thread
+PARTS = 4
 
 
 def comp_function(con: Con, model: str, checkpoint: str, method: str, comp: str, fdr: float | None = None,
@@ -169,9 +173,10 @@ def comp_function(con: Con, model: str, checkpoint: str, method: str, comp: str,
     prepared = comp_bootstraps(comp_edges(con, model, checkpoint, method, comp, every_edge), method, comp, fdr)
     if prepared is None:
         return None
-    out, jobs = prepared
-    for attribute, job in jobs:
-        setattr(out, attribute, job())
+    out, job = prepared
+    if job is not None:
+        draws, parts = job
+        _fill(out, draws.result([part() for part in parts]))
     return out
 
 
@@ -185,10 +190,12 @@ def comp_edges(con: Con, model: str, checkpoint: str, method: str, comp: str,
     return every_edge.filter((pl.col("method") == method) & (pl.col("comp") == comp))
 
 
-def comp_bootstraps(df: pl.DataFrame, method: str, comp: str, fdr: float | None = None) -> tuple[CompFunction, Bootstraps] | None:
-    """``comp_function`` of one comp's edges ``df``, less its bootstraps, and those as (the attribute
-    they fill, the call): each draws from its own seed and reads only arrays none of them writes, so
-    they can run in any order or at once (``agreement_tables``), with the same draws and numbers."""
+def comp_bootstraps(df: pl.DataFrame, method: str, comp: str,
+                    fdr: float | None = None) -> tuple[CompFunction, Bootstraps | None] | None:
+    """``comp_function`` of one comp's edges ``df``, less its bootstraps, and those (None where not
+    measurable): its ``shared_draws.CompDraws`` and its replicates in parts, which read only arrays
+    nothing writes, so they can run in any order or at once (``agreement_tables``), with the same draws
+    and numbers."""
     if df.is_empty():
         return None
     keys = ["writer_layer", "writer_head", "reader_layer", "reader_unit"]
@@ -197,7 +204,7 @@ def comp_bootstraps(df: pl.DataFrame, method: str, comp: str, fdr: float | None 
     n_seq = integer(edges["n_sequences"].max() or 0)
     gate = ag.measurability(edges["attribution"].to_numpy(), edges["stderr"].fill_null(0).to_numpy(), n_seq)
     out = CompFunction(comp, method, gate, cells + list(REFERENCES))
-    jobs: Bootstraps = []
+    job: Bootstraps | None = None
     if gate.measurable:
         scores = np.full((len(out.cells), edges.height), np.nan)
         at = {c: i for i, c in enumerate(cells)}
@@ -210,14 +217,18 @@ def comp_bootstraps(df: pl.DataFrame, method: str, comp: str, fdr: float | None 
         scores[ref[SCALE]] = edges["stderr"].to_numpy()
         scores[ref[DEPTH]] = edges.select(pl.col("attribution").abs().mean().over("writer_layer", "reader_layer")).to_series().to_numpy()
         scores[ref[PRIOR]] = (edges["writer_layer"] - edges["reader_layer"]).cast(pl.Float64).to_numpy()
-        jobs.append(("agreement", partial(ag.bootstrap, scores, edges["attribution"].to_numpy())))
+        halves = None
         if edges["half_a"].null_count() == 0 and edges["half_b"].null_count() == 0:
             significant = (edges["q_value"].fill_null(1.0) <= (fdr or ag.SIGNAL_FDR)).to_numpy()
             out.n_significant = int(significant.sum())
-            half_a, half_b = edges["half_a"].to_numpy(), edges["half_b"].to_numpy()
-            jobs.append(("noise", partial(ag.bootstrap_noise_aware, scores, half_a, half_b, significant)))
-            jobs.append(("partial", partial(ag.bootstrap_partial, scores, half_a * half_b, scores[[ref[SCALE], ref[DEPTH]]])))
-    return out, jobs
+            halves = Halves(edges["half_a"].to_numpy(), edges["half_b"].to_numpy(), significant)
+        draws = CompDraws(scores, edges["attribution"].to_numpy(), halves, scores[[ref[SCALE], ref[DEPTH]]])
+        job = draws, draws.parts(PARTS)
+    return out, job
+
+
+def _fill(out: CompFunction, result: Result) -> None:
+    out.agreement, out.noise, out.partial = result
 
 
 def comp_rows(model: str, checkpoint: str, f: CompFunction) -> list[dict]:
@@ -323,7 +334,7 @@ def stored_comp_function(con: Con, model: str, checkpoint: str, method: str, com
     if at[0]["spearman_unbiased_boot"] is not None:  # split halves: the noise-aware bootstrap and the partial
         out.noise = ag.Agreement(auroc=points("auroc_significant"), spearman=points("spearman_unbiased"),
                                  auroc_boot=replicates("auroc_significant"), spearman_boot=replicates("spearman_unbiased"))
-        out.partial = ag.Partial(partial=points("partial_unbiased"), added_r2=points("added_r2"),
+        out.partial = Partial(partial=points("partial_unbiased"), added_r2=points("added_r2"),
                                  controls_r2=float(at[0]["controls_r2"]), partial_boot=replicates("partial_unbiased"))
         out.n_significant = int(n_significant)
     return out
@@ -343,7 +354,7 @@ def agreement_tables(con: Con, fdr: float | None = None, workers: int = 1) -> di
     replicates: list[dict] = []
     if not _has(con, "edge_attribution", "method"):
         return _frames(agreement, replicates)
-    done: list[tuple[str, str, CompFunction, list[tuple[str, Future[ag.Agreement | ag.Partial]]]]] = []
+    done: list[tuple[str, str, CompFunction, tuple[CompDraws, list[Future[np.ndarray]]] | None]] = []
     with ThreadPoolExecutor(max(1, workers)) as pool:
         edges: dict[tuple[str, str], pl.DataFrame] = {}
         for model, checkpoint, method in con.execute(
@@ -355,11 +366,11 @@ def agreement_tables(con: Con, fdr: float | None = None, workers: int = 1) -> di
                 prepared = comp_bootstraps(comp_edges(con, model, checkpoint, method, comp, edges[(model, checkpoint)]),
                                            method, comp, fdr)
                 if prepared is not None:  # its bootstraps start now, while the next comps' edges are read
-                    f, jobs = prepared
-                    done.append((model, checkpoint, f, [(attribute, pool.submit(job)) for attribute, job in jobs]))
+                    f, job = prepared
+                    done.append((model, checkpoint, f, None if job is None else (job[0], [pool.submit(p) for p in job[1]])))
         for model, checkpoint, f, pending in done:
-            for attribute, future in pending:
-                setattr(f, attribute, future.result())
+            if pending is not None:
+                _fill(f, pending[0].result([future.result() for future in pending[1]]))
             agreement += comp_rows(model, checkpoint, f)
             replicates += bootstrap_rows(model, checkpoint, f)
     return _frames(agreement, replicates)

@@ -20,6 +20,7 @@ from typing import Any
 import altair as alt
 import polars as pl
 
+from compatlas.report.png import render_png
 from compatlas.storage import atomic_path
 from compatlas.vocab import METRICS, SPACES
 
@@ -253,15 +254,6 @@ def page_specs(text: str) -> dict[str, dict[str, Any]]:
         raw = gzip.decompress(base64.b64decode(body)).decode("utf-8") if kind == "gzip" else body
         out[sid] = json.loads(raw)
     return out
-
-
-def render_png(spec: str, path: Path) -> Path:
-    """Draw a spec to a PNG (runs in a worker process: vl-convert draws one figure at a time per process)."""
-    import vl_convert as vlc
-
-    with atomic_path(path) as tmp:
-        tmp.write_bytes(vlc.vegalite_to_png(spec, scale=1))
-    return path
 
 
 class Page:

@@ -4,7 +4,10 @@ report keeps ``n`` workers (``compatlas.report.png.main``) busy while it builds 
 Plain subprocesses rather than multiprocessing: a spawned multiprocessing worker re-imports the
 caller's main script (a Snakemake script has no ``__main__`` guard), and a forked one would
 inherit DuckDB's threads. Each job is one line on a worker's stdin, ``path<TAB>spec``; the
-worker answers ``ok`` or ``error: ...`` on stdout."""
+worker answers ``ok`` or ``error: ...`` on stdout. A worker runs this file by its path, not as
+``compatlas.report.png``: importing the package (altair, DuckDB, scipy) would cost each worker
+1.2 s of CPU, beside the pages' on a 2-core machine, for a drawing that needs only vl-convert.
+Only the standard library is imported at this module's top for that reason."""
 
 from __future__ import annotations
 
@@ -15,7 +18,8 @@ from pathlib import Path
 
 class PngPool:
     def __init__(self, n: int):
-        self.procs = [subprocess.Popen([sys.executable, "-c", "from compatlas.report.png import main; main()"], stdin=subprocess.PIPE,
+        run = "import runpy, sys; runpy.run_path(sys.argv[1], run_name='__main__')"
+        self.procs = [subprocess.Popen([sys.executable, "-c", run, __file__], stdin=subprocess.PIPE,
                                        stdout=subprocess.PIPE, text=True, encoding="utf-8") for _ in range(n)]
         self.sent = [0] * n
         self.paths: list[Path] = []
@@ -47,9 +51,18 @@ class PngPool:
                 p.wait()
 
 
-def main() -> None:
-    from compatlas.report.page import render_png
+def render_png(spec: str, path: Path) -> Path:
+    """Draw a spec to a PNG (in a worker process: vl-convert draws one figure at a time per process)."""
+    import vl_convert as vlc
 
+    from compatlas.storage import atomic_path
+
+    with atomic_path(path) as tmp:
+        tmp.write_bytes(vlc.vegalite_to_png(spec, scale=1))
+    return path
+
+
+def main() -> None:
     for line in sys.stdin:
         path, spec = line.rstrip("\n").split("\t", 1)
         try:

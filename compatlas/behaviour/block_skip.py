@@ -5,6 +5,7 @@ the model; the layers below see only clean inputs, so their output is cached onc
 (TransformerLens's ``blocks.{l}.hook_in``) and handed on instead of recomputed. This needs the
 Hugging Face module list that runs the bridge's blocks; where there is none, nothing is skipped
 and the whole model reruns (same values, more time). Tests check skipped against whole runs.
+The other end: a hook that raises ``StopForward`` ends a pass once it has what it was run for.
 """
 
 from __future__ import annotations
@@ -13,6 +14,16 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 import torch
+
+UNEMBED_IN = "unembed.hook_in"  # the unembedding's input: where a pass that needs no logits can stop
+
+
+class StopForward(Exception):
+    """Raised by a hook where the pass has given what it was run for: nothing above is computed."""
+
+
+def stop_forward(x, hook):
+    raise StopForward
 
 
 def block_list(model) -> torch.nn.ModuleList | None:

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
+from compatlas.behaviour.block_skip import UNEMBED_IN
 from compatlas.progress import Progress
 
 # p(B) is clamped into [P_EPS, 1 - P_EPS] so that logodds stay finite (|logodds| <= 34.5)
@@ -88,7 +89,7 @@ Hook = tuple[str, Callable]
 
 # The unembedding sees only the last position: a strength needs p(B) there alone, and the full
 # logits (batch x length x d_vocab) are about a fifth of SmolLM2's forward FLOPs.
-LAST_POSITION_HOOK = "unembed.hook_in"
+LAST_POSITION_HOOK = UNEMBED_IN
 
 
 def last_position_hooks(model) -> list[Hook]:

@@ -37,6 +37,7 @@ from typing import Any
 
 import torch
 
+from compatlas.behaviour.block_skip import UNEMBED_IN, StopForward, stop_forward
 from compatlas.composition.pattern_output import attention_scale, pattern_output_scores
 from compatlas.progress import Progress
 from compatlas.storage import atomic_path, file_sha256, sealed_json
@@ -46,15 +47,6 @@ log = logging.getLogger(__name__)
 
 MOMENT_KEYS = ("query", "key", "value", "z", "inv_rms", "q_inv_rms", "k_inv_rms", "out_inv_rms")
 PATTERN_KEYS = tuple(f"pattern_output_{c}" for c in COMPS)
-UNEMBED_IN = "unembed.hook_in"
-
-
-class _Stop(Exception):
-    """Raised at the unembedding's input: every layer's hooks have fired, the logits are not needed."""
-
-
-def _stop(x, hook):
-    raise _Stop
 
 
 @dataclass
@@ -128,12 +120,12 @@ def measure_moments(model, tokens: torch.Tensor, batch_size: int = 8, skip_first
             if hook_name in hooks:
                 fwd.append((hook_name, mean_inverse(name, layer, per_head)))
     # the pass stops where the unembedding starts: on SmolLM2 the logits are a fifth of its FLOPs
-    fwd += [(UNEMBED_IN, _stop)] if UNEMBED_IN in hooks else []
+    fwd += [(UNEMBED_IN, stop_forward)] if UNEMBED_IN in hooks else []
     device = next(model.parameters()).device
     with torch.no_grad():
         for i in range(0, len(tokens), batch_size):
             batch = tokens[i:i + batch_size]
-            with suppress(_Stop):
+            with suppress(StopForward):
                 model.run_with_hooks(batch.to(device), fwd_hooks=fwd)
             count += batch.shape[0] * (batch.shape[1] - start)
             if progress is not None:

@@ -30,10 +30,11 @@ them) it is about 80 times EAP's time on CPU, and there EAP already agrees with 
 from __future__ import annotations
 
 from collections.abc import Callable
+from contextlib import suppress
 
 import torch
 
-from compatlas.behaviour.block_skip import block_list, skip_below
+from compatlas.behaviour.block_skip import StopForward, block_list, skip_below
 from compatlas.vocab import Comp
 
 # Rows (writers x sequences) per pass are capped so that one per-head residual fork
@@ -41,14 +42,10 @@ from compatlas.vocab import Comp
 FORK_BUDGET = 2**26
 
 
-class _Stop(Exception):
-    """Raised by the reader layer's hook_z: nothing above it is needed."""
-
-
 def _capture_and_stop(store: dict) -> Callable:
     def hook(z, hook):
         store["z"] = z
-        raise _Stop
+        raise StopForward  # nothing above the reader layer's hook_z is needed
     return hook
 
 
@@ -93,10 +90,8 @@ def exact_attention_scores(model, tokens: torch.Tensor, delta: torch.Tensor, z: 
             entering = resid[lr]
             r = entering.repeat(k, 1, 1) if entering is not None else None
             with skip_below(layers, lr, r, arity):
-                try:
+                with suppress(StopForward):
                     model.run_with_hooks(tokens.repeat(k, 1), fwd_hooks=hooks)
-                except _Stop:
-                    pass
             change = (store["z"].float().view(k, n, T, H, -1) - z[lr].float()[None]) * z_grad[None]
             per_head = change.sum((2, 4))  # [k, n, H]
             per_reader = per_head.view(k, n, width, group).sum(-1)

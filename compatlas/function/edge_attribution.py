@@ -53,7 +53,7 @@ from typing import Any
 
 import torch
 
-from compatlas.behaviour.block_skip import arity_probe, block_list, skip_below
+from compatlas.behaviour.block_skip import UNEMBED_IN, StopForward, arity_probe, block_list, skip_below
 from compatlas.behaviour.sequences import TokenSet, _draw, gathered_logprobs
 from compatlas.function.eap_attn import exact_attention_scores
 from compatlas.function.split_forks import shared_forks
@@ -65,7 +65,6 @@ log = logging.getLogger(__name__)
 
 FORK_HOOK = {"Q": "hook_q_input", "K": "hook_k_input", "V": "hook_v_input"}
 RESID_IN = "blocks.0.hook_resid_pre"
-UNEMBED_IN = "unembed.hook_in"
 # Rows per forward pass are capped so that the measured positions' logits stay within 2**28
 # floats (1 GiB in float32; Gemma's vocabulary is 262k), as the induction job caps its batches.
 LOGITS_BUDGET = 2**28
@@ -184,10 +183,6 @@ def _keep(store: dict, key) -> Callable[[torch.Tensor, Any], torch.Tensor]:
     return hook
 
 
-class _Stop(Exception):
-    """Raised by the last layer's hook_z in ``_pass``: nothing above it is needed."""
-
-
 @torch.no_grad()
 def _pass(model, task: InductionTask, rows: slice, corrupt: bool) -> tuple[list[torch.Tensor], torch.Tensor]:
     """hook_z of every layer and the residual entering layer 0, on the corrupted (or clean)
@@ -198,11 +193,11 @@ def _pass(model, task: InductionTask, rows: slice, corrupt: bool) -> tuple[list[
 
     def last(x, hook):
         store[L - 1] = x
-        raise _Stop
+        raise StopForward
 
     hooks = [(f"blocks.{layer}.attn.hook_z", _keep(store, layer)) for layer in range(L - 1)]
     hooks += [(f"blocks.{L - 1}.attn.hook_z", last), (RESID_IN, _keep(store, "in"))]
-    with shared_forks(model), suppress(_Stop):  # no fork hooked: each fork's copies normed once
+    with shared_forks(model), suppress(StopForward):  # no fork hooked: each fork's copies normed once
         model.run_with_hooks((task.corrupt if corrupt else task.clean)[rows].to(_device(model)), fwd_hooks=hooks)
     return [store[layer].detach() for layer in range(L)], store["in"].detach()
 

@@ -133,13 +133,8 @@ def _gguf_parsed_once() -> Iterator[None]:
 
     lib: Any = gguf  # its attributes are replaced for the duration, then restored
     build, reader = lib.get_tensor_name_map, lib.GGUFReader
-    readers: dict[tuple[str, Any], Any] = {}
-
-    def read(path, *args, **kwargs):
-        key = (str(path), (args, tuple(sorted(kwargs.items()))))
-        return readers[key] if key in readers else readers.setdefault(key, reader(path, *args, **kwargs))
-
-    lib.get_tensor_name_map, lib.GGUFReader = functools.cache(build), read
+    parse = functools.cache(reader)  # one reader per file, however its path is spelled
+    lib.get_tensor_name_map, lib.GGUFReader = functools.cache(build), lambda path, *a, **k: parse(str(path), *a, **k)
     try:
         yield
     finally:

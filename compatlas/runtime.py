@@ -32,13 +32,61 @@ VERSIONED_PACKAGES = ("compatlas", "torch", "transformer-lens", "transformers", 
 PINNED_CPU_KERNELS = {"ATEN_CPU_CAPABILITY": "avx2", "MKL_CBWR": "AVX2"}
 
 
-def pin_cpu_kernels() -> None:
-    """Set ``PINNED_CPU_KERNELS`` in the environment. torch and MKL read them once, on first
-    use, so this must run before torch is imported: in a job's own process (a job server's fork
-    has imported torch already)."""
-    if "torch" in sys.modules:
-        raise RuntimeError("pin_cpu_kernels must run before torch is imported")
+def pin_cpu_kernels() -> bool:
+    """Set ``PINNED_CPU_KERNELS`` in the environment; whether they hold in this process. torch and
+    MKL read them once, on first use. Before torch is imported they always hold. In a job server's
+    fork (compatlas.worker: torch imported, never run) they hold if nothing has used torch yet,
+    which is checked, not assumed: torch's kernels must then be AVX2 and MKL's code path pinned.
+    Where they do not hold (or cannot be told to, on a CPU without AVX2) the caller must run in a
+    process of its own (``compatlas.worker.run_fresh``)."""
     os.environ.update(PINNED_CPU_KERNELS)
+    if "torch" not in sys.modules:
+        return True
+    import torch
+
+    if not torch.cpu._is_avx2_supported() or torch.backends.cpu.get_cpu_capability() != "AVX2":
+        return False
+    branch = _mkl_cbwr_branch()
+    return branch is None or branch != MKL_CBWR_BRANCH_OFF
+
+
+# MKL's conditional numerical reproducibility: the branch it reports when MKL_CBWR was not read
+# (mkl_service.h). A process whose MKL started before MKL_CBWR was set reports it; one pinned reports
+# another (AUTO or the named path, depending on the CPU).
+MKL_CBWR_BRANCH = 1
+MKL_CBWR_BRANCH_OFF = 1
+
+
+def _mkl_cbwr_branch() -> int | None:
+    """MKL's code-path branch in this process (``mkl_cbwr_get(MKL_CBWR_BRANCH)``), None where this
+    torch has no MKL (its service function, built into libtorch_cpu, is not found)."""
+    import ctypes
+
+    import torch
+
+    lib = os.path.join(os.path.dirname(torch.__file__), "lib", "libtorch_cpu.so")
+    try:
+        get = ctypes.CDLL(lib).mkl_serv_cbwr_get
+    except (OSError, AttributeError):
+        return None
+    get.restype, get.argtypes = ctypes.c_int, [ctypes.c_int]
+    return int(get(MKL_CBWR_BRANCH))
+
+
+# glibc's allocator in the jobs. torch's CPU tensors are plain malloc, and glibc serves a large one
+# (past a threshold it sets as it goes) by a fresh mmap whose pages the kernel zeroes on first touch
+# and takes back on free: SmolLM2's exact-patching job took 4.3 million page faults and 7.5 s of
+# system time. Served from the heap up to 32 MiB (glibc's most) and the heap not trimmed, freed
+# tensors are reused: 0.4 million faults, 1.3 s. The arithmetic is the same, so are the numbers;
+# a job's peak memory moves by a few percent either way (benchmarks/README.md, "Allocator").
+JOB_MALLOC = "glibc.malloc.mmap_threshold=33554432:glibc.malloc.trim_threshold=4294967296:glibc.malloc.top_pad=268435456"
+
+
+def job_environment(environ: dict[str, str] | os._Environ[str]) -> dict[str, str]:
+    """What the run adds to its jobs' environment: ``JOB_MALLOC`` as ``GLIBC_TUNABLES``, unless
+    ``environ`` sets its own (a user's tunables are theirs). Read by glibc when a process starts:
+    it reaches the job server and every job started after it is set."""
+    return {} if "GLIBC_TUNABLES" in environ else {"GLIBC_TUNABLES": JOB_MALLOC}
 
 
 def cpu_kernels() -> str:

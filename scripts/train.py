@@ -1,11 +1,15 @@
 """Snakemake adapter: train one segment of a run, up to this checkpoint's step.
 
-Not handed to the run's job server: training pins its CPU float kernels (compatlas.runtime.
-pin_cpu_kernels), which torch reads once, so it runs in its own process, pinned before torch
-is imported."""
+Training pins its CPU float kernels (compatlas.runtime.pin_cpu_kernels), which torch reads once,
+on first use. The run's job server has imported torch but never run it, so the pin takes in its
+fork (3 s a job less than a process of its own, mostly importing transformers); where it does not
+take, the job reruns in a process of its own, pinned before torch is imported."""
 from compatlas.runtime import cpu_kernels, pin_cpu_kernels
+from compatlas.worker import hand_off, run_fresh
 
-pin_cpu_kernels()
+hand_off(snakemake)
+if not pin_cpu_kernels():
+    run_fresh()
 
 from pathlib import Path
 

@@ -187,3 +187,61 @@ def alive(pid: int) -> bool:
         return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
     except OSError:
         return False
+
+
+PINNED_JOB = """
+import json, os, sys
+from compatlas.worker import hand_off, run_fresh
+hand_off(None)
+from compatlas.runtime import _mkl_cbwr_branch, pin_cpu_kernels
+if not pin_cpu_kernels():
+    run_fresh()
+import torch
+print(json.dumps({"ppid": os.getppid(), "fresh": os.environ.get("COMPATLAS_WORKER") == "off",
+                  "capability": torch.backends.cpu.get_cpu_capability(), "branch": _mkl_cbwr_branch()}))
+"""
+
+
+@pytest.mark.skipif(not __import__("torch").cpu._is_avx2_supported(),
+                    reason="this CPU has no AVX2: the pin (AVX2 kernels) cannot be taken, so there is nothing to check")
+@pytest.mark.parametrize("server_used_torch", [False, True])
+def test_a_pinned_job_takes_its_pin_in_the_fork_or_reruns_in_a_fresh_process(tmp_path, server_used_torch):
+    """Training pins torch's and MKL's CPU kernels (compatlas.runtime.pin_cpu_kernels), which are read
+    once, on first use. In the fork of a server that imported torch and never ran it, the pin takes
+    there; in that of a server that ran torch (its kernels chosen), the job re-executes itself as a
+    fresh process (``run_fresh``: the same pid, so still the server's child) and is pinned there.
+    Either way its kernels are those of a process pinned before torch was imported."""
+    import json
+
+    (tmp_path / "spoil.py").write_text("import torch\ntorch.ones(2) + 1\n" if server_used_torch else "import torch\n")
+    scripts = tmp_path / "scripts"
+    scripts.mkdir()
+    (scripts / "a.py").write_text("import spoil\n")  # what the server imports: torch, run or not
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")])}
+    saved = dict(os.environ)
+    os.environ.update(env)
+    try:
+        w = worker.start(tmp_path, scripts, tmp_path / "worker.log", common=False)
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+    assert w is not None
+    try:
+        ready(tmp_path / "worker.log")
+        script = tmp_path / "pinned.py"
+        script.write_text(textwrap.dedent(PINNED_JOB))
+        proc = subprocess.run([sys.executable, str(script)], env={**env, **w.environ}, capture_output=True, text=True,
+                              timeout=300)
+        assert proc.returncode == 0, proc.stderr
+        out = json.loads(proc.stdout)
+        own = subprocess.run([sys.executable, "-c", "from compatlas.runtime import pin_cpu_kernels, _mkl_cbwr_branch; "
+                              "pin_cpu_kernels(); import torch; torch.ones(2) + 1; "
+                              "print(torch.backends.cpu.get_cpu_capability(), _mkl_cbwr_branch())"],
+                             env={k: v for k, v in env.items() if k not in ("ATEN_CPU_CAPABILITY", "MKL_CBWR")},
+                             capture_output=True, text=True, timeout=300, check=True).stdout.split()
+        assert out["ppid"] == w.process.pid  # the server's fork, re-executed or not
+        assert out["fresh"] is server_used_torch
+        assert [out["capability"], str(out["branch"])] == own  # what a process pinned before importing torch has
+        assert out["capability"] == "AVX2"
+    finally:
+        w.stop()

@@ -311,6 +311,7 @@ def stale_atlas(atlas, why, doing, will):
 # A local run also starts the job server (compatlas/worker/): each job's script runs in a fork
 # of one process that has imported torch and the package, so start-up is paid once per run, not
 # per job. Not on a cluster (a job's node and allocation are its own), nor with COMPATLAS_WORKER=off.
+# Every run gives its jobs glibc's allocator settings (compatlas.runtime.JOB_MALLOC).
 _RUN = {}
 
 
@@ -331,6 +332,11 @@ onstart:
         if gone:
             print(f"compatlas: removed {len(gone)} temporary files left by killed jobs (e.g. {gone[0]})",
                   file=sys.stderr)
+    if workflow.is_main_process:
+        from compatlas.runtime import job_environment
+
+        _RUN["environ"] = job_environment(os.environ)  # glibc's allocator settings, unless the user set theirs
+        os.environ.update(_RUN["environ"])  # before the job server and the first job start
     if workflow.is_main_process and workflow.local_exec:
         from compatlas import worker
 
@@ -339,6 +345,8 @@ onstart:
 
 
 def _end_run():
+    for name in _RUN.pop("environ", {}):
+        os.environ.pop(name, None)
     if "worker" in _RUN and _RUN["worker"] is not None:
         _RUN.pop("worker").stop()
     if "lock" in _RUN:

@@ -50,7 +50,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 ENV = "COMPATLAS_WORKER"  # the server's socket path, in the environment Snakemake's jobs inherit
 SECRET_ENV = "COMPATLAS_WORKER_SECRET"  # the run's secret, in the same environment: every request carries it
@@ -108,6 +108,19 @@ def hand_off(snakemake: Any = None, network: bool = False) -> None:
             os._exit(1)
         status += chunk
     os._exit(struct.unpack("!i", status)[0])
+
+
+def run_fresh() -> NoReturn:
+    """In a job's fork of the server: become a fresh interpreter that runs the job's script as its
+    own process would (``COMPATLAS_WORKER=off``: its ``hand_off`` returns), for a job that needs
+    what the server's imports may have settled (training's pinned kernels, which torch reads once).
+    ``exec`` keeps the pid, the streams and the death signal, so the server and the job's process
+    see it end as before. Outside a fork the script already runs in its own process: an error."""
+    if not _IN_CHILD:
+        raise RuntimeError("run_fresh is for a job running in the job server's fork")
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.execve(sys.executable, [sys.executable, *sys.argv], {**os.environ, ENV: "off"})
 
 
 # ----------------------------------------------------------------------------- the Snakefile's side

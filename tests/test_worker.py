@@ -245,3 +245,35 @@ def test_a_pinned_job_takes_its_pin_in_the_fork_or_reruns_in_a_fresh_process(tmp
         assert out["capability"] == "AVX2"
     finally:
         w.stop()
+
+
+FAULTS = """
+import resource, torch
+def forward():
+    acts = [torch.ones(5 << 20) for _ in range(10)]  # 10 x 20 MiB live at once, as a forward pass keeps its activations
+    del acts
+forward()
+before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+for _ in range(20):
+    forward()
+print(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="GLIBC_TUNABLES is glibc's: Linux only")
+def test_the_jobs_allocator_reuses_large_tensors_instead_of_faulting_them_in_again():
+    """runtime.JOB_MALLOC keeps freed tensors on the heap for the next pass: with glibc's defaults (or
+    a user's own GLIBC_TUNABLES, which the run leaves alone) the heap is trimmed after each pass and
+    its pages are faulted in and zeroed again (here about 3x as many page faults)."""
+    from compatlas.runtime import JOB_MALLOC, job_environment
+
+    assert job_environment({}) == {"GLIBC_TUNABLES": JOB_MALLOC}
+    assert job_environment({"GLIBC_TUNABLES": "glibc.malloc.arena_max=2"}) == {}  # the user's, kept
+    base = {k: v for k, v in os.environ.items() if k != "GLIBC_TUNABLES"}
+
+    def faults(env: dict[str, str]) -> int:
+        return int(subprocess.run([sys.executable, "-c", FAULTS], env=env, capture_output=True, text=True,
+                                  check=True, timeout=300).stdout)
+
+    default, tuned = faults(base), faults(base | job_environment(base))
+    assert 2 * tuned < default, (default, tuned)

@@ -247,33 +247,35 @@ def test_a_pinned_job_takes_its_pin_in_the_fork_or_reruns_in_a_fresh_process(tmp
         w.stop()
 
 
-FAULTS = """
-import resource, torch
-def forward():
-    acts = [torch.ones(5 << 20) for _ in range(10)]  # 10 x 20 MiB live at once, as a forward pass keeps its activations
-    del acts
-forward()
-before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-for _ in range(20):
-    forward()
-print(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+WHERE_20_MIB_GOES = """
+import ctypes
+libc = ctypes.CDLL(None)
+libc.malloc.restype = ctypes.c_void_p
+libc.free.argtypes = [ctypes.c_void_p]
+first = libc.malloc(20 << 20)  # a tensor's buffer (torch's CPU allocator is malloc)
+where = next((line.split()[5:] or ["anonymous"])[0] for line in open("/proc/self/maps")
+             if int(line.split("-")[0], 16) <= first < int(line.split()[0].split("-")[1], 16))
+libc.free(first)
+print(where, libc.malloc(20 << 20) == first)
 """
 
 
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="GLIBC_TUNABLES is glibc's: Linux only")
-def test_the_jobs_allocator_reuses_large_tensors_instead_of_faulting_them_in_again():
-    """runtime.JOB_MALLOC keeps freed tensors on the heap for the next pass: with glibc's defaults (or
-    a user's own GLIBC_TUNABLES, which the run leaves alone) the heap is trimmed after each pass and
-    its pages are faulted in and zeroed again (here about 3x as many page faults)."""
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="GLIBC_TUNABLES and /proc/self/maps are Linux's")
+def test_the_jobs_allocator_serves_large_tensors_from_the_heap_and_reuses_them():
+    """runtime.JOB_MALLOC: a 20 MiB buffer comes from the heap, and once freed the next one reuses
+    it. glibc's defaults (or a user's own GLIBC_TUNABLES, which the run leaves alone) map it anew
+    (an anonymous mapping, its pages zeroed by the kernel on first touch) and unmap it on free.
+    benchmarks/bench_allocator.py measures what that saves a job (SmolLM2's exact patching: 4.3
+    million page faults down to 0.4 million)."""
     from compatlas.runtime import JOB_MALLOC, job_environment
 
     assert job_environment({}) == {"GLIBC_TUNABLES": JOB_MALLOC}
     assert job_environment({"GLIBC_TUNABLES": "glibc.malloc.arena_max=2"}) == {}  # the user's, kept
     base = {k: v for k, v in os.environ.items() if k != "GLIBC_TUNABLES"}
 
-    def faults(env: dict[str, str]) -> int:
-        return int(subprocess.run([sys.executable, "-c", FAULTS], env=env, capture_output=True, text=True,
-                                  check=True, timeout=300).stdout)
+    def where(env: dict[str, str]) -> list[str]:
+        return subprocess.run([sys.executable, "-c", WHERE_20_MIB_GOES], env=env, capture_output=True, text=True,
+                              check=True, timeout=120).stdout.split()
 
-    default, tuned = faults(base), faults(base | job_environment(base))
-    assert 2 * tuned < default, (default, tuned)
+    assert where(base)[0] == "anonymous"  # glibc's default: a map of its own
+    assert where(base | job_environment(base)) == ["[heap]", "True"]

@@ -15,8 +15,13 @@ from compatlas.function.agreement import LEVEL, N_BOOT, Ties, _Cells, _counts, _
 
 def _edge_ranks(cells: _Cells, counts: np.ndarray) -> np.ndarray:
     """Weighted mid-ranks (``_midranks``) of each cell, in edge order, a row per cell."""
+    return in_edge_order(cells, _midranks(counts[cells.order], cells.ties))
+
+
+def in_edge_order(cells: _Cells, ranks: np.ndarray) -> np.ndarray:
+    """Each cell's ``ranks``, given in its score order, put back in edge order."""
     out = np.empty(cells.order.shape)
-    np.put_along_axis(out, cells.order, _midranks(counts[cells.order], cells.ties), axis=1)
+    np.put_along_axis(out, cells.order, ranks, axis=1)
     return out
 
 

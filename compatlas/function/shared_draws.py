@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 
 from compatlas.function.agreement import N_BOOT, Agreement, _Cells, _counts, _fn_ranking, top_of_function
-from compatlas.function.partial_agreement import Partial, _partial_once
+from compatlas.function.partial_agreement import Partial, _partial_once, in_edge_order
 
 Result = tuple[Agreement, Agreement | None, Partial | None]
 
@@ -56,10 +56,8 @@ class CompDraws:
         if self.halves is None:
             return [auroc, rho]
         auroc_u, rho_u, r_fn = cells.against(d, self.fn_u, self.sig & (w > 0), self.ranking_u)
-        r_s = None
-        if cells.all_valid:  # the cells' ranks in edge order (partial_agreement._edge_ranks), from the same draw
-            r_s = np.empty(cells.order.shape)
-            np.put_along_axis(r_s, cells.order, d.r_s, axis=1)
+        # the cells' ranks in edge order, from the same draw (with a missing score, _partial_once ranks its own)
+        r_s = in_edge_order(cells, d.r_s) if cells.all_valid else None
         part, added, c_r2 = _partial_once(cells, self.ctrl, *self.ranking_u, w, r_s, r_fn)
         return [auroc, rho, auroc_u, rho_u, part, added, np.array(c_r2)]
 

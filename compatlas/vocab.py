@@ -147,3 +147,9 @@ DeviceMap = Literal["none", "auto", "balanced"]
 """How a model larger than one GPU is spread over the node's GPUs for forward passes
 (Hugging Face's ``device_map``; ``none``: one device)."""
 DEVICE_MAPS: tuple[DeviceMap, ...] = get_args(DeviceMap)
+
+CpuMatmul = Literal["onednn", "blas"]
+"""Which library multiplies float32 matrices on the CPU in the behaviour jobs (``induction.cpu_matmul``,
+``compatlas.models.cpu_matmul``): oneDNN, whose kernels follow the CPU's instructions (AVX-512 on an AMD
+CPU too), or torch's own BLAS (MKL on x86, its AVX2 path on AMD CPUs)."""
+CPU_MATMULS: tuple[CpuMatmul, ...] = get_args(CpuMatmul)

@@ -4,7 +4,7 @@ attribution in docs/edge_attribution.md (its top exact K edge, the methods again
 patching) is the atlas's. Figures from other runs (the H200 run over 4096 sequences) say the
 command and date that made them instead.
 
-Needs the atlas of ``.venv/bin/snakemake --cores 2`` on ``config/config.yaml`` (about 8 minutes):
+Needs the atlas of ``.venv/bin/snakemake --cores 2`` on ``config/config.yaml`` (about 6 minutes):
 ``results/atlas.duckdb`` of this checkout, or ``COMPATLAS_DEFAULT_RUN`` naming another. Not in the
 default suite (the run is too long for it):
 
@@ -34,7 +34,7 @@ def atlas_path() -> Path:
 @pytest.fixture(scope="module")
 def atlas(request):
     if "default_run" not in (request.config.getoption("markexpr") or ""):
-        pytest.skip("needs the default run's atlas (about 8 minutes on 2 cores): "
+        pytest.skip("needs the default run's atlas (about 6 minutes on 2 cores): "
                     "pytest -m default_run tests/test_default_run_figures.py")
     path = atlas_path()
     if not path.exists():

@@ -257,6 +257,32 @@ def test_shards_are_hive_partitioned_with_provenance(pipeline_run: Path):
     assert prov["versions"]["transformer-lens"].startswith("4.")
 
 
+def test_behaviour_shards_record_what_multiplied_their_matrices(pipeline_run: Path):
+    """induction.cpu_matmul reaches the jobs that run the model's passes (compatlas.models.cpu_matmul)."""
+    from compatlas.models.cpu_matmul import onednn_available
+    from compatlas.storage import read_provenance
+
+    results = pipeline_run / "results"
+    shards = [*(results / "induction").rglob("heads.parquet"), *(results / "edge_attribution").rglob("*.parquet"),
+              *(results / "edge_sums").rglob("*.parquet"), *(results / "exact_values").rglob("*.parquet")]
+    assert {s.parts[len(results.parts)] for s in shards} == {"induction", "edge_attribution", "edge_sums", "exact_values"}
+    assert {read_provenance(s).get("cpu_matmul") for s in shards} == {"onednn" if onednn_available() else "blas"}
+
+
+def test_changing_cpu_matmul_plans_only_the_behaviour_jobs(pipeline_run: Path, tmp_path: Path):
+    """Composition, its moments and training keep torch's BLAS whatever induction.cpu_matmul says:
+    changing it reruns the model's induction and edge attribution jobs, not them."""
+    work = tmp_path / "matmul"
+    shutil.copytree(pipeline_run, work)
+    cfg = tiny_config()
+    cfg["models"]["tiny-llama"]["induction"]["cpu_matmul"] = "blas"
+    proc = run_snakemake(work, cfg, "-n")
+    planned = [line.split("rule ")[1].rstrip(":") for line in proc.stdout.splitlines() + proc.stderr.splitlines()
+               if line.strip().startswith(("rule ", "localrule "))]
+    assert sorted(planned) == ["all", "atlas", "edge_attribution", "edge_attribution_share", "edge_attribution_share",
+                               "exact_patching_share", "exact_patching_share", "induction", "report"], planned
+
+
 def test_a_second_run_writes_the_same_numbers_bit_for_bit(pipeline_run: Path, tmp_path: Path):
     """Two runs of one config on one machine give the same shards: every row of every Parquet
     shard (composition, nulls, calibration, training losses, head scores, edge attribution...) bit

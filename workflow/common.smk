@@ -260,7 +260,7 @@ def model_edge_settings(wildcards):
     """What an edge attribution job reads of the model's induction settings (so that a change to
     the sweep's settings does not rerun it)."""
     ind = PLAN.models[wildcards.model].induction
-    return thaw({k: ind[k] for k in ("pool", "prepend_bos", "seed", "dtype", "device_map", "edge_attribution")})
+    return thaw({k: ind[k] for k in ("pool", "prepend_bos", "seed", "dtype", "device_map", "cpu_matmul", "edge_attribution")})
 
 
 def model_share_settings(wildcards):

@@ -68,6 +68,7 @@ from compatlas.behaviour.tokens import (  # noqa: F401
     token_directions,
     token_set,
 )
+from compatlas.models.cpu_matmul import cpu_matmul
 from compatlas.progress import Progress
 from compatlas.runtime import stable_seed
 from compatlas.tables import HEAD_SCORES_SCHEMA, INDUCTION_TOKENS_SCHEMA
@@ -218,12 +219,14 @@ def boot_and_measure_behaviour(model_id: str, entry: dict, checkpoint: dict | No
                          if longest > n_ctx else None)
     meta, dtype, device_map, dev = m.meta, m.dtype, m.device_map, m.device
     directions = token_directions(m.W_E, m.W_U)
-    tokens, heads, chosen = measure_behaviour(m.bridge, m.bridge.tokenizer, directions, settings, m.W_E)
+    with cpu_matmul(settings["cpu_matmul"], dev) as matmul:
+        tokens, heads, chosen = measure_behaviour(m.bridge, m.bridge.tokenizer, directions, settings, m.W_E)
     label = meta.get("checkpoint", "final")
     tokens = tokens.with_columns(model=pl.lit(model_id), checkpoint=pl.lit(label)).select(list(INDUCTION_TOKENS_SCHEMA))
     heads = heads.with_columns(model=pl.lit(model_id), checkpoint=pl.lit(label)).select(list(HEAD_SCORES_SCHEMA))
     # the forward passes run on the model as loaded, whatever processing its weight shard had
     record = provenance(meta, processing="none", weight_processing="none (forward passes on the loaded model)",
                         settings=settings, tokens=chosen, dtype=str(dtype).removeprefix("torch."),
-                        device_map=device_map, device=str(dev), seconds=round(time.perf_counter() - t0, 3))
+                        device_map=device_map, device=str(dev), cpu_matmul=matmul,
+                        seconds=round(time.perf_counter() - t0, 3))
     return tokens, heads, record

@@ -27,6 +27,7 @@ from compatlas.function.edge_attribution import (
 )
 from compatlas.function.edge_sums import EdgeSums, check_cover, sequence_share
 from compatlas.function.exact_sample import exact_sample, top_edges
+from compatlas.models.cpu_matmul import cpu_matmul
 from compatlas.multiple_testing import bh_q_values
 from compatlas.progress import Progress
 from compatlas.tables import EDGE_ATTRIBUTION_SCHEMA
@@ -280,9 +281,10 @@ def boot_and_attribute_share(model_id: str, entry: dict, checkpoint: dict | None
     ``EDGE_SUMS_SCHEMA`` (every method) and its shard's provenance (the counts per method in ``counts``)."""
     t0 = time.perf_counter()
     m, tokens = boot_for_edges(model_id, entry, checkpoint, settings, meta_path, workdir, device)
-    sums, facts = attribute_share(m.bridge, tokens, settings["edge_attribution"], settings["seed"], job, jobs)
+    with cpu_matmul(settings["cpu_matmul"], m.device) as matmul:
+        sums, facts = attribute_share(m.bridge, tokens, settings["edge_attribution"], settings["seed"], job, jobs)
     frame = pl.concat([s.frame(method) for method, s in sums.items()])
-    return frame, record_of(m, settings, counts={k: s.counts() for k, s in sums.items()}, **facts,
+    return frame, record_of(m, settings, counts={k: s.counts() for k, s in sums.items()}, **facts, cpu_matmul=matmul,
                           seconds=round(time.perf_counter() - t0, 3))
 
 
@@ -321,8 +323,9 @@ def boot_and_attribute_edges(model_id: str, entry: dict, checkpoint: dict | None
     t0 = time.perf_counter()
     check_share_settings(shares, settings)
     m, tokens = boot_for_edges(model_id, entry, checkpoint, settings, meta_path, workdir, device)
-    table, facts = attribute_edges(m.bridge, tokens, settings["edge_attribution"], settings["seed"], composition,
-                                   [read_share(df, record, m.bridge) for df, record in shares])
+    with cpu_matmul(settings["cpu_matmul"], m.device) as matmul:
+        table, facts = attribute_edges(m.bridge, tokens, settings["edge_attribution"], settings["seed"], composition,
+                                       [read_share(df, record, m.bridge) for df, record in shares])
     label = m.meta.get("checkpoint", "final")
     table = table.with_columns(model=pl.lit(model_id), checkpoint=pl.lit(label)).select(list(EDGE_ATTRIBUTION_SCHEMA))
-    return table, record_of(m, settings, **facts, seconds=round(time.perf_counter() - t0, 3))
+    return table, record_of(m, settings, **facts, cpu_matmul=matmul, seconds=round(time.perf_counter() - t0, 3))

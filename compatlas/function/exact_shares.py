@@ -42,6 +42,7 @@ from compatlas.function.edge_measure import (
     refuse_other_settings,
 )
 from compatlas.function.edge_sums import check_cover
+from compatlas.models.cpu_matmul import cpu_matmul
 from compatlas.progress import Progress
 from compatlas.tables import EDGE_ATTRIBUTION_SCHEMA, EXACT_VALUES_SCHEMA
 
@@ -117,9 +118,10 @@ def boot_and_patch_share(model_id: str, entry: dict, checkpoint: dict | None, se
     t0 = time.perf_counter()
     check_share_settings(shares, settings)
     m, tokens = boot_for_edges(model_id, entry, checkpoint, settings, meta_path, workdir, device)
-    frame, facts = patch_share(m.bridge, tokens, settings["edge_attribution"], settings["seed"], composition,
-                               [read_share(df, record, m.bridge) for df, record in shares], job, jobs)
-    return frame, record_of(m, settings, **facts, seconds=round(time.perf_counter() - t0, 3))
+    with cpu_matmul(settings["cpu_matmul"], m.device) as matmul:
+        frame, facts = patch_share(m.bridge, tokens, settings["edge_attribution"], settings["seed"], composition,
+                                   [read_share(df, record, m.bridge) for df, record in shares], job, jobs)
+    return frame, record_of(m, settings, **facts, cpu_matmul=matmul, seconds=round(time.perf_counter() - t0, 3))
 
 
 def stack_exact(sample: Sequence[Edge], parts: Sequence[tuple[pl.DataFrame, dict]], sequences: int) -> torch.Tensor:

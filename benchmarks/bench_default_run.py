@@ -18,9 +18,11 @@ results folder is removed first) and reports its wall clock beside the table; be
 holds the earlier micro-benchmarks of its pieces.
 
 It ends with this machine's speed, measured in the same run: one core's float32 matrix product
-at the shape of SmolLM2's MLP on a batch of its edge attribution (1312 x 576 @ 576 x 1536), the
-rate the run's largest jobs are bound by. The same machine has measured 80 to 150 GFLOP/s on
-different days: compare runs by their work against this rate, not across days by seconds.
+at the shape of SmolLM2's MLP on a batch of its edge attribution (1312 x 576 @ 576 x 1536) in
+torch's BLAS (what composition and training multiply in) and in oneDNN (the behaviour jobs' products,
+``induction.cpu_matmul``), the rates the run's largest jobs are bound by. The same machine has
+measured 80 to 150 GFLOP/s in torch's BLAS on different days: compare runs by their work against
+these rates, not across days by seconds.
 """
 
 from __future__ import annotations
@@ -35,6 +37,8 @@ from collections import defaultdict
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
+
+from compatlas.vocab import CpuMatmul
 
 LINE_TIME = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) ")
 START_UP = re.compile(r"job start-up ([\d.]+)s")
@@ -109,21 +113,25 @@ def report(workdir: Path, wall: float | None = None) -> None:
         print(f"the run's wall clock (snakemake, from its start): {wall:.0f} s ({wall / 60:.1f} min)")
 
 
-def matmul_rate(m: int = 1312, k: int = 576, n: int = 1536, repeats: int = 30) -> float:
-    """GFLOP/s of one core's float32 ``x @ w.T`` ([m, k] x [n, k]), the best of ``repeats``."""
+def matmul_rate(m: int = 1312, k: int = 576, n: int = 1536, repeats: int = 30, kind: CpuMatmul = "blas") -> float:
+    """GFLOP/s of one core's float32 ``x @ w.T`` ([m, k] x [n, k]), the best of ``repeats``, in
+    torch's BLAS or oneDNN (``kind``, as ``compatlas.models.cpu_matmul`` routes a job's products)."""
     import torch
+
+    from compatlas.models.cpu_matmul import cpu_matmul
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
         x, w = torch.randn(m, k), torch.randn(n, k)
-        for _ in range(3):
-            torch.nn.functional.linear(x, w)
-        best = float("inf")
-        for _ in range(repeats):
-            t0 = time.perf_counter()
-            torch.nn.functional.linear(x, w)
-            best = min(best, time.perf_counter() - t0)
+        with cpu_matmul(kind):
+            for _ in range(3):
+                torch.nn.functional.linear(x, w)
+            best = float("inf")
+            for _ in range(repeats):
+                t0 = time.perf_counter()
+                torch.nn.functional.linear(x, w)
+                best = min(best, time.perf_counter() - t0)
         return 2 * m * k * n / best / 1e9
     finally:
         torch.set_num_threads(threads)
@@ -145,7 +153,8 @@ def main() -> None:
                        stdout=subprocess.DEVNULL, stderr=sys.stderr)
         wall = time.perf_counter() - t0
     report(workdir.resolve(), wall)
-    print(f"this machine now: one core's float32 matrix product (1312 x 576 @ 576 x 1536) {matmul_rate():.0f} GFLOP/s")
+    print(f"this machine now: one core's float32 matrix product (1312 x 576 @ 576 x 1536) {matmul_rate():.0f} GFLOP/s "
+          f"in torch's BLAS, {matmul_rate(kind='onednn'):.0f} in oneDNN (the behaviour jobs')")
 
 
 if __name__ == "__main__":

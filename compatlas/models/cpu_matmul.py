@@ -80,8 +80,9 @@ def _bmm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 
 
 def onednn_available() -> bool:
-    """Whether this torch has oneDNN (``torch.backends.mkldnn``) to route products to."""
-    return bool(torch.backends.mkldnn.is_available())
+    """Whether this torch has oneDNN (``torch.backends.mkldnn``) and the op products are routed to
+    (a build without it, or a version that renamed it, multiplies in torch's BLAS)."""
+    return bool(torch.backends.mkldnn.is_available()) and hasattr(torch.ops.mkldnn, "_linear_pointwise")
 
 
 @contextmanager

@@ -7,15 +7,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import tiny_hf_model
+from test_edge_attribution import random_gqa
 from test_induction import V
 
 from compatlas.behaviour.ablation import ablation_effects
 from compatlas.behaviour.sequences import TokenSet
 from compatlas.function.edge_attribution import attribution_scores, causal_edges, exact_scores, induction_task
 from compatlas.models import cpu_matmul as cm
-from compatlas.models.loading import boot
-from compatlas.models.small_models import word_tokenizer
 
 pytestmark = [pytest.mark.usefixtures("one_torch_thread"),
               pytest.mark.skipif(not cm.onednn_available(), reason="this torch has no oneDNN (torch.backends.mkldnn)")]
@@ -112,13 +110,8 @@ def test_blas_a_gpu_and_unknown_kinds():
 
 @pytest.fixture(scope="module")
 def gqa32(tmp_path_factory):
-    """A random Llama-style model, 3 layers, 4 query / 2 KV heads, float32."""
-    folder = tmp_path_factory.mktemp("gqa32")
-    torch.manual_seed(0)
-    tiny_hf_model("llama-gqa", V).save_pretrained(folder)
-    word_tokenizer(V, folder)
-    bridge, _ = boot({"source": {"kind": "local", "path": str(folder)}}, None, folder, dtype=torch.float32)
-    return bridge.eval()
+    """test_edge_attribution's random GQA model, in float32 (the dtype whose products are routed)."""
+    return random_gqa(tmp_path_factory.mktemp("gqa32"), torch.float32)
 
 
 def test_behaviour_measurements_equal_torchs_blas_to_float32_rounding(gqa32, monkeypatch):

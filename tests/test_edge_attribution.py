@@ -49,15 +49,19 @@ def planted(tmp_path_factory):
     return planted_model(tmp_path_factory.mktemp("planted"))
 
 
-@pytest.fixture(scope="module")
-def gqa(tmp_path_factory):
-    """A random Llama-style model, 3 layers, 4 query / 2 KV heads, in float64 (finite differences)."""
-    folder = tmp_path_factory.mktemp("gqa")
+def random_gqa(folder, dtype: torch.dtype):
+    """A random Llama-style model, 3 layers, 4 query / 2 KV heads (seed 0), booted in ``dtype``."""
     torch.manual_seed(0)
     tiny_hf_model("llama-gqa", V).save_pretrained(folder)
     word_tokenizer(V, folder)
-    bridge, _ = boot({"source": {"kind": "local", "path": str(folder)}}, None, folder, dtype=torch.float64)
+    bridge, _ = boot({"source": {"kind": "local", "path": str(folder)}}, None, folder, dtype=dtype)
     return bridge.eval()
+
+
+@pytest.fixture(scope="module")
+def gqa(tmp_path_factory):
+    """``random_gqa`` in float64 (finite differences)."""
+    return random_gqa(tmp_path_factory.mktemp("gqa"), torch.float64)
 
 
 def test_task_layout_by_hand():

@@ -19,7 +19,8 @@ patching jobs spend 73 to 84% of their time in these products (``perf record``),
 Autograd is untouched: these are the CPU kernels under it, so backward passes' products are routed
 the same way. The two libraries sum in other orders, so every number moves in its last bits, as it
 does on another machine's kernels (SmolLM2's edge scores by at most 5e-6 of 2.9, its ablation drops by
-3.2e-5 of 4.5; docs/configuration.md has the whole atlas compared). ``blas`` keeps torch's own kernels: the bits of runs before 2026-11-29.
+3.2e-5 of 4.5; docs/configuration.md has the whole atlas compared). ``blas`` keeps torch's own
+kernels: the bits of runs before 2026-11-29.
 Training, composition and the activation moments always use torch's BLAS (training is pinned to
 AVX2 kernels, ``compatlas.runtime.pin_cpu_kernels``). A GPU's products are not touched.
 """
